@@ -1,0 +1,133 @@
+"""The TACO codec in plain PyTorch: the specification of the algorithm and the CPU path.
+
+Per group x of G values, in fp32 (TACO_SPEC.md):
+
+1. adaptive scale ``a = clamp(QMAX / sqrt(mean(x^2) + 1e-6), 1e-3, 1e3)`` ("dual" only);
+2. transform ``y = a * (x @ W) / sqrt(G)`` (W: Hadamard with wire order, see `hadamard`);
+3. absmax scale ``s = max|y| / QMAX`` and payload ``q = round(clamp(y / s, -QMAX, QMAX))``
+   in the payload format (round to nearest even, saturating).
+
+Decode: ``x = ((q * s / a) @ W.T) / sqrt(G)``. With ``scales="single"`` the wire carries the
+effective scale ``d = s / a`` only; `a` cancels algebraically, so it is never computed.
+
+The two-shot all-reduce sums in the transformed domain: ``z = sum_p q_p * d_p`` is the
+transform of the sum because the transform is linear and ``d_p`` is a per-group scalar;
+`requantize` turns z into a payload again, with no transform in between.
+
+Non-finite inputs: a group holding NaN or Inf gets a NaN scale (decodes to NaN) under
+"propagate"; "zero" replaces those values by 0 first; "raise" is checked by the caller.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import TacoConfig
+from .hadamard import wire_matrix
+from .layout import PAYLOAD_DTYPES, WireLayout
+
+ADAPTIVE_EPS = 1e-6
+ADAPTIVE_MIN, ADAPTIVE_MAX = 1e-3, 1e3
+
+
+def adaptive_scale(groups: torch.Tensor, qmax: float) -> torch.Tensor:
+    """The paper's step 1 per row of ``groups`` [n, G]: ``clamp(qmax / rms, 1e-3, 1e3)``."""
+    rms = torch.sqrt(groups.square().mean(dim=1) + ADAPTIVE_EPS)
+    return (qmax / rms).clamp(ADAPTIVE_MIN, ADAPTIVE_MAX)
+
+
+def quantize(values: torch.Tensor, fmt: str, qmax: float) -> torch.Tensor:
+    """Round ``values`` (already scaled into [-qmax, qmax] up to rounding) to the payload dtype."""
+    values = values.clamp(-qmax, qmax)  # torch's fp8 cast does not saturate everywhere
+    if fmt == "int8":
+        values = torch.round(values)  # half to even
+    return values.to(PAYLOAD_DTYPES[fmt])
+
+
+def requantize(z: torch.Tensor, bad: torch.Tensor, config: TacoConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Transformed-domain groups z [n, G] fp32 -> payload [n, G] and scales [num_scales, n].
+
+    ``bad`` [n] marks groups that held a non-finite value: their scale becomes NaN.
+    """
+    qmax = config.qmax
+    if config.scales == "dual":
+        a = adaptive_scale(z, qmax) if config.adaptive_scale else torch.ones_like(z[:, 0])
+        z = z * a[:, None]
+    amax = z.abs().amax(dim=1)
+    bad = bad | ~torch.isfinite(amax)  # also an fp32 overflow inside the transform
+    s = amax / qmax
+    q = torch.where(s[:, None] > 0, z / s[:, None], torch.zeros_like(z))
+    q = torch.where(bad[:, None], torch.zeros_like(q), q)
+    s = torch.where(bad, torch.full_like(s, float("nan")), s)
+    scales = torch.stack([s, a]) if config.scales == "dual" else s[None]
+    return quantize(q, config.format, qmax), scales
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Payload [n, G] and scales [num_scales, n] -> transformed-domain groups [n, G] fp32."""
+    effective = scales[0] / scales[1] if scales.shape[0] == 2 else scales[0]
+    return q.float() * effective[:, None]
+
+
+def encode_groups(groups: torch.Tensor, config: TacoConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input groups [n, G] (any float dtype) -> payload [n, G] and scales [num_scales, n]."""
+    x = groups.float()
+    bad = ~torch.isfinite(x).all(dim=1)
+    if config.nonfinite == "zero":
+        x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+        bad = torch.zeros_like(bad)
+    if config.hadamard:
+        x = (x @ wire_matrix(config, x.device)) * config.group_size**-0.5
+    return requantize(x, bad, config)
+
+
+def decode_groups(q: torch.Tensor, scales: torch.Tensor, config: TacoConfig) -> torch.Tensor:
+    """Payload [n, G] and scales [num_scales, n] -> decoded groups [n, G] fp32."""
+    z = dequantize(q, scales)
+    if config.hadamard:
+        z = (z @ wire_matrix(config, z.device).t()) * config.group_size**-0.5
+    return z
+
+
+# --- the backend interface shared with the Triton kernels -------------------------------------
+
+
+def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, config: TacoConfig) -> None:
+    """Encode the flat tensor ``x`` into ``buffer`` (uint8, ``layout.total_bytes``)."""
+    flat = torch.zeros(layout.padded_numel, dtype=torch.float32, device=x.device)
+    flat[: layout.numel] = x.reshape(-1)
+    q, scales = encode_groups(flat.view(-1, layout.group_size), config)
+    chunks, gpc = layout.chunks, layout.groups_per_chunk
+    layout.payload(buffer, config.format).copy_(q.view(chunks, -1))
+    layout.scales(buffer).copy_(scales.view(-1, chunks, gpc).transpose(0, 1))
+
+
+def _unpack(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig):
+    q = layout.payload(buffer, config.format).reshape(-1, layout.group_size)
+    scales = layout.scales(buffer).transpose(0, 1).reshape(layout.num_scales, -1)
+    return q, scales
+
+
+def decompress_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor) -> None:
+    """Decode ``buffer`` into the flat tensor ``out`` (``layout.numel`` values, any float dtype)."""
+    q, scales = _unpack(buffer, layout, config)
+    out.copy_(decode_groups(q, scales, config).view(-1)[: layout.numel])
+
+
+def sum_into(stacked: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor) -> None:
+    """Dequantise, sum and requantise P packed tensors of one layout, in the transformed domain.
+
+    ``stacked`` is [P, layout.total_bytes] uint8; ``out`` receives one buffer of that layout.
+    """
+    z = None
+    bad = None
+    for p in range(stacked.shape[0]):
+        q, scales = _unpack(stacked[p], layout, config)
+        part = dequantize(q, scales)
+        z = part if z is None else z + part
+        nan = torch.isnan(scales).any(dim=0)
+        bad = nan if bad is None else bad | nan
+    q, scales = requantize(z, bad, config)
+    chunks, gpc = layout.chunks, layout.groups_per_chunk
+    layout.payload(out, config.format).copy_(q.view(chunks, -1))
+    layout.scales(out).copy_(scales.view(-1, chunks, gpc).transpose(0, 1))
