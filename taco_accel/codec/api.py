@@ -97,7 +97,7 @@ def compress(x: torch.Tensor, config: TacoConfig | None = None, *, chunks: int =
     _check_input(x)
     config = config or TacoConfig()
     layout = WireLayout.for_tensor(x.numel(), config, chunks)
-    buffer = torch.empty(layout.total_bytes, dtype=torch.uint8, device=x.device)
+    buffer = layout.new_buffer(x.device)
     if layout.numel:
         backend_for(config, x.device).compress_into(x.reshape(-1), buffer, layout, config)
         if config.nonfinite == "raise":
@@ -128,7 +128,7 @@ def sum_packed(stacked: torch.Tensor, layout: WireLayout, config: TacoConfig) ->
         raise ValueError(
             f"sum_packed expects uint8 [P, {layout.total_bytes}], got {stacked.dtype} {list(stacked.shape)}"
         )
-    out = torch.empty(layout.total_bytes, dtype=torch.uint8, device=stacked.device)
+    out = layout.new_buffer(stacked.device)
     if layout.numel:
         backend_for(config, stacked.device).sum_into(stacked, layout, config, out)
     return out

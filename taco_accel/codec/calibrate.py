@@ -18,6 +18,11 @@ def relative_rms_error(x: torch.Tensor, config: TacoConfig | None = None) -> flo
     return 0.0 if ref == 0 else float(err / ref)
 
 
+def _last_dim(t: torch.Tensor) -> int:
+    """Length of the rows groups must not straddle (1 for a 0-d tensor)."""
+    return t.shape[-1] if t.dim() else 1
+
+
 def calibrate(
     samples: Iterable[torch.Tensor],
     candidates: Sequence[int] = GROUP_SIZES,
@@ -43,7 +48,7 @@ def calibrate(
     tensors = [s.detach() for s in samples if s.numel() and bool(torch.isfinite(s).all())]
     if not tensors:
         raise ValueError("calibrate needs at least one non-empty, finite sample tensor")
-    dividing = [g for g in candidates if all(t.shape[-1] % g == 0 for t in tensors)]
+    dividing = [g for g in candidates if all(_last_dim(t) % g == 0 for t in tensors)]
     pool = sorted(dividing or candidates)
     errors = {}
     for g in pool:

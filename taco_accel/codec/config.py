@@ -93,6 +93,9 @@ class TacoConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"TacoConfig.{name}={value!r} must be an int >= 0 (bytes)")
+        seed = self.sign_seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+            raise ValueError(f"TacoConfig.sign_seed={self.sign_seed!r} must be an int in [0, 2**64)")
         if self.random_signs and not self.hadamard:
             raise ValueError(
                 "TacoConfig.random_signs=True needs hadamard=True: the signs only randomise "

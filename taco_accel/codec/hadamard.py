@@ -1,9 +1,8 @@
-"""The per-group orthogonal transform: Sylvester Walsh-Hadamard, optional random signs, wire order.
+"""The per-group orthogonal transform: Sylvester Walsh-Hadamard with optional random signs.
 
 Row-vector convention, one group per row: ``Y = X @ W / sqrt(G)`` encodes and
-``X = Y @ W.T / sqrt(G)`` decodes, with ``W = (D @ H_G)[:, wire_order]`` (entries +-1, so
-``W @ W.T = G * I``). D is the diagonal of random signs (identity when they are off) and
-``wire_order`` is the permutation described in `layout`.
+``X = Y @ W.T / sqrt(G)`` decodes, with ``W = D @ H_G`` (entries +-1, so ``W @ W.T = G * I``)
+and D the diagonal of random signs (identity when they are off).
 """
 
 from __future__ import annotations
@@ -13,8 +12,6 @@ import functools
 import torch
 
 from .config import TacoConfig
-
-KRON_BLOCK = 16  # the kernels apply H_G as H_m (x) H_16 with m = G / 16
 
 
 @functools.lru_cache(maxsize=None)
@@ -29,13 +26,6 @@ def hadamard_matrix(n: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def wire_order(group_size: int) -> torch.Tensor:
-    """``order[t*m + i] = i*16 + t``: wire position -> Hadamard coefficient index."""
-    m = group_size // KRON_BLOCK
-    return torch.arange(group_size).view(m, KRON_BLOCK).t().reshape(-1)
-
-
-@functools.lru_cache(maxsize=None)
 def sign_vector(group_size: int, seed: int) -> torch.Tensor:
     """The fixed +-1 vector of the random-sign option; the same on every rank and machine."""
     gen = torch.Generator().manual_seed(seed)
@@ -43,21 +33,21 @@ def sign_vector(group_size: int, seed: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _wire_matrix_cpu(group_size: int, random_signs: bool, seed: int) -> torch.Tensor:
+def _transform_matrix_cpu(group_size: int, random_signs: bool, seed: int) -> torch.Tensor:
     h = hadamard_matrix(group_size)
     if random_signs:
         h = sign_vector(group_size, seed)[:, None] * h
-    return h[:, wire_order(group_size)].contiguous()
+    return h.contiguous()
 
 
 _device_cache: dict[tuple, torch.Tensor] = {}
 
 
-def wire_matrix(config: TacoConfig, device: torch.device | str = "cpu") -> torch.Tensor:
+def transform_matrix(config: TacoConfig, device: torch.device | str = "cpu") -> torch.Tensor:
     """W of the module docstring for this config, fp32 on ``device`` (cached)."""
     key = (config.group_size, config.random_signs, config.sign_seed, str(device))
     w = _device_cache.get(key)
     if w is None:
-        w = _wire_matrix_cpu(config.group_size, config.random_signs, config.sign_seed).to(device)
+        w = _transform_matrix_cpu(config.group_size, config.random_signs, config.sign_seed).to(device)
         _device_cache[key] = w
     return w

@@ -4,7 +4,7 @@ A compressed tensor is one contiguous 1-D ``torch.uint8`` buffer, so that one se
 It is cut into ``chunks`` equal chunks (the two-shot all-reduce sends chunk r to rank r); a
 plain `compress` uses one chunk. Each chunk holds ``gpc`` whole groups of G values::
 
-    chunk c (chunk_bytes = gpc*G + 4*num_scales*gpc bytes, c = 0..chunks-1)
+    chunk c (chunk_bytes = gpc*G + 4*num_scales*gpc bytes rounded up to 16, c = 0..chunks-1)
     +--------------------------------------+-----------------------+-----------------------+
     | payload: gpc*G bytes, fp8/int8       | scale[0]: gpc x fp32  | scale[1]: gpc x fp32  |
     | group j at bytes [j*G, (j+1)*G)      | s/a ("single") or s   | a (only "dual")       |
@@ -14,12 +14,12 @@ The input is flattened and padded with zeros to ``chunks*gpc*G`` values; group g
 (g = c*gpc + j) holds input values [g*G, (g+1)*G). Padded groups stay whole on the wire so
 that the tail decodes exactly like any other group.
 
-Inside a group the G payload bytes are the transformed coefficients in *wire order*: with
-G = 16*m and coefficient index k = i*16 + t of the Hadamard transform (i < m, t < 16), byte
-t*m + i holds coefficient k. This is the order in which the fused kernels produce them (they
-apply the transform as two small matrix products, 16 and m wide, with a transpose between);
-without the Hadamard step (``hadamard=False``) the payload is in input order. Offsets are
-multiples of 32 bytes, so the scale sections are 4-byte aligned and can be viewed as fp32.
+Inside a group the G payload bytes are the Hadamard coefficients in Sylvester order
+(coefficient k of ``H_G @ (signs * x)`` at byte k); without the Hadamard step
+(``hadamard=False``) they are the input values in order. Each chunk is padded with up to 12
+unused bytes to a multiple of 16 bytes, so that every chunk, payload and scale section starts
+16-byte aligned (the kernels then move 16 bytes per memory access) and scales can be viewed
+as fp32.
 
 Bytes per element: 1 + 4*num_scales/G (1.03125 for "single" at G=128, 1.0625 for "dual").
 """
@@ -73,7 +73,8 @@ class WireLayout:
 
     @property
     def chunk_bytes(self) -> int:
-        return self.payload_bytes_per_chunk + 4 * self.num_scales * self.groups_per_chunk
+        used = self.payload_bytes_per_chunk + 4 * self.num_scales * self.groups_per_chunk
+        return -(-used // 16) * 16
 
     @property
     def total_bytes(self) -> int:
@@ -83,6 +84,14 @@ class WireLayout:
         """Layout of one chunk seen as a tensor of its own (gpc groups, one chunk)."""
         return WireLayout(self.payload_bytes_per_chunk, self.group_size, self.num_scales, 1)
 
+    def new_buffer(self, device: torch.device | str) -> torch.Tensor:
+        """An uninitialised wire buffer whose padding bytes are zero (so equal data, equal bytes)."""
+        buffer = torch.empty(self.total_bytes, dtype=torch.uint8, device=device)
+        used = self.payload_bytes_per_chunk + 4 * self.num_scales * self.groups_per_chunk
+        if used < self.chunk_bytes:
+            buffer.view(self.chunks, self.chunk_bytes)[:, used:].zero_()
+        return buffer
+
     def payload(self, buffer: torch.Tensor, fmt: str) -> torch.Tensor:
         """View of the payload as ``[chunks, gpc*G]`` in the payload dtype."""
         rows = buffer.view(self.chunks, self.chunk_bytes)
@@ -91,5 +100,6 @@ class WireLayout:
     def scales(self, buffer: torch.Tensor) -> torch.Tensor:
         """View of the scales as ``[chunks, num_scales, gpc]`` fp32."""
         rows = buffer.view(self.chunks, self.chunk_bytes)
-        raw = rows[:, self.payload_bytes_per_chunk :].view(torch.float32)
+        start = self.payload_bytes_per_chunk
+        raw = rows[:, start : start + 4 * self.num_scales * self.groups_per_chunk].view(torch.float32)
         return raw.view(self.chunks, self.num_scales, self.groups_per_chunk)

@@ -3,7 +3,7 @@
 Per group x of G values, in fp32 (TACO_SPEC.md):
 
 1. adaptive scale ``a = clamp(QMAX / sqrt(mean(x^2) + 1e-6), 1e-3, 1e3)`` ("dual" only);
-2. transform ``y = a * (x @ W) / sqrt(G)`` (W: Hadamard with wire order, see `hadamard`);
+2. transform ``y = a * (x @ W) / sqrt(G)`` (W: signs times Hadamard, see `hadamard`);
 3. absmax scale ``s = max|y| / QMAX`` and payload ``q = round(clamp(y / s, -QMAX, QMAX))``
    in the payload format (round to nearest even, saturating).
 
@@ -23,11 +23,15 @@ from __future__ import annotations
 import torch
 
 from .config import TacoConfig
-from .hadamard import wire_matrix
+from .hadamard import transform_matrix
 from .layout import PAYLOAD_DTYPES, WireLayout
 
 ADAPTIVE_EPS = 1e-6
 ADAPTIVE_MIN, ADAPTIVE_MAX = 1e-3, 1e3
+# Groups whose largest magnitude is below this decode to zero: qmax / amax must stay finite in
+# fp32 for every format (57344 / 1e-33 = 5.7e37 < 3.4e38; at 1e-35 E5M2 overflowed to inf and
+# saturated every value), and the scale amax / qmax stays a normal fp32 (>= 1.7e-38).
+TINY_AMAX = 1e-33
 
 
 def adaptive_scale(groups: torch.Tensor, qmax: float) -> torch.Tensor:
@@ -55,10 +59,13 @@ def requantize(z: torch.Tensor, bad: torch.Tensor, config: TacoConfig) -> tuple[
         z = z * a[:, None]
     amax = z.abs().amax(dim=1)
     bad = bad | ~torch.isfinite(amax)  # also an fp32 overflow inside the transform
-    s = amax / qmax
-    q = torch.where(s[:, None] > 0, z / s[:, None], torch.zeros_like(z))
-    q = torch.where(bad[:, None], torch.zeros_like(q), q)
+    big = amax >= TINY_AMAX
+    s = torch.where(big, amax / qmax, torch.zeros_like(amax))
+    inv = torch.where(big & ~bad, qmax / torch.where(big, amax, torch.ones_like(amax)), torch.zeros_like(amax))
+    q = torch.where(bad[:, None], torch.zeros_like(z), z * inv[:, None])
     s = torch.where(bad, torch.full_like(s, float("nan")), s)
+    if config.scales == "dual":
+        a = torch.where(bad, torch.ones_like(a), a)
     scales = torch.stack([s, a]) if config.scales == "dual" else s[None]
     return quantize(q, config.format, qmax), scales
 
@@ -77,7 +84,7 @@ def encode_groups(groups: torch.Tensor, config: TacoConfig) -> tuple[torch.Tenso
         x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
         bad = torch.zeros_like(bad)
     if config.hadamard:
-        x = (x @ wire_matrix(config, x.device)) * config.group_size**-0.5
+        x = (x @ transform_matrix(config, x.device)) * config.group_size**-0.5
     return requantize(x, bad, config)
 
 
@@ -85,7 +92,7 @@ def decode_groups(q: torch.Tensor, scales: torch.Tensor, config: TacoConfig) -> 
     """Payload [n, G] and scales [num_scales, n] -> decoded groups [n, G] fp32."""
     z = dequantize(q, scales)
     if config.hadamard:
-        z = (z @ wire_matrix(config, z.device).t()) * config.group_size**-0.5
+        z = (z @ transform_matrix(config, z.device).t()) * config.group_size**-0.5
     return z
 
 

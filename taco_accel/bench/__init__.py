@@ -1,0 +1,5 @@
+"""Benchmarks of taco_accel, each runnable as ``python -m taco_accel.bench.<name>``.
+
+- `fidelity`: how precisely the codec and its ablations reproduce TP-like tensors (CPU, figures).
+- `codec`: throughput of the fused Triton kernels against separate PyTorch ops.
+"""

@@ -1,0 +1,191 @@
+"""Codec throughput: fused Triton kernels against the same steps as separate PyTorch ops.
+
+    python -m taco_accel.bench.codec                 # CUDA: check, sweep kernel variants, time
+    python -m taco_accel.bench.codec --sizes 1M,16M --group-sizes 128 --no-sweep
+
+Prints GB/s (bytes read + bytes written over the median time) and that figure as a fraction
+of the measured device copy bandwidth, for compress, decompress and dequant-sum-requant
+(P inputs), Triton next to the PyTorch reference run on the same device. On a machine without
+CUDA it runs the reference on the CPU only (figures for orientation, no kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+
+import torch
+
+from ..codec import TacoConfig, WireLayout, compress, decompress, sum_packed
+from ..codec.api import Packed
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    text = text.strip().upper()
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def timer(fn, device: torch.device, warmup: int = 3, reps: int = 20) -> float:
+    """Median seconds of ``fn()`` (CUDA events on GPU, perf_counter on CPU)."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=25, rep=200, return_mode="median") / 1e3
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    n = 2**30 if device.type == "cuda" else 2**26
+    src = torch.randn(n // 4, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / timer(lambda: dst.copy_(src), device)
+
+
+class Rotating:
+    """Several input sets used in turn, so repeated timings do not run out of the L2 cache."""
+
+    def __init__(self, make, total_bytes_each: int, device: torch.device):
+        count = 1 if device.type != "cuda" else max(1, min(8, (256 * 2**20) // max(total_bytes_each, 1)))
+        self.items = [make() for _ in range(count)]
+        self.cycle = itertools.cycle(range(count))
+
+    def next(self):
+        return self.items[next(self.cycle)]
+
+
+def bench_case(numel: int, config: TacoConfig, dtype: torch.dtype, device: torch.device, peers: tuple,
+               backends: tuple | None = None) -> list[dict]:
+    """Time compress / decompress / sum(P) for one size and config (both backends by default)."""
+    rows = []
+    elem = torch.finfo(dtype).bits // 8
+    backends = backends or (("triton", "torch") if device.type == "cuda" else ("torch",))
+    wire = WireLayout.for_tensor(numel, config).total_bytes
+    for backend in backends:
+        cfg = config.replace(backend=backend)
+        xs = Rotating(lambda: torch.randn(numel, device=device, dtype=dtype) * 0.02, numel * elem, device)
+        t = timer(lambda: compress(xs.next(), cfg), device)
+        rows.append(dict(step="compress", backend=backend, bytes=numel * elem + wire, seconds=t))
+        packs = Rotating(lambda: compress(torch.randn(numel, device=device, dtype=dtype), cfg), wire, device)
+        out = torch.empty(numel, device=device, dtype=dtype)
+        t = timer(lambda: decompress(packs.next(), out), device)
+        rows.append(dict(step="decompress", backend=backend, bytes=numel * elem + wire, seconds=t))
+        layout = WireLayout.for_tensor(numel, cfg)
+        for p in peers:
+            stacks = Rotating(
+                lambda: torch.stack([compress(torch.randn(numel, device=device, dtype=dtype), cfg).buffer for _ in range(p)]),
+                wire * p, device,
+            )
+            t = timer(lambda: sum_packed(stacks.next(), layout, cfg), device)
+            rows.append(dict(step=f"sum P={p}", backend=backend, bytes=(p + 1) * wire, seconds=t))
+    return rows
+
+
+def check_kernels(device: torch.device) -> bool:
+    """Triton against the reference on this device: payload agreement, scales, decoded values."""
+    ok = True
+    print("check: triton vs torch reference on", device)
+    print(f"{'config':44s} {'dtype':5s} {'payload!=':>9s} {'scale rel':>9s} {'decode rel':>10s} {'sum!=':>7s}")
+    torch.manual_seed(0)
+    variants = [{}, dict(scales="dual"), dict(hadamard=False), dict(format="int8"), dict(format="e5m2"), dict(random_signs=True)]
+    for g, kw, (dname, dtype) in itertools.product((32, 64, 128, 256, 512), variants, DTYPES.items()):
+        ref = TacoConfig(group_size=g, backend="torch", **kw)
+        tri = ref.replace(backend="triton")
+        x = (torch.randn(7, 4099, device=device) * torch.logspace(-3, 1, 7, device=device)[:, None]).to(dtype)
+        pr, pt = compress(x, ref, chunks=3), compress(x, tri, chunks=3)
+        lay = pr.layout
+        qr = lay.payload(pr.buffer, ref.format).float()
+        qt = lay.payload(pt.buffer, ref.format).float()
+        mism = (qr != qt).float().mean().item()
+        sr, st = lay.scales(pr.buffer), lay.scales(pt.buffer)
+        srel = ((sr - st).abs() / sr.abs().clamp_min(1e-30)).max().item()
+        dr = decompress(pr).float()
+        dt = decompress(Packed(pr.buffer, pr.shape, pr.dtype, tri, pr.layout)).float()
+        drel = ((dr - dt).norm() / dr.norm()).item()
+        stacked = torch.stack([compress(x * (i + 1), ref).buffer for i in range(4)])
+        one = WireLayout.for_tensor(x.numel(), ref)
+        s_r, s_t = sum_packed(stacked, one, ref), sum_packed(stacked, one, tri)
+        smis = (one.payload(s_r, ref.format).float() != one.payload(s_t, ref.format).float()).float().mean().item()
+        bad = mism > 2e-3 or srel > 1e-5 or drel > 1e-2 or smis > 2e-3 or dt.isnan().any().item()
+        ok &= not bad
+        name = f"G={g} " + (",".join(f"{k}={v}" for k, v in kw.items()) or "default")
+        print(f"{name:44s} {dname:5s} {mism:9.2e} {srel:9.2e} {drel:10.2e} {smis:7.1e}{'  FAIL' if bad else ''}")
+    return ok
+
+
+def sweep(device: torch.device, numel: int, copy_bw: float) -> None:
+    """Time launch variants at one size, G=128: block size and warps on bf16 input, then the
+    product precision (tf32 against two bf16 products) on fp32 input."""
+    from ..codec import triton_kernels as tk
+
+    base = dict(tk.TUNING)
+    cfg = TacoConfig(backend="triton")
+    print(f"\nsweep at {numel / 2**20:.0f}M elements, G=128 (fraction of copy bandwidth)")
+    print(f"{'input':>5s} {'dot':>6s} {'block':>6s} {'warps':>5s} {'compress':>9s} {'decomp':>7s} {'sum P=4':>8s}")
+    names = {tk.DOT_TF32: "tf32", tk.DOT_BF16X2: "bf16x2"}
+    variants = [("bf16", tk.DOT_BF16X2, b, w) for b in (2048, 4096, 8192, 16384) for w in (4, 8)]
+    variants += [("fp32", d, 8192, 4) for d in names]
+    for dname, dot, block, warps in variants:
+        tk.TUNING.update(dot_mode=dot, block_elems=block, num_warps=warps)
+        try:
+            rows = bench_case(numel, cfg, DTYPES[dname], device, (4,), backends=("triton",))
+        except Exception as e:  # a variant that does not compile is a result too
+            print(f"{dname:>5s} {names[dot]:>6s} {block:6d} {warps:5d}  failed: {type(e).__name__}: {str(e)[:80]}")
+            continue
+        frac = {r["step"]: r["bytes"] / r["seconds"] / copy_bw for r in rows}
+        print(f"{dname:>5s} {names[dot]:>6s} {block:6d} {warps:5d} {frac['compress']:9.2f} {frac['decompress']:7.2f} {frac['sum P=4']:8.2f}")
+    tk.TUNING.update(base)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default=None, help="elements, e.g. 1M,16M,256M")
+    parser.add_argument("--group-sizes", default="64,128,256")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--peers", default="2,4,8", help="P values for dequant-sum-requant")
+    parser.add_argument("--no-check", action="store_true", help="skip the triton-vs-reference check")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the kernel variant sweep")
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    sizes = args.sizes or ("1M,4M,16M,64M,256M" if cuda else "64K,1M")
+    sizes = [parse_size(s) for s in sizes.split(",")]
+    peers = tuple(int(p) for p in args.peers.split(","))
+    if cuda:
+        print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+        if not args.no_check and not check_kernels(device):
+            raise SystemExit("kernel check failed")
+    copy_bw = copy_bandwidth(device)
+    print(f"\ncopy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write)")
+    if cuda and not args.no_sweep:
+        sweep(device, parse_size("64M"), copy_bw)
+    table = []
+    for numel, g in itertools.product(sizes, [int(v) for v in args.group_sizes.split(",")]):
+        for row in bench_case(numel, TacoConfig(group_size=g), DTYPES[args.dtype], device, peers):
+            table.append(dict(row, numel=numel, G=g))
+    print(f"\n{args.dtype} input; GB/s = (bytes read + written) / median time; frac = of copy bandwidth")
+    print(f"{'elements':>9s} {'G':>4s} {'step':>10s} {'backend':>7s} {'us':>9s} {'GB/s':>7s} {'frac':>5s}" + ("  speedup" if cuda else ""))
+    for row in table:
+        speed = ""
+        if cuda and row["backend"] == "triton":
+            other = next(r for r in table if r["numel"] == row["numel"] and r["G"] == row["G"] and r["step"] == row["step"] and r["backend"] == "torch")
+            speed = f"  {other['seconds'] / row['seconds']:6.1f}x"
+        gbs = row["bytes"] / row["seconds"] / 1e9
+        print(f"{row['numel'] / 2**20:8.2f}M {row['G']:4d} {row['step']:>10s} {row['backend']:>7s} "
+              f"{row['seconds'] * 1e6:9.1f} {gbs:7.0f} {gbs * 1e9 / copy_bw:5.2f}{speed}")
+
+
+if __name__ == "__main__":
+    main()
