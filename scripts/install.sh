@@ -12,7 +12,11 @@ if "$PY" -c 'import torch, sys; sys.exit(0 if tuple(map(int, torch.__version__.s
 elif command -v nvidia-smi >/dev/null 2>&1; then
   "$PY" -m pip install "torch>=2.6"
 else
-  "$PY" -m pip install torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu \
-    || "$PY" -m pip install torch==2.13.0
+  cpu_index=${TACO_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
+  if "$PY" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)" "$cpu_index" 2>/dev/null; then
+    "$PY" -m pip install torch==2.13.0 --index-url "$cpu_index"
+  else  # offline mirrors and wheel caches (this CI's machines carry the CPU wheel)
+    "$PY" -m pip install torch==2.13.0
+  fi
 fi
 "$PY" -m pip install -e ".[dev]"

@@ -92,7 +92,8 @@ def _input(op: str, size: int, world: int, dtype: torch.dtype, device: torch.dev
 
 def _same_on_all_ranks(out: torch.Tensor) -> bool:
     """Whether every rank holds the same bytes in ``out`` (a position-weighted checksum)."""
-    words = out.contiguous().view(-1).view(torch.int16 if out.element_size() == 2 else torch.int32).to(torch.int64)
+    word = torch.int16 if out.element_size() == 2 else torch.int32
+    words = out.contiguous().view(-1).view(word).to(torch.int64)
     weights = torch.arange(words.numel(), device=out.device) % 65521 + 1
     check = torch.stack([words.sum(), (words * weights).sum()])
     low, high = -check.clone(), check.clone()
@@ -136,7 +137,8 @@ def bench_one(op: str, size: int, config: TacoConfig, args, device: torch.device
 def format_table(rows: list[dict]) -> str:
     """A Markdown table of `bench_one` rows."""
     lines = [
-        "| op | size | mode | time ms | algbw GB/s | busbw GB/s | sent/rank MiB | speedup | rel err | same bytes |",
+        "| op | size | mode | time ms | algbw GB/s | busbw GB/s | sent/rank MiB | speedup | rel err "
+        "| same bytes |",
         "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
@@ -210,7 +212,9 @@ def _median_seconds(fn, device: torch.device, reps: int) -> float:
     return statistics.median(times)
 
 
-def stage_times(numel: int, world: int, config: TacoConfig, dtype: torch.dtype, device: torch.device, reps: int) -> dict:
+def stage_times(
+    numel: int, world: int, config: TacoConfig, dtype: torch.dtype, device: torch.device, reps: int
+) -> dict:
     """Seconds of compress (P chunks), sum_packed (P inputs) and decompress for one all-reduce."""
     x = (torch.randn(numel, device=device) * 0.02).to(dtype)
     packed = compress(x, config, chunks=world)
@@ -237,7 +241,10 @@ def run_stages(args) -> None:
     dtype = DTYPES[args.dtype]
     config = TacoConfig(group_size=args.group_size, backend=args.codec_backend)
     print(f"# codec stages of one all-reduce on {device}, {args.dtype}, {config}")
-    print("| size | P | compress ms | sum ms | decompress ms | codec ms | sent/rank MiB | saved MiB | break-even GB/s |")
+    print(
+        "| size | P | compress ms | sum ms | decompress ms | codec ms | sent/rank MiB | saved MiB "
+        "| break-even GB/s |"
+    )
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for size in parse_sizes(args.sizes):
         numel = size // dtype.itemsize
@@ -255,7 +262,9 @@ def run_stages(args) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     gpu = torch.cuda.is_available()
-    p = argparse.ArgumentParser(prog="python -m taco_accel.bench.collectives", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m taco_accel.bench.collectives", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--sizes", default=None, help="message sizes, e.g. 1M,16M,512M (plain numbers: MiB)")
     p.add_argument("--backend", choices=("gloo", "nccl"), default="nccl" if gpu else "gloo")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,

@@ -1,5 +1,24 @@
-"""Layer 2: compressed collectives over torch.distributed (NCCL on GPU, gloo on CPU)."""
+"""Layer 2: compressed collectives over torch.distributed (NCCL on GPU, gloo on CPU).
+
+    all_reduce(x, group=None, config=None, *, site=None)      # sum over the group's ranks
+    reduce_scatter(x, group=None, config=None, *, site=None)  # this rank's rows of the sum
+    all_gather(x, group=None, config=None, *, site=None)      # concatenation along dim 0
+
+``config=None`` (or a message under ``config.threshold_bytes``) is the plain collective in the
+input dtype; otherwise the TACO FP8 path. `pop_comm_stats` returns and resets the per-site
+figures (bytes sent against the plain collective, calls, sampled error); `set_error_sampling`
+turns the error sampling on.
+"""
 
 from .collectives import all_gather, all_reduce, reduce_scatter
+from .stats import CommStats, error_sampling, pop_comm_stats, set_error_sampling
 
-__all__ = ["all_gather", "all_reduce", "reduce_scatter"]
+__all__ = [
+    "CommStats",
+    "all_gather",
+    "all_reduce",
+    "error_sampling",
+    "pop_comm_stats",
+    "reduce_scatter",
+    "set_error_sampling",
+]

@@ -1,0 +1,58 @@
+"""Overlap of codec work and communication: pieces, and a deterministic software pipeline.
+
+A compressed collective is written, per piece, as a generator that alternates codec work and
+asynchronous communication: it issues a collective (``async_op=True``), ``yield``s, and on
+resumption waits on the handle and goes on. `run_pipelined` advances every live piece one
+step per tick, newest first::
+
+    tick t:  piece t     compress, issue all-to-all            (piece t-1's and t-2's
+             piece t-1   wait all-to-all, sum, issue all-gather  messages are in flight
+             piece t-2   wait all-gather, decode                 while piece t encodes)
+
+The schedule depends only on the number of pieces, never on timing, so every rank issues
+the same collectives in the same order (a requirement of torch.distributed). On NCCL the
+collectives run on the process group's own CUDA stream, and ``wait()`` only makes the
+current stream wait, so the codec kernels of one piece overlap the transfer of another
+without a host sync. On gloo the transfer runs on gloo's worker threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+
+def piece_bounds(n: int, piece: int) -> list[tuple[int, int]]:
+    """[start, stop) bounds cutting ``n`` items into pieces of ``piece`` (the last one shorter)."""
+    if piece <= 0 or piece >= n:
+        return [(0, n)]
+    return [(a, min(a + piece, n)) for a in range(0, n, piece)]
+
+
+def piece_length(piece_bytes: int, bytes_per_item: int, align: int) -> int:
+    """Items per piece: about ``piece_bytes`` of input, a positive multiple of ``align``.
+
+    0 (no split) when ``piece_bytes`` is 0.
+    """
+    if piece_bytes <= 0:
+        return 0
+    items = piece_bytes // max(bytes_per_item, 1)
+    return max(align, items - items % align)
+
+
+def _advance(step: Iterator) -> bool:
+    """Run ``step`` to its next yield; False once it has finished."""
+    try:
+        next(step)
+    except StopIteration:
+        return False
+    return True
+
+
+def run_pipelined(steps: Iterable[Iterator]) -> None:
+    """Run piece generators to completion, each advanced once per tick, newest first."""
+    live: list[Iterator] = []  # oldest first
+    for step in steps:
+        live.append(step)
+        live = [s for s in reversed(live) if _advance(s)][::-1]
+    while live:
+        live = [s for s in reversed(live) if _advance(s)][::-1]

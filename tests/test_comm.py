@@ -1,0 +1,462 @@
+"""Compressed collectives (layer 2) on gloo ranks.
+
+Process spawns are the cost here, so each world size runs ONE launch (`_battery`) that goes
+through every case and returns plain records; the tests below only read those records.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks
+from taco_accel import comm
+from taco_accel.codec import NonFiniteError, TacoConfig, WireLayout
+from taco_accel.comm import compressed, dist_ops
+from taco_accel.comm.pipeline import piece_bounds, piece_length, run_pipelined
+
+CFG = TacoConfig(threshold_bytes=0)  # compress even tiny messages
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SHAPES = ((1,), (5, 77), (3, 256), (2, 3, 129))  # numel 1, 385, 768, 774: most not multiples of P or G
+# Relative RMS error vs the exact float64 result. One e4m3 round trip keeps 3 mantissa bits,
+# about 0.026 on these inputs (outliers included); all_reduce / reduce_scatter quantise twice
+# (each rank's input, then the sum), about sqrt(2) times that.
+BOUND = {"all_gather": 0.04, "all_reduce": 0.055, "reduce_scatter": 0.055}
+FORMAT_BOUND = {"e4m3": 0.055, "e5m2": 0.11, "int8": 0.02}
+# torch 2.13 deprecates the *_tensor names; older versions only have them
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# --- helpers run inside the ranks ---------------------------------------------------------------
+
+
+def _input(case: int, rank: int, shape, dtype=torch.float32) -> torch.Tensor:
+    """The deterministic input of ``rank`` for ``case`` (every rank can rebuild every input)."""
+    gen = torch.Generator().manual_seed(1000 * case + rank)
+    x = torch.randn(shape, generator=gen)
+    spikes = torch.rand(shape, generator=gen) < 0.01  # a few outliers, as in activations
+    return torch.where(spikes, x * 30, x).to(dtype)
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _rel(result: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((result.double() - exact).norm() / exact.norm())
+
+
+def _run_op(op: str, case: int, shape, dtype, group, members: list[int], config=CFG):
+    """Run one collective; return (result, exact float64 result) for this rank."""
+    me = members.index(dist.get_rank())
+    xs = [_input(case, r, shape, dtype) for r in members]
+    if op == "all_gather":
+        exact = torch.cat([x.double() for x in xs])
+    else:
+        exact = sum(x.double() for x in xs)
+    if op == "reduce_scatter":
+        m = exact.shape[0] // len(members)
+        exact = exact[me * m : (me + 1) * m]
+    return getattr(comm, op)(xs[me], group, config), exact
+
+
+def _accuracy(group, members: list[int]) -> list[dict]:
+    """Every op x dtype x shape: error vs exact and a digest of the result."""
+    records = []
+    world = len(members)
+    for op in ("all_reduce", "reduce_scatter", "all_gather"):
+        for dtype in DTYPES:
+            for i, shape in enumerate(SHAPES):
+                if op == "reduce_scatter":
+                    shape = (world * shape[0], *shape[1:])
+                out, exact = _run_op(op, 10 + i, shape, dtype, group, members)
+                assert out.dtype == dtype and out.shape == exact.shape, (op, out.dtype, out.shape)
+                records.append(
+                    dict(op=op, dtype=str(dtype), shape=shape, err=_rel(out, exact), digest=_digest(out))
+                )
+    return records
+
+
+def _formats() -> list[dict]:
+    """all_reduce under the other formats and scale layouts."""
+    members = list(range(dist.get_world_size()))
+    records = []
+    for fmt in ("e4m3", "e5m2", "int8"):
+        for extra in ({}, {"scales": "dual"}, {"random_signs": True}, {"group_size": 32}):
+            cfg = CFG.replace(format=fmt, **extra)
+            out, exact = _run_op("all_reduce", 30, (4, 160), torch.float32, None, members, cfg)
+            records.append(dict(fmt=fmt, extra=extra, err=_rel(out, exact), digest=_digest(out)))
+    return records
+
+
+def _plain() -> dict:
+    """config=None and messages under the threshold must equal torch.distributed bit for bit."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    same = {}
+    for dtype in DTYPES:
+        x = _input(40, rank, (world * 3, 5), dtype)
+        ref_ar = x.clone()
+        dist.all_reduce(ref_ar)
+        ref_rs = torch.empty(3, 5, dtype=dtype)
+        _REDUCE_SCATTER(ref_rs, x)
+        ref_ag = torch.empty(world * world * 3, 5, dtype=dtype)
+        _ALL_GATHER(ref_ag, x)
+        for name, cfg in (("none", None), ("threshold", TacoConfig())):
+            same[(str(dtype), name)] = (
+                torch.equal(comm.all_reduce(x, None, cfg), ref_ar)
+                and torch.equal(comm.reduce_scatter(x, None, cfg), ref_rs)
+                and torch.equal(comm.all_gather(x, None, cfg), ref_ag)
+            )
+    return same
+
+
+def _threshold() -> dict:
+    """A message of threshold_bytes or more is compressed, a smaller one is not."""
+    x = _input(50, dist.get_rank(), (1000,))  # 4000 bytes
+    comm.pop_comm_stats()
+    seen = {}
+    for threshold in (3999, 4000, 4001):
+        comm.all_reduce(x, None, CFG.replace(threshold_bytes=threshold), site="t")
+        seen[threshold] = comm.pop_comm_stats()["t"].compressed_calls
+    return seen
+
+
+def _count_pieces(op: str, x: torch.Tensor, cfg: TacoConfig):
+    """Run ``op`` and count the collectives its pieces issued (first exchange of each piece)."""
+    name = "all_gather_into" if op == "all_gather" else "all_to_all"
+    original = getattr(compressed, name)
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    setattr(compressed, name, counting)
+    try:
+        out = getattr(comm, op)(x, None, cfg)
+    finally:
+        setattr(compressed, name, original)
+    return out, len(calls)
+
+
+def _pieces() -> list[dict]:
+    """piece_bytes > 0 splits the message; the result must match the single-piece path."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    members = list(range(world))
+    records = []
+    for op, shape in (("all_reduce", (7, 433)), ("reduce_scatter", (world * 3, 301)), ("all_gather", (5, 301))):
+        x = _input(60, rank, shape)
+        whole, n_whole = _count_pieces(op, x, CFG.replace(piece_bytes=0))
+        split, n_split = _count_pieces(op, x, CFG.replace(piece_bytes=2048))
+        _, exact = _run_op(op, 60, shape, torch.float32, None, members)
+        records.append(dict(
+            op=op, pieces=(n_whole, n_split), err=_rel(split, exact),
+            diff=float((split.double() - whole.double()).norm() / exact.norm()), digest=_digest(split),
+        ))
+    return records
+
+
+def _drift(steps: int = 40) -> list[str]:
+    """A loop that feeds each result back (rank-dependent): replicas must stay bit-identical."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    y = _input(70, 0, (6, 200))
+    digests = []
+    for step in range(steps):
+        noise = _input(71 + step, rank, (6, 200)) * 0.1
+        y = comm.all_reduce(torch.tanh(y) * (rank + 1) + noise, None, CFG) / world
+        digests.append(_digest(y))
+    return digests
+
+
+def _nonfinite() -> dict:
+    """NaN / Inf on rank 1 only, under every policy and on both paths."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for bad in (float("nan"), float("inf")):
+        for op in ("all_reduce", "reduce_scatter", "all_gather"):
+            x = _input(80, rank, (world * 2, 256))
+            if rank == 1:
+                x[1, 5] = bad  # group 2 of rank 1's input (row 0 of block 0 for reduce_scatter)
+            for policy in ("propagate", "zero", "raise"):
+                for label, cfg in (("compressed", CFG), ("plain", TacoConfig())):
+                    cfg = cfg.replace(nonfinite=policy)
+                    try:
+                        y = getattr(comm, op)(x, None, cfg)
+                        got = ("ok", torch.isfinite(y).logical_not().nonzero().tolist())
+                    except NonFiniteError:
+                        got = ("raised", None)
+                    out[(str(bad), op, policy, label)] = got
+    # the group still works after the raises (no rank left behind in a collective)
+    out["after"] = _digest(comm.all_reduce(torch.ones(300), None, CFG))
+    return out
+
+
+def _stats() -> dict:
+    """Byte figures of known calls, error sampling, reset."""
+    rank = dist.get_rank()
+    comm.pop_comm_stats()
+    x = _input(90, rank, (1000,))  # fp32, 4000 bytes
+    comm.all_reduce(x, None, CFG, site="ar")
+    comm.all_reduce(x.half(), None, None, site="ar")  # plain: 2000 bytes
+    comm.reduce_scatter(_input(91, rank, (dist.get_world_size() * 3, 100)), None, CFG, site="rs")
+    comm.all_gather(x.bfloat16(), None, CFG)  # default site name
+    figures = {site: s.to_dict() for site, s in comm.pop_comm_stats().items()}
+    comm.set_error_sampling(2)
+    for _ in range(5):
+        comm.all_reduce(x, None, CFG, site="sampled")
+        comm.all_reduce(x, None, None, site="sampled")  # plain calls are not sampled
+    sampled = comm.pop_comm_stats()["sampled"]
+    comm.set_error_sampling(1)
+    comm.reduce_scatter(_input(92, rank, (dist.get_world_size() * 2, 200)), None, CFG, site="rs_err")
+    comm.all_gather(x, None, CFG, site="ag_err")
+    other = {site: s.to_dict() for site, s in comm.pop_comm_stats().items()}
+    comm.set_error_sampling(0)
+    comm.all_reduce(x, None, CFG, site="off")
+    off = comm.pop_comm_stats()["off"].error_samples
+    return dict(figures=figures, sampled=sampled.to_dict(), other=other, off=off, empty=comm.pop_comm_stats())
+
+
+def _misc() -> dict:
+    """requires_grad inputs, bad input errors, the isend/irecv all-to-all."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    x = _input(95, rank, (world * 2, 128)).requires_grad_()
+    results = [comm.all_reduce(x, None, CFG), comm.reduce_scatter(x, None, CFG), comm.all_gather(x, None, CFG),
+               comm.all_reduce(x, None, None)]
+    out["grad"] = [r.requires_grad for r in results]
+    strided = _input(97, rank, (256, world * 4)).t()  # non-contiguous input
+    out["strided"] = all(
+        torch.equal(fn(strided, None, CFG), fn(strided.contiguous(), None, CFG))
+        for fn in (comm.all_reduce, comm.reduce_scatter, comm.all_gather)
+    )
+    for name, call in (("rs_rows", lambda: comm.reduce_scatter(torch.ones(world + 1, 4), None, CFG)),
+                       ("ag_0d", lambda: comm.all_gather(torch.ones(()), None, CFG))):
+        try:
+            call()
+            out[name] = "no error"
+        except ValueError as err:
+            out[name] = str(err)
+    send = torch.arange(world * 5, dtype=torch.uint8) + 7 * rank
+    native, p2p = torch.empty_like(send), torch.empty_like(send)
+    dist.all_to_all_single(native, send)
+    dist_ops.all_to_all_p2p(p2p, send).wait()
+    out["p2p"] = torch.equal(native, p2p)
+    x = _input(96, rank, (3, 300))
+    expected = comm.all_reduce(x, None, CFG)
+    dist_ops._no_native_all_to_all.add(str(dist.get_backend()))  # as if gloo had no all_to_all
+    try:
+        out["p2p_all_reduce"] = torch.equal(comm.all_reduce(x, None, CFG), expected)
+    finally:
+        dist_ops._no_native_all_to_all.clear()
+    return out
+
+
+def _subgroups() -> dict:
+    """World of 4 as two groups of 2 (contiguous and strided), and groups of one."""
+    rank = dist.get_rank()
+    out = {}
+    for kind, layout in (("contiguous", ([0, 1], [2, 3])), ("strided", ([0, 2], [1, 3]))):
+        groups = [dist.new_group(ranks) for ranks in layout]  # every rank creates every group
+        members = next(ranks for ranks in layout if rank in ranks)
+        group = groups[layout.index(members)]
+        out[kind] = dict(members=members, records=_accuracy(group, members))
+        send = torch.arange(10, dtype=torch.uint8) + 10 * rank
+        native, p2p = torch.empty_like(send), torch.empty_like(send)
+        dist.all_to_all_single(native, send, group=group)
+        dist_ops.all_to_all_p2p(p2p, send, group).wait()
+        out[kind]["p2p"] = torch.equal(native, p2p)
+    singles = [dist.new_group([r]) for r in range(4)]
+    x = _input(99, rank, (4, 130))
+    out["single"] = all(
+        torch.equal(fn(x, singles[rank], CFG), x)
+        for fn in (comm.all_reduce, comm.reduce_scatter, comm.all_gather)
+    )
+    return out
+
+
+def _battery() -> dict:
+    world = dist.get_world_size()
+    results = dict(
+        accuracy=_accuracy(None, list(range(world))), formats=_formats(), plain=_plain(),
+        threshold=_threshold(), pieces=_pieces(), drift=_drift(), nonfinite=_nonfinite(),
+        stats=_stats(), misc=_misc(),
+    )
+    if world == 4:
+        results["subgroups"] = _subgroups()
+    return results
+
+
+# --- the tests (parent process) -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda p: f"P{p}")
+def ranks(request) -> list[dict]:
+    """The battery's records, one dict per rank, for world size P (one launch per P)."""
+    return run_ranks(_battery, request.param)
+
+
+def _same_across(records_per_rank: list[list[dict]], ranks_: list[int]) -> None:
+    for i, rec in enumerate(records_per_rank[ranks_[0]]):
+        digests = {records_per_rank[r][i]["digest"] for r in ranks_}
+        assert len(digests) == 1, f"ranks {ranks_} disagree on {rec}"
+
+
+def test_accuracy_within_codec_bound(ranks):
+    for per_rank in ranks:
+        for rec in per_rank["accuracy"]:
+            assert rec["err"] < BOUND[rec["op"]], rec
+
+
+def test_all_reduce_and_all_gather_identical_on_every_rank(ranks):
+    world = list(range(len(ranks)))
+    _same_across([[r for r in p["accuracy"] if r["op"] != "reduce_scatter"] for p in ranks], world)
+    _same_across([p["formats"] for p in ranks], world)
+
+
+def test_formats_and_scale_layouts(ranks):
+    for rec in ranks[0]["formats"]:
+        assert rec["err"] < FORMAT_BOUND[rec["fmt"]], rec
+
+
+def test_plain_path_equals_torch_distributed(ranks):
+    for per_rank in ranks:
+        assert all(per_rank["plain"].values()), per_rank["plain"]
+
+
+def test_threshold(ranks):
+    assert ranks[0]["threshold"] == {3999: 1, 4000: 1, 4001: 0}
+
+
+def test_pieces_match_single_piece_path(ranks):
+    for per_rank in ranks:
+        for rec in per_rank["pieces"]:
+            n_whole, n_split = rec["pieces"]
+            assert n_whole == 1 and n_split >= 3, rec
+            assert rec["err"] < BOUND[rec["op"]], rec
+            # the same groups either way; only BLAS last-bit differences may flip an fp8 rounding
+            assert rec["diff"] < 1e-3, rec
+    records = [[r for r in p["pieces"] if r["op"] != "reduce_scatter"] for p in ranks]
+    _same_across(records, list(range(len(ranks))))
+
+
+def test_no_drift_between_replicas(ranks):
+    for per_rank in ranks[1:]:
+        assert per_rank["drift"] == ranks[0]["drift"]
+
+
+def test_nonfinite_policies(ranks):
+    world = len(ranks)
+    for per_rank in ranks:
+        got = per_rank["nonfinite"]
+        assert got["after"] == ranks[0]["nonfinite"]["after"]
+        for bad in ("nan", "inf"):
+            for path in ("compressed", "plain"):
+                for op in ("all_reduce", "reduce_scatter", "all_gather"):
+                    assert got[(bad, op, "raise", path)] == ("raised", None)
+                    assert got[(bad, op, "zero", path)] == ("ok", [])
+                _check_propagate(got, bad, path, per_rank is ranks[0], world)
+
+
+def _check_propagate(got: dict, bad: str, path: str, rank0: bool, world: int) -> None:
+    """Rank 1 has a bad value at [1, 5]: its G=128 group decodes to NaN (compressed)."""
+    status, where = got[(bad, "all_reduce", "propagate", path)]
+    assert status == "ok"
+    expect = [[1, c] for c in range(128)] if path == "compressed" else [[1, 5]]
+    assert where == expect
+    status, where = got[(bad, "all_gather", "propagate", path)]
+    assert where == [[2 * world + 1, c] for c in range(128)] if path == "compressed" else [[2 * world + 1, 5]]
+    status, where = got[(bad, "reduce_scatter", "propagate", path)]
+    if rank0:  # rank 0 holds rows [0, 2) of the sum, where rank 1's bad value lands
+        assert where == expect
+    else:
+        assert where == []
+
+
+def test_stats_figures(ranks):
+    world = len(ranks)
+    figures = ranks[0]["stats"]["figures"]
+    # all_reduce fp32 [1000] as P chunks: sends P-1 chunks twice (all-to-all, all-gather);
+    # the plain half-precision call sends the ring's 2(P-1)/P * 2000 bytes, both figures
+    chunk = WireLayout.for_tensor(1000, CFG, world).chunk_bytes
+    assert figures["ar"]["calls"] == 2 and figures["ar"]["compressed_calls"] == 1
+    plain = [2 * (world - 1) * nbytes // world for nbytes in (4000, 2000)]  # each call rounds down
+    assert figures["ar"]["bytes_sent"] == 2 * (world - 1) * chunk + plain[1]
+    assert figures["ar"]["bytes_uncompressed"] == sum(plain)
+    # reduce_scatter fp32 [P*3, 100]: each rank's block of 300 values is one chunk of 3 groups
+    assert figures["rs"]["bytes_sent"] == (world - 1) * WireLayout.for_tensor(300, CFG).chunk_bytes
+    assert figures["rs"]["bytes_uncompressed"] == (world - 1) * 1200
+    # all_gather bf16 [1000]: one buffer of 8 groups to each of P-1 peers
+    assert figures["all_gather"]["bytes_sent"] == (world - 1) * WireLayout.for_tensor(1000, CFG).total_bytes
+    assert figures["all_gather"]["bytes_uncompressed"] == (world - 1) * 2000
+    if world == 2:  # the same figures as literals: 4 groups of 128 B payload + 4 B scale per chunk
+        assert (figures["ar"]["bytes_sent"], figures["ar"]["bytes_uncompressed"]) == (2 * 528 + 2000, 6000)
+    sampled = ranks[0]["stats"]["sampled"]
+    assert sampled["calls"] == 10 and sampled["compressed_calls"] == 5 and sampled["error_samples"] == 2
+    assert 0 < sampled["error_mean"] <= sampled["error_max"] < BOUND["all_reduce"]
+    for site, kind in (("rs_err", "reduce_scatter"), ("ag_err", "all_gather")):
+        figures = ranks[0]["stats"]["other"][site]
+        assert figures["error_samples"] == 1 and 0 < figures["error_mean"] < BOUND[kind], figures
+    assert ranks[0]["stats"]["off"] == 0 and ranks[0]["stats"]["empty"] == {}
+
+
+def test_requires_grad_strided_and_input_errors(ranks):
+    misc = ranks[0]["misc"]
+    assert misc["grad"] == [False] * 4
+    assert misc["strided"]
+    assert "divisible by the group size" in misc["rs_rows"]
+    assert "0-d" in misc["ag_0d"]
+    assert all(p["misc"]["p2p"] and p["misc"]["p2p_all_reduce"] for p in ranks)
+
+
+def test_subgroups(ranks):
+    if len(ranks) != 4:
+        pytest.skip("sub-groups run in the world of 4")
+    for kind in ("contiguous", "strided"):
+        members = ranks[0]["subgroups"][kind]["members"]
+        for per_rank in ranks:
+            sub = per_rank["subgroups"][kind]
+            assert sub["p2p"]
+            for rec in sub["records"]:
+                assert rec["err"] < BOUND[rec["op"]], (kind, rec)
+        records = [[r for r in p["subgroups"][kind]["records"] if r["op"] != "reduce_scatter"] for p in ranks]
+        _same_across(records, members)
+        others = [r for r in range(4) if r not in members]
+        _same_across(records, others)
+    assert all(p["subgroups"]["single"] for p in ranks)
+
+
+# --- the piece schedule (no ranks needed) --------------------------------------------------------
+
+
+def test_piece_bounds_and_length():
+    assert piece_bounds(10, 0) == [(0, 10)] and piece_bounds(10, 10) == [(0, 10)]
+    assert piece_bounds(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert piece_length(0, 2, 256) == 0  # no split
+    assert piece_length(2**20, 2, 256) == 2**19  # 1 MiB of bf16
+    assert piece_length(1000, 2, 256) == 256  # at least one aligned unit
+    assert piece_length(3000, 4, 256) == 512  # rounded down to the alignment
+
+
+def test_run_pipelined_order():
+    """Each piece is advanced once per tick, newest first, so piece k+1 encodes before k waits."""
+    log = []
+
+    def piece(k):
+        log.append(f"encode{k}")
+        yield
+        log.append(f"reduce{k}")
+        yield
+        log.append(f"decode{k}")
+
+    run_pipelined(piece(k) for k in range(3))
+    assert log == [
+        "encode0",
+        "encode1", "reduce0",
+        "encode2", "reduce1", "decode0",
+        "reduce2", "decode1",
+        "decode2",
+    ]
