@@ -28,9 +28,10 @@ VARIANTS = {
     "signs": dict(random_signs=True),
 }
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# The interpreter multiplies in wider precision, which moves exact ties (common with bf16
-# inputs and no Hadamard step) to the other side; compiled kernels agree far more closely.
-MAX_MISMATCH = 1e-3 if DEVICE.type == "cuda" else 5e-3
+# Values near a rounding tie (common with bf16 inputs and no Hadamard step) may land on either
+# side: the interpreter multiplies in wider precision, and on an H200 (triton 3.6) 0.15% of
+# such payload values differed by one step. Everywhere else the payloads agree exactly.
+MAX_MISMATCH = 2e-3 if DEVICE.type == "cuda" else 5e-3
 
 
 def configs(group_size: int, variant: str) -> tuple[TacoConfig, TacoConfig]:
@@ -164,7 +165,7 @@ from taco_accel.codec import triton_kernels as tk
 G, dtype, fmt, extra = json.loads(sys.argv[1])
 code = {"fp8e4nv": 0, "fp8e5": 1, "i8": 2}[fmt]
 flags = {"HADAMARD": True, "SIGNS": False, "DUAL": False, **extra}
-sub, bg = min(G, tk.SUB_MAX), max(16, 8192 // G)
+sub, bg = min(G, tk.SUB_MAX), max(16, min(8192 // G, 256))
 ints = dict(numel="i32", num_groups="i32", gpc="i32", chunk_bytes="i32")
 
 def build(fn, signature, constexprs):
@@ -173,7 +174,8 @@ def build(fn, signature, constexprs):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 k = build(tk._compress_kernel,
-          dict(x_ptr="*" + dtype, q_ptr="*" + fmt, s_ptr="*fp32", h_ptr="*fp32", sign_ptr="*fp32", **ints),
+          dict(x_ptr="*" + dtype, q_ptr="*" + fmt, s_ptr="*fp32", h_ptr="*fp32", sign_ptr="*fp32", **ints,
+               used_bytes="i32"),
           dict(G=G, SUB=sub, BG=bg, FMT=code, QMAX=448.0, ADAPTIVE=True, ZERO_NONFINITE=False,
                DOT_MODE=tk.DOT_BF16X2, EMULATE_ROUND=False, **flags))
 assert "mma" in k.asm["ptx"], "the transform should run on the tensor cores"
@@ -182,7 +184,7 @@ build(tk._decompress_kernel,
       dict(G=G, SUB=sub, BG=bg, DOT_MODE=tk.DOT_BF16X2, **flags))
 build(tk._sum_kernel,
       dict(q_ptr="*" + fmt, s_ptr="*fp32", out_q_ptr="*" + fmt, out_s_ptr="*fp32", input_stride="i32",
-           num_groups="i32", gpc="i32", chunk_bytes="i32"),
+           num_groups="i32", gpc="i32", chunk_bytes="i32", used_bytes="i32"),
       dict(P=4, G=G, BG=bg, FMT=code, QMAX=448.0, DUAL=flags["DUAL"], ADAPTIVE=True, EMULATE_ROUND=False))
 print("compiled")
 """

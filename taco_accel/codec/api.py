@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from types import ModuleType
@@ -42,6 +43,7 @@ class Packed:
         return self.buffer.device
 
 
+@functools.lru_cache(maxsize=None)
 def triton_available() -> bool:
     try:
         import triton  # noqa: F401
@@ -97,7 +99,7 @@ def compress(x: torch.Tensor, config: TacoConfig | None = None, *, chunks: int =
     _check_input(x)
     config = config or TacoConfig()
     layout = WireLayout.for_tensor(x.numel(), config, chunks)
-    buffer = layout.new_buffer(x.device)
+    buffer = torch.empty(layout.total_bytes, dtype=torch.uint8, device=x.device)
     if layout.numel:
         backend_for(config, x.device).compress_into(x.reshape(-1), buffer, layout, config)
         if config.nonfinite == "raise":
@@ -128,7 +130,7 @@ def sum_packed(stacked: torch.Tensor, layout: WireLayout, config: TacoConfig) ->
         raise ValueError(
             f"sum_packed expects uint8 [P, {layout.total_bytes}], got {stacked.dtype} {list(stacked.shape)}"
         )
-    out = layout.new_buffer(stacked.device)
+    out = torch.empty(layout.total_bytes, dtype=torch.uint8, device=stacked.device)
     if layout.numel:
         backend_for(config, stacked.device).sum_into(stacked, layout, config, out)
     return out

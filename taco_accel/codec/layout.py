@@ -26,6 +26,7 @@ Bytes per element: 1 + 4*num_scales/G (1.03125 for "single" at G=128, 1.0625 for
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -54,29 +55,33 @@ class WireLayout:
             raise ValueError(f"chunks={chunks} must be >= 1")
         return cls(numel, config.group_size, config.num_scales, chunks)
 
-    @property
+    @functools.cached_property
     def groups_per_chunk(self) -> int:
         groups = -(-self.numel // self.group_size)
         return -(-groups // self.chunks)
 
-    @property
+    @functools.cached_property
     def num_groups(self) -> int:
         return self.groups_per_chunk * self.chunks
 
-    @property
+    @functools.cached_property
     def padded_numel(self) -> int:
         return self.num_groups * self.group_size
 
-    @property
+    @functools.cached_property
     def payload_bytes_per_chunk(self) -> int:
         return self.groups_per_chunk * self.group_size
 
-    @property
-    def chunk_bytes(self) -> int:
-        used = self.payload_bytes_per_chunk + 4 * self.num_scales * self.groups_per_chunk
-        return -(-used // 16) * 16
+    @functools.cached_property
+    def used_bytes(self) -> int:
+        """Bytes of one chunk that carry data (payload and scales)."""
+        return self.payload_bytes_per_chunk + 4 * self.num_scales * self.groups_per_chunk
 
-    @property
+    @functools.cached_property
+    def chunk_bytes(self) -> int:
+        return -(-self.used_bytes // 16) * 16
+
+    @functools.cached_property
     def total_bytes(self) -> int:
         return self.chunks * self.chunk_bytes
 
@@ -84,13 +89,12 @@ class WireLayout:
         """Layout of one chunk seen as a tensor of its own (gpc groups, one chunk)."""
         return WireLayout(self.payload_bytes_per_chunk, self.group_size, self.num_scales, 1)
 
-    def new_buffer(self, device: torch.device | str) -> torch.Tensor:
-        """An uninitialised wire buffer whose padding bytes are zero (so equal data, equal bytes)."""
-        buffer = torch.empty(self.total_bytes, dtype=torch.uint8, device=device)
-        used = self.payload_bytes_per_chunk + 4 * self.num_scales * self.groups_per_chunk
-        if used < self.chunk_bytes:
-            buffer.view(self.chunks, self.chunk_bytes)[:, used:].zero_()
-        return buffer
+    def padding(self, buffer: torch.Tensor) -> torch.Tensor:
+        """View of the padding bytes, ``[chunks, chunk_bytes - used_bytes]`` (may be empty).
+
+        Encoders write zeros there, so that equal data gives equal bytes.
+        """
+        return buffer.view(self.chunks, self.chunk_bytes)[:, self.used_bytes :]
 
     def payload(self, buffer: torch.Tensor, fmt: str) -> torch.Tensor:
         """View of the payload as ``[chunks, gpc*G]`` in the payload dtype."""

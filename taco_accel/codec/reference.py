@@ -104,9 +104,14 @@ def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, con
     flat = torch.zeros(layout.padded_numel, dtype=torch.float32, device=x.device)
     flat[: layout.numel] = x.reshape(-1)
     q, scales = encode_groups(flat.view(-1, layout.group_size), config)
+    _store(buffer, layout, config, q, scales)
+
+
+def _store(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig, q: torch.Tensor, scales: torch.Tensor) -> None:
     chunks, gpc = layout.chunks, layout.groups_per_chunk
     layout.payload(buffer, config.format).copy_(q.view(chunks, -1))
     layout.scales(buffer).copy_(scales.view(-1, chunks, gpc).transpose(0, 1))
+    layout.padding(buffer).zero_()
 
 
 def _unpack(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig):
@@ -135,6 +140,4 @@ def sum_into(stacked: torch.Tensor, layout: WireLayout, config: TacoConfig, out:
         nan = torch.isnan(scales).any(dim=0)
         bad = nan if bad is None else bad | nan
     q, scales = requantize(z, bad, config)
-    chunks, gpc = layout.chunks, layout.groups_per_chunk
-    layout.payload(out, config.format).copy_(q.view(chunks, -1))
-    layout.scales(out).copy_(scales.view(-1, chunks, gpc).transpose(0, 1))
+    _store(out, layout, config, q, scales)

@@ -3,13 +3,14 @@
 Each kernel makes one pass over its input; a program owns BG consecutive groups.
 
 The Hadamard transform runs on the tensor cores as one dense product with H_SUB,
-SUB = min(G, 128), per sub-block of SUB values: a tile [BG, SUB] @ [SUB, SUB]. Groups of
-256 or 512 values are SUB-blocks combined by H_2 or H_4 butterflies (adds and subtracts of
-whole tiles), since ``H_G = H_(G/128) (x) H_128``. The result is the Sylvester coefficient
-order that `layout` puts on the wire, and each tile's rows are groups, so the per-group
-reductions work on the product's own layout (an earlier Kronecker H_m (x) H_16 form with a
-transpose between two 16-wide products spent most of its time moving tiles through shared
-memory: 35-48% of copy bandwidth on an H200).
+SUB = min(G, 64), per sub-block of SUB values: a tile [BG, SUB] @ [SUB, SUB]. Larger groups
+are 2, 4 or 8 sub-blocks combined by butterflies (adds and subtracts of whole tiles), since
+``H_G = H_(G/SUB) (x) H_SUB``. The result is the Sylvester coefficient order that `layout`
+puts on the wire, and each tile's rows are groups, so the per-group reductions work on the
+product's own layout. Measured on an H200 (benchmarks/RESULTS.md): a Kronecker
+H_m (x) H_16 form with a transpose between two 16-wide products spent its time moving tiles
+through shared memory (35-48% of copy bandwidth), and one dense H_128 product is bound by
+the tensor cores (54% at G=128, against 70% for H_64).
 
 The +-1 matrix is exact in bf16. bf16 inputs and fp8 / int8 payloads are exact in bf16
 too, so they need one bf16 product; fp32 and fp16 operands go through two (high and low
@@ -44,7 +45,7 @@ _EPS = tl.constexpr(ADAPTIVE_EPS)
 _A_MIN = tl.constexpr(ADAPTIVE_MIN)
 _A_MAX = tl.constexpr(ADAPTIVE_MAX)
 _TINY = tl.constexpr(TINY_AMAX)
-SUB_MAX = 128  # largest dense Hadamard block
+SUB_MAX = 64  # largest dense Hadamard block (128 costs twice the tensor-core work per value)
 
 # Launch settings (benchmarks/RESULTS.md has the sweep); the benchmark overrides them.
 TUNING = {"block_elems": 8192, "num_warps": 4, "dot_mode": DOT_BF16X2}
@@ -184,10 +185,9 @@ def _store_scales(s_ptr, g, g_mask, s, a, gpc, chunk_bytes, G: tl.constexpr, DUA
 
 
 @triton.jit
-def _load_transform(x_ptr, base, numel, sign_ptr, h, j: tl.constexpr, SUB: tl.constexpr,
-                    HADAMARD: tl.constexpr, SIGNS: tl.constexpr, ZERO_NONFINITE: tl.constexpr,
-                    DOT_MODE: tl.constexpr):
-    """Sub-block j of BG groups, [BG, SUB] fp32, times H_SUB (with the signs) if enabled."""
+def _t1(x_ptr, base, numel, sign_ptr, h, j: tl.constexpr, SUB: tl.constexpr, HADAMARD: tl.constexpr,
+        SIGNS: tl.constexpr, ZERO_NONFINITE: tl.constexpr, DOT_MODE: tl.constexpr):
+    """Input sub-block j of BG groups, [BG, SUB] fp32, times H_SUB (after the signs)."""
     cols = tl.arange(0, SUB)[None, :]
     idx = base + j * SUB + cols
     x = tl.load(x_ptr + idx, mask=idx < numel, other=0.0).to(tl.float32)
@@ -200,13 +200,55 @@ def _load_transform(x_ptr, base, numel, sign_ptr, h, j: tl.constexpr, SUB: tl.co
     return x
 
 
-# --- kernels -----------------------------------------------------------------------------------
+# H_(2n) (x) H_SUB on 2n consecutive sub-blocks = butterflies of two H_n (x) H_SUB halves.
+@triton.jit
+def _t2(x_ptr, base, numel, sign_ptr, h, j: tl.constexpr, SUB: tl.constexpr, HADAMARD: tl.constexpr,
+        SIGNS: tl.constexpr, ZERO_NONFINITE: tl.constexpr, DOT_MODE: tl.constexpr):
+    a = _t1(x_ptr, base, numel, sign_ptr, h, j, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
+    b = _t1(x_ptr, base, numel, sign_ptr, h, j + 1, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
+    if HADAMARD:
+        a, b = _butterfly2(a, b)
+    return a, b
+
+
+@triton.jit
+def _t4(x_ptr, base, numel, sign_ptr, h, j: tl.constexpr, SUB: tl.constexpr, HADAMARD: tl.constexpr,
+        SIGNS: tl.constexpr, ZERO_NONFINITE: tl.constexpr, DOT_MODE: tl.constexpr):
+    a0, a1 = _t2(x_ptr, base, numel, sign_ptr, h, j, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
+    b0, b1 = _t2(x_ptr, base, numel, sign_ptr, h, j + 2, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
+    if HADAMARD:
+        a0, b0 = _butterfly2(a0, b0)
+        a1, b1 = _butterfly2(a1, b1)
+    return a0, a1, b0, b1
+
+
+@triton.jit
+def _t8(x_ptr, base, numel, sign_ptr, h, SUB: tl.constexpr, HADAMARD: tl.constexpr,
+        SIGNS: tl.constexpr, ZERO_NONFINITE: tl.constexpr, DOT_MODE: tl.constexpr):
+    a0, a1, a2, a3 = _t4(x_ptr, base, numel, sign_ptr, h, 0, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
+    b0, b1, b2, b3 = _t4(x_ptr, base, numel, sign_ptr, h, 4, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
+    if HADAMARD:
+        a0, b0 = _butterfly2(a0, b0)
+        a1, b1 = _butterfly2(a1, b1)
+        a2, b2 = _butterfly2(a2, b2)
+        a3, b3 = _butterfly2(a3, b3)
+    return a0, a1, a2, a3, b0, b1, b2, b3
+
+
+@triton.jit
+def _store_padding(q_ptr, g, g_mask, gpc, chunk_bytes, used_bytes):
+    """Zero the (at most 12) padding bytes of each chunk, from the chunk's last group."""
+    last = g_mask & ((g % gpc) == gpc - 1)
+    start = (g // gpc) * chunk_bytes + used_bytes
+    for k in tl.static_range(12):
+        zero = tl.zeros(g.shape, tl.float32).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + start + k, zero, mask=last & (g * 0 + used_bytes + k < chunk_bytes))
 
 
 @triton.jit
 def _compress_kernel(
     x_ptr, q_ptr, s_ptr, h_ptr, sign_ptr,
-    numel, num_groups, gpc, chunk_bytes,
+    numel, num_groups, gpc, chunk_bytes, used_bytes,
     G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr, FMT: tl.constexpr, QMAX: tl.constexpr,
     HADAMARD: tl.constexpr, SIGNS: tl.constexpr, DUAL: tl.constexpr, ADAPTIVE: tl.constexpr,
     ZERO_NONFINITE: tl.constexpr, DOT_MODE: tl.constexpr, EMULATE_ROUND: tl.constexpr,
@@ -215,36 +257,39 @@ def _compress_kernel(
     g, g_mask = _group_ids(BG, num_groups)
     base = g[:, None] * G  # first input index of each group, [BG, 1]
     h = _load_square(h_ptr, SUB)
-    # y_j: sub-block j after H_SUB; then H_NSUB across sub-blocks (1, 2 or 4 of them)
-    y0 = _load_transform(x_ptr, base, numel, sign_ptr, h, 0, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
-    if NSUB >= 2:
-        y1 = _load_transform(x_ptr, base, numel, sign_ptr, h, 1, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
-        if NSUB == 4:
-            y2 = _load_transform(x_ptr, base, numel, sign_ptr, h, 2, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
-            y3 = _load_transform(x_ptr, base, numel, sign_ptr, h, 3, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
-            if HADAMARD:
-                y2, y3 = _butterfly2(y2, y3)
-        if HADAMARD:
-            y0, y1 = _butterfly2(y0, y1)
-        if NSUB == 4 and HADAMARD:
-            y0, y2 = _butterfly2(y0, y2)
-            y1, y3 = _butterfly2(y1, y3)
-    if HADAMARD:
-        y0 = y0 * (G**-0.5)
+    # y_j: sub-block j of H_G x (H_NSUB (x) H_SUB as dense products plus butterflies)
+    if NSUB == 1:
+        y0 = _t1(x_ptr, base, numel, sign_ptr, h, 0, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
+    elif NSUB == 2:
+        y0, y1 = _t2(x_ptr, base, numel, sign_ptr, h, 0, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
+    elif NSUB == 4:
+        y0, y1, y2, y3 = _t4(x_ptr, base, numel, sign_ptr, h, 0, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
+    else:
+        y0, y1, y2, y3, y4, y5, y6, y7 = _t8(x_ptr, base, numel, sign_ptr, h, SUB, HADAMARD, SIGNS,
+                                             ZERO_NONFINITE, DOT_MODE)
+    NORM: tl.constexpr = G**-0.5 if HADAMARD else 1.0
     amax = tl.zeros((BG,), tl.float32)
     sumsq = tl.zeros((BG,), tl.float32)
     nonfinite = tl.zeros((BG,), tl.float32)
+    y0 = y0 * NORM
     amax, sumsq, nonfinite = _row_stats(y0, amax, sumsq, nonfinite)
     if NSUB >= 2:
-        if HADAMARD:
-            y1 = y1 * (G**-0.5)
+        y1 = y1 * NORM
         amax, sumsq, nonfinite = _row_stats(y1, amax, sumsq, nonfinite)
-        if NSUB == 4:
-            if HADAMARD:
-                y2 = y2 * (G**-0.5)
-                y3 = y3 * (G**-0.5)
-            amax, sumsq, nonfinite = _row_stats(y2, amax, sumsq, nonfinite)
-            amax, sumsq, nonfinite = _row_stats(y3, amax, sumsq, nonfinite)
+    if NSUB >= 4:
+        y2 = y2 * NORM
+        y3 = y3 * NORM
+        amax, sumsq, nonfinite = _row_stats(y2, amax, sumsq, nonfinite)
+        amax, sumsq, nonfinite = _row_stats(y3, amax, sumsq, nonfinite)
+    if NSUB >= 8:
+        y4 = y4 * NORM
+        y5 = y5 * NORM
+        y6 = y6 * NORM
+        y7 = y7 * NORM
+        amax, sumsq, nonfinite = _row_stats(y4, amax, sumsq, nonfinite)
+        amax, sumsq, nonfinite = _row_stats(y5, amax, sumsq, nonfinite)
+        amax, sumsq, nonfinite = _row_stats(y6, amax, sumsq, nonfinite)
+        amax, sumsq, nonfinite = _row_stats(y7, amax, sumsq, nonfinite)
     bad = tl.zeros((BG,), tl.int1)
     a, s, inv, bad = _scales(amax, sumsq, nonfinite, bad, G, QMAX, DUAL, ADAPTIVE)
     offs = _payload_offsets(g, gpc, chunk_bytes, G)[:, None] + tl.arange(0, SUB)[None, :]
@@ -252,20 +297,59 @@ def _compress_kernel(
     _store_payload(q_ptr, offs, y0, a, inv, bad, mask, FMT, QMAX, DUAL, EMULATE_ROUND)
     if NSUB >= 2:
         _store_payload(q_ptr, offs + SUB, y1, a, inv, bad, mask, FMT, QMAX, DUAL, EMULATE_ROUND)
-        if NSUB == 4:
-            _store_payload(q_ptr, offs + 2 * SUB, y2, a, inv, bad, mask, FMT, QMAX, DUAL, EMULATE_ROUND)
-            _store_payload(q_ptr, offs + 3 * SUB, y3, a, inv, bad, mask, FMT, QMAX, DUAL, EMULATE_ROUND)
+    if NSUB >= 4:
+        _store_payload(q_ptr, offs + 2 * SUB, y2, a, inv, bad, mask, FMT, QMAX, DUAL, EMULATE_ROUND)
+        _store_payload(q_ptr, offs + 3 * SUB, y3, a, inv, bad, mask, FMT, QMAX, DUAL, EMULATE_ROUND)
+    if NSUB >= 8:
+        _store_payload(q_ptr, offs + 4 * SUB, y4, a, inv, bad, mask, FMT, QMAX, DUAL, EMULATE_ROUND)
+        _store_payload(q_ptr, offs + 5 * SUB, y5, a, inv, bad, mask, FMT, QMAX, DUAL, EMULATE_ROUND)
+        _store_payload(q_ptr, offs + 6 * SUB, y6, a, inv, bad, mask, FMT, QMAX, DUAL, EMULATE_ROUND)
+        _store_payload(q_ptr, offs + 7 * SUB, y7, a, inv, bad, mask, FMT, QMAX, DUAL, EMULATE_ROUND)
     _store_scales(s_ptr, g, g_mask, s, a, gpc, chunk_bytes, G, DUAL)
+    _store_padding(q_ptr, g, g_mask, gpc, chunk_bytes, used_bytes)
 
 
 @triton.jit
-def _load_payload(q_ptr, offs, j: tl.constexpr, g_mask, h, SUB: tl.constexpr, HADAMARD: tl.constexpr,
-                  DOT_MODE: tl.constexpr):
-    """Payload sub-block j as fp32 [BG, SUB], times H_SUB if enabled (exact in bf16)."""
+def _d1(q_ptr, offs, g_mask, h, j: tl.constexpr, SUB: tl.constexpr, HADAMARD: tl.constexpr,
+        DOT_MODE: tl.constexpr):
+    """Payload sub-block j as fp32 [BG, SUB], times H_SUB (one bf16 product: exact operands)."""
     q = tl.load(q_ptr + offs + j * SUB, mask=g_mask[:, None]).to(tl.float32)
     if HADAMARD:
         q = _dot(q, h, 0 if DOT_MODE == 0 else 3)
     return q
+
+
+@triton.jit
+def _d2(q_ptr, offs, g_mask, h, j: tl.constexpr, SUB: tl.constexpr, HADAMARD: tl.constexpr,
+        DOT_MODE: tl.constexpr):
+    a = _d1(q_ptr, offs, g_mask, h, j, SUB, HADAMARD, DOT_MODE)
+    b = _d1(q_ptr, offs, g_mask, h, j + 1, SUB, HADAMARD, DOT_MODE)
+    if HADAMARD:
+        a, b = _butterfly2(a, b)
+    return a, b
+
+
+@triton.jit
+def _d4(q_ptr, offs, g_mask, h, j: tl.constexpr, SUB: tl.constexpr, HADAMARD: tl.constexpr,
+        DOT_MODE: tl.constexpr):
+    a0, a1 = _d2(q_ptr, offs, g_mask, h, j, SUB, HADAMARD, DOT_MODE)
+    b0, b1 = _d2(q_ptr, offs, g_mask, h, j + 2, SUB, HADAMARD, DOT_MODE)
+    if HADAMARD:
+        a0, b0 = _butterfly2(a0, b0)
+        a1, b1 = _butterfly2(a1, b1)
+    return a0, a1, b0, b1
+
+
+@triton.jit
+def _d8(q_ptr, offs, g_mask, h, SUB: tl.constexpr, HADAMARD: tl.constexpr, DOT_MODE: tl.constexpr):
+    a0, a1, a2, a3 = _d4(q_ptr, offs, g_mask, h, 0, SUB, HADAMARD, DOT_MODE)
+    b0, b1, b2, b3 = _d4(q_ptr, offs, g_mask, h, 4, SUB, HADAMARD, DOT_MODE)
+    if HADAMARD:
+        a0, b0 = _butterfly2(a0, b0)
+        a1, b1 = _butterfly2(a1, b1)
+        a2, b2 = _butterfly2(a2, b2)
+        a3, b3 = _butterfly2(a3, b3)
+    return a0, a1, a2, a3, b0, b1, b2, b3
 
 
 @triton.jit
@@ -296,33 +380,33 @@ def _decompress_kernel(
         scale = scale * (G**-0.5)
     h = _load_square(h_ptr, SUB)
     offs = _payload_offsets(g, gpc, chunk_bytes, G)[:, None] + tl.arange(0, SUB)[None, :]
-    # H_G = (H_NSUB (x) I)(I (x) H_SUB): the dense product first, on exact payload values
-    x0 = _load_payload(q_ptr, offs, 0, g_mask, h, SUB, HADAMARD, DOT_MODE)
-    if NSUB >= 2:
-        x1 = _load_payload(q_ptr, offs, 1, g_mask, h, SUB, HADAMARD, DOT_MODE)
-        if NSUB == 4:
-            x2 = _load_payload(q_ptr, offs, 2, g_mask, h, SUB, HADAMARD, DOT_MODE)
-            x3 = _load_payload(q_ptr, offs, 3, g_mask, h, SUB, HADAMARD, DOT_MODE)
-            if HADAMARD:
-                x2, x3 = _butterfly2(x2, x3)
-        if HADAMARD:
-            x0, x1 = _butterfly2(x0, x1)
-        if NSUB == 4 and HADAMARD:
-            x0, x2 = _butterfly2(x0, x2)
-            x1, x3 = _butterfly2(x1, x3)
     base = g[:, None] * G
+    # H_G = (H_NSUB (x) I)(I (x) H_SUB): the dense products first, on exact payload values
+    if NSUB == 1:
+        x0 = _d1(q_ptr, offs, g_mask, h, 0, SUB, HADAMARD, DOT_MODE)
+    elif NSUB == 2:
+        x0, x1 = _d2(q_ptr, offs, g_mask, h, 0, SUB, HADAMARD, DOT_MODE)
+    elif NSUB == 4:
+        x0, x1, x2, x3 = _d4(q_ptr, offs, g_mask, h, 0, SUB, HADAMARD, DOT_MODE)
+    else:
+        x0, x1, x2, x3, x4, x5, x6, x7 = _d8(q_ptr, offs, g_mask, h, SUB, HADAMARD, DOT_MODE)
     _store_decoded(out_ptr, base, numel, x0, scale, sign_ptr, 0, SUB, SIGNS)
     if NSUB >= 2:
         _store_decoded(out_ptr, base, numel, x1, scale, sign_ptr, 1, SUB, SIGNS)
-        if NSUB == 4:
-            _store_decoded(out_ptr, base, numel, x2, scale, sign_ptr, 2, SUB, SIGNS)
-            _store_decoded(out_ptr, base, numel, x3, scale, sign_ptr, 3, SUB, SIGNS)
+    if NSUB >= 4:
+        _store_decoded(out_ptr, base, numel, x2, scale, sign_ptr, 2, SUB, SIGNS)
+        _store_decoded(out_ptr, base, numel, x3, scale, sign_ptr, 3, SUB, SIGNS)
+    if NSUB >= 8:
+        _store_decoded(out_ptr, base, numel, x4, scale, sign_ptr, 4, SUB, SIGNS)
+        _store_decoded(out_ptr, base, numel, x5, scale, sign_ptr, 5, SUB, SIGNS)
+        _store_decoded(out_ptr, base, numel, x6, scale, sign_ptr, 6, SUB, SIGNS)
+        _store_decoded(out_ptr, base, numel, x7, scale, sign_ptr, 7, SUB, SIGNS)
 
 
 @triton.jit
 def _sum_kernel(
     q_ptr, s_ptr, out_q_ptr, out_s_ptr, input_stride,
-    num_groups, gpc, chunk_bytes,
+    num_groups, gpc, chunk_bytes, used_bytes,
     P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, FMT: tl.constexpr, QMAX: tl.constexpr,
     DUAL: tl.constexpr, ADAPTIVE: tl.constexpr, EMULATE_ROUND: tl.constexpr,
 ):
@@ -346,6 +430,7 @@ def _sum_kernel(
     a, s, inv, bad = _scales(amax, sumsq, nonfinite, bad, G, QMAX, DUAL, ADAPTIVE)
     _store_payload(out_q_ptr, offs, z, a, inv, bad, g_mask[:, None], FMT, QMAX, DUAL, EMULATE_ROUND)
     _store_scales(out_s_ptr, g, g_mask, s, a, gpc, chunk_bytes, G, DUAL)
+    _store_padding(out_q_ptr, g, g_mask, gpc, chunk_bytes, used_bytes)
 
 
 # --- host side ---------------------------------------------------------------------------------
@@ -369,13 +454,13 @@ def _matrices(config: TacoConfig, device: torch.device):
     return _matrix_cache[key]
 
 
-def _launch(layout: WireLayout, config: TacoConfig) -> tuple[tuple, dict]:
-    """Grid and the launch arguments every kernel shares."""
-    g = config.group_size
-    bg = max(16, min(TUNING["block_elems"] // g, 256))
+@functools.lru_cache(maxsize=4096)
+def _launch(layout: WireLayout, group_size: int, block_elems: int) -> tuple[tuple, dict]:
+    """Grid and the launch arguments every kernel shares (cached: launches are on the hot path)."""
+    bg = max(16, min(block_elems // group_size, 256))
     grid = (triton.cdiv(layout.num_groups, bg),)
     return grid, dict(num_groups=layout.num_groups, gpc=layout.groups_per_chunk,
-                      chunk_bytes=layout.chunk_bytes, G=g, BG=bg)
+                      chunk_bytes=layout.chunk_bytes, G=group_size, BG=bg)
 
 
 def _dot_mode(exact_in_bf16: bool) -> int:
@@ -389,10 +474,10 @@ def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, con
     """Encode the flat tensor ``x`` into ``buffer``; same contract as the reference."""
     x = x.contiguous()
     h, signs = _matrices(config, x.device)
-    grid, common = _launch(layout, config)
+    grid, common = _launch(layout, config.group_size, TUNING["block_elems"])
     _compress_kernel[grid](
         x, buffer.view(PAYLOAD_DTYPES[config.format]), buffer.view(torch.float32), h, signs,
-        layout.numel, **common, SUB=min(config.group_size, SUB_MAX),
+        layout.numel, **common, used_bytes=layout.used_bytes, SUB=min(config.group_size, SUB_MAX),
         FMT=FMT_CODE[config.format], QMAX=config.qmax, HADAMARD=config.hadamard,
         SIGNS=config.random_signs, DUAL=config.scales == "dual", ADAPTIVE=config.adaptive_scale,
         ZERO_NONFINITE=config.nonfinite == "zero", DOT_MODE=_dot_mode(x.dtype == torch.bfloat16),
@@ -403,7 +488,7 @@ def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, con
 def decompress_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor) -> None:
     """Decode ``buffer`` into the flat contiguous tensor ``out``."""
     h, signs = _matrices(config, buffer.device)
-    grid, common = _launch(layout, config)
+    grid, common = _launch(layout, config.group_size, TUNING["block_elems"])
     _decompress_kernel[grid](
         buffer.view(PAYLOAD_DTYPES[config.format]), buffer.view(torch.float32), out, h, signs,
         layout.numel, **common, SUB=min(config.group_size, SUB_MAX),
@@ -414,11 +499,11 @@ def decompress_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig
 
 def sum_into(stacked: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor) -> None:
     """Dequantise, sum and requantise the P buffers of ``stacked`` [P, total_bytes] into ``out``."""
-    grid, common = _launch(layout, config)
+    grid, common = _launch(layout, config.group_size, TUNING["block_elems"])
     fmt_dtype = PAYLOAD_DTYPES[config.format]
     _sum_kernel[grid](
         stacked.view(fmt_dtype), stacked.view(torch.float32), out.view(fmt_dtype), out.view(torch.float32),
-        stacked.stride(0), **common, P=stacked.shape[0],
+        stacked.stride(0), **common, used_bytes=layout.used_bytes, P=stacked.shape[0],
         FMT=FMT_CODE[config.format], QMAX=config.qmax, DUAL=config.scales == "dual",
         ADAPTIVE=config.adaptive_scale, EMULATE_ROUND=_interpreting(), num_warps=TUNING["num_warps"],
     )
