@@ -1,14 +1,43 @@
 """taco_accel: tensor-parallel training for Hugging Face models with FP8-compressed TP communication."""
 
 from .codec import NonFiniteError, Packed, TacoConfig, calibrate, compress, decompress
+from .comm import all_gather, all_reduce, pop_comm_stats, reduce_scatter
+from .models import (
+    TPPlan,
+    calibrate_group_sizes,
+    from_pretrained,
+    parallelize,
+    register_plan,
+    save_pretrained,
+    supported_model_types,
+)
+from .tp import Compression
+from .parallel import ParallelDims, build_mesh
+from .integrations import TrainConfig, Trainer
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Compression",
     "NonFiniteError",
     "Packed",
+    "ParallelDims",
+    "TPPlan",
     "TacoConfig",
+    "TrainConfig",
+    "Trainer",
+    "all_gather",
+    "all_reduce",
+    "build_mesh",
     "calibrate",
+    "calibrate_group_sizes",
     "compress",
     "decompress",
+    "from_pretrained",
+    "parallelize",
+    "pop_comm_stats",
+    "reduce_scatter",
+    "register_plan",
+    "save_pretrained",
+    "supported_model_types",
 ]

@@ -61,7 +61,7 @@ def copy_bandwidth(device: torch.device) -> float:
     n = 2**30 if device.type == "cuda" else 2**26
     src = torch.randn(n // 4, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / timer(lambda: dst.copy_(src), device)
+    return 2 * src.numel() * 4 / timer(lambda: dst.copy_(src), device, graph=False)
 
 
 class Rotating:
@@ -184,22 +184,21 @@ def main(argv=None) -> None:
     print(f"\ncopy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write)")
     if cuda and not args.no_sweep:
         sweep(device, parse_size("64M"), copy_bw)
-    table = []
-    for numel, g in itertools.product(sizes, [int(v) for v in args.group_sizes.split(",")]):
-        for row in bench_case(numel, TacoConfig(group_size=g), DTYPES[args.dtype], device, peers):
-            table.append(dict(row, numel=numel, G=g))
     print(f"\n{args.dtype} input; us = median device time (CUDA graph replays); GB/s = (bytes read +"
           f" written) / that time; frac = of copy bandwidth; eager us = plain launches, host overhead included")
     print(f"{'elements':>9s} {'G':>4s} {'step':>10s} {'backend':>7s} {'us':>9s} {'GB/s':>7s} {'frac':>5s} {'eager us':>9s}"
-          + ("  speedup" if cuda else ""))
-    for row in table:
-        speed = ""
-        if cuda and row["backend"] == "triton":
-            other = next(r for r in table if r["numel"] == row["numel"] and r["G"] == row["G"] and r["step"] == row["step"] and r["backend"] == "torch")
-            speed = f"  {other['seconds'] / row['seconds']:6.1f}x"
-        gbs = row["bytes"] / row["seconds"] / 1e9
-        print(f"{row['numel'] / 2**20:8.2f}M {row['G']:4d} {row['step']:>10s} {row['backend']:>7s} "
-              f"{row['seconds'] * 1e6:9.1f} {gbs:7.0f} {gbs * 1e9 / copy_bw:5.2f} {row['eager'] * 1e6:9.1f}{speed}")
+          + ("  speedup" if cuda else ""), flush=True)
+    for numel, g in itertools.product(sizes, [int(v) for v in args.group_sizes.split(",")]):
+        rows = bench_case(numel, TacoConfig(group_size=g), DTYPES[args.dtype], device, peers)
+        for row in rows:  # printed per case, so a run cut short keeps what it measured
+            speed = ""
+            if cuda and row["backend"] == "triton":
+                other = next(r for r in rows if r["step"] == row["step"] and r["backend"] == "torch")
+                speed = f"  {other['seconds'] / row['seconds']:6.1f}x"
+            gbs = row["bytes"] / row["seconds"] / 1e9
+            print(f"{numel / 2**20:8.2f}M {g:4d} {row['step']:>10s} {row['backend']:>7s} "
+                  f"{row['seconds'] * 1e6:9.1f} {gbs:7.0f} {gbs * 1e9 / copy_bw:5.2f} {row['eager'] * 1e6:9.1f}{speed}",
+                  flush=True)
 
 
 if __name__ == "__main__":

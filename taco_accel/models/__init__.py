@@ -1,0 +1,23 @@
+"""Layer 4: per-architecture tensor-parallel plans, `parallelize`, and TP-aware checkpoints."""
+
+from .checkpoint import from_pretrained, gather_state_dict, save_pretrained
+from .parallelize import TPContext, calibrate_group_sizes, context_of, parallelize
+from .plan import AttentionDims, Colwise, EnterRegion, Rowwise, TPPlan, plan_for, register_plan, supported_model_types
+
+__all__ = [
+    "AttentionDims",
+    "Colwise",
+    "EnterRegion",
+    "Rowwise",
+    "TPContext",
+    "TPPlan",
+    "calibrate_group_sizes",
+    "context_of",
+    "from_pretrained",
+    "gather_state_dict",
+    "parallelize",
+    "plan_for",
+    "register_plan",
+    "save_pretrained",
+    "supported_model_types",
+]

@@ -1,0 +1,337 @@
+"""`parallelize`: rewrite a transformers causal LM in place into a tensor-parallel one."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch import nn
+
+from ..codec import TacoConfig
+from ..codec.config import GROUP_SIZES
+from ..tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from ..tp.mappings import register_grad_sum
+from ..tp.regions import EnterRegionHook, RegionEntry, RegionExit, SequenceGather, SequenceSplit, SequenceState
+from ..tp.sites import Compression, Site, SiteTable
+from ..tp.utils import ShardSpec, divide, group_rank, group_size
+from . import gpt2, llama, qwen  # noqa: F401  (register the built-in plans)
+from .loss import CausalLMLoss, LogitsMode
+from .plan import AttentionDims, Colwise, EnterRegion, Rowwise, TPPlan, plan_for
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TPContext:
+    """What `parallelize` did to a model, kept at ``model.taco``.
+
+    ``sites``: the communication sites (print it; ``save`` / ``load`` their group sizes).
+    ``logits``: ``"auto"`` (default: the lm head returns this rank's vocabulary slice when
+    ``labels`` are given, the full logits otherwise), ``"full"`` or ``"local"``.
+    """
+
+    plan: TPPlan
+    group: object
+    tp: int
+    rank: int
+    compression: Compression
+    sites: SiteTable
+    sequence: SequenceState
+    logits: str = "auto"
+    grad_sum_params: list[str] = field(default_factory=list)
+    _grad_sum_handles: list = field(default_factory=list, repr=False)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.sequence.enabled
+
+    def install_grad_sums(self, model: nn.Module) -> None:
+        """(Re)register the gradient sums of replicated parameters that see part of the data
+        (call again after replacing parameter objects, as `from_pretrained` does)."""
+        for handle in self._grad_sum_handles:
+            handle.remove()
+        params = [(name, model.get_parameter(name)) for name in self.grad_sum_params]
+        self._grad_sum_handles = [
+            register_grad_sum(param, Site(f"{self.short(name)}/grad", self.group, None))
+            for name, param in params
+            if param.requires_grad
+        ]
+
+    def short(self, name: str) -> str:
+        return _short(self.plan, name)
+
+
+def _short(plan: TPPlan, name: str) -> str:
+    """Site names drop the base model prefix: ``model.layers.3.mlp`` -> ``layers.3.mlp``."""
+    head = plan.embedding.split(".")[0] + "."
+    return name[len(head):] if name.startswith(head) else name
+
+
+def parallelize(
+    model: nn.Module,
+    tp: int | None = None,
+    compression: TacoConfig | Compression | dict | None = TacoConfig(),
+    sequence_parallel: bool = False,
+    device_mesh=None,
+) -> nn.Module:
+    """Make a transformers causal LM tensor parallel over ``tp`` ranks, in place; returns it.
+
+    Args:
+        model: a Qwen2/Qwen2.5, Qwen3, Llama, Mistral or GPT-2 causal LM with the same
+            weights on every rank (e.g. built with the same seed, or loaded on every rank; see
+            `taco_accel.from_pretrained` to load only the local slices). Parallelise first,
+            then move it to its device: only 1/tp of the weights remain.
+        tp: tensor-parallel degree. Default: the size of ``device_mesh``'s tp group, else the
+            world size. A tp smaller than the world size without a mesh makes groups of
+            consecutive ranks.
+        compression: codec settings of the TP collectives: a `TacoConfig` (both directions),
+            ``None`` (plain TP), a `Compression` or a dict ``{"forward": cfg|None,
+            "backward": cfg|None, "sites": {pattern: cfg|None}}``.
+        sequence_parallel: split the residual stream along the sequence between blocks
+            (norms and dropout on 1/tp of the tokens); training sequences must divide by tp.
+        device_mesh: a 1-D DeviceMesh, a DeviceMesh with a ``"tp"`` dimension, or a
+            ProcessGroup: the ranks that share this model's weights.
+    """
+    if getattr(model, "taco", None) is not None:
+        raise ValueError(
+            f"this model is already parallelised (tp={model.taco.tp}); call parallelize on a "
+            "fresh transformers model, or use it as it is"
+        )
+    plan = plan_for(model)
+    if plan.check is not None:
+        plan.check(model.config)
+    if tp is not None:
+        _check_tp(model, plan, tp)  # before any collective: wrong numbers fail fast
+    group, tp = _resolve_group(tp, device_mesh)
+    _check_tp(model, plan, tp)
+    compression = Compression.resolve(compression)
+    context = TPContext(
+        plan, group, tp, group_rank(group), compression, SiteTable(group, compression),
+        SequenceState(bool(sequence_parallel), tp),
+    )
+    _apply_plan(model, plan, context)
+    model.taco = context
+    logger.info(
+        "tensor parallel %s: tp=%d, sequence_parallel=%s, %d communication sites (%d compressed)",
+        plan.name, tp, context.sequence_parallel, len(context.sites), len(context.sites.group_sizes()),
+    )
+    return model
+
+
+def _resolve_group(tp: int | None, device_mesh) -> tuple[object, int]:
+    if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
+        raise ValueError(f"tp={tp!r} must be a positive int")
+    if device_mesh is not None:
+        group = _group_of(device_mesh)
+        size = group_size(group)
+        if tp is not None and tp != size:
+            raise ValueError(f"tp={tp} but the tp group of device_mesh has {size} ranks; pass tp=None or tp={size}")
+        return group, size
+    if not (dist.is_available() and dist.is_initialized()):
+        if tp in (None, 1):
+            return None, 1
+        raise ValueError(
+            f"tp={tp} needs torch.distributed: launch {tp} processes (torchrun --nproc-per-node "
+            f"{tp}, or accelerate launch) and call torch.distributed.init_process_group() first"
+        )
+    world = dist.get_world_size()
+    tp = world if tp is None else tp
+    if world % tp:
+        raise ValueError(f"tp={tp} does not divide the world size {world}; use a tp degree that divides {world}")
+    if tp == world:
+        return dist.group.WORLD, tp
+    group, _ = dist.new_subgroups(group_size=tp)  # consecutive ranks: tp is the innermost dim
+    return group, tp
+
+
+def _group_of(device_mesh):
+    if isinstance(device_mesh, dist.ProcessGroup):
+        return device_mesh
+    names = getattr(device_mesh, "mesh_dim_names", None) or ()
+    if device_mesh.ndim == 1:
+        return device_mesh.get_group()
+    if "tp" in names:
+        return device_mesh["tp"].get_group()
+    raise ValueError(f"device_mesh has dims {names or device_mesh.ndim}; pass a 1-D mesh or one with a 'tp' dim")
+
+
+def _check_tp(model: nn.Module, plan: TPPlan, tp: int) -> None:
+    """Compute every shard of the first layer, so that bad sizes raise before any change."""
+    dims = plan.dims(model.config)
+    divide(dims.num_heads, tp, "num_attention_heads")
+    layer = model.get_submodule(plan.layers)[0]
+    for name, style in plan.layer.items():
+        if not isinstance(style, EnterRegion):
+            _shard(style, layer.get_submodule(name), dims, tp, name)
+
+
+def _shard(style, module: nn.Module, dims: AttentionDims, tp: int, name: str) -> ShardSpec:
+    """The output (Colwise) or input (Rowwise) split of one linear."""
+    conv1d = not isinstance(module, nn.Linear)
+    in_features, out_features = module.weight.shape[::-1] if not conv1d else module.weight.shape
+    if isinstance(style, Rowwise):
+        return ShardSpec.even(in_features, tp, what=f"{name}.in_features")
+    if style.heads is None:
+        return ShardSpec.even(out_features, tp, what=f"{name}.out_features")
+    if style.heads == "q":
+        block = ShardSpec.even(dims.num_heads, tp, what="num_attention_heads").scaled(dims.head_dim)
+    else:
+        block = ShardSpec.heads(dims.num_kv_heads, dims.head_dim, tp, what="num_key_value_heads")
+    return ShardSpec.concat([block] * style.fused)
+
+
+class _Rewrite:
+    """The module swaps and hooks of one `parallelize` call, collected before any is applied
+    (so that an error leaves the model untouched); sites are created in forward order."""
+
+    def __init__(self, model: nn.Module, plan: TPPlan, ctx: TPContext) -> None:
+        self.model, self.plan, self.ctx = model, plan, ctx
+        self.dims = plan.dims(model.config)
+        self.sp = ctx.sequence if ctx.sequence.enabled else None  # None: no sequence sites at all
+        self.swaps: list[tuple[str, nn.Module]] = []
+        self.pre_hooks: list[tuple[nn.Module, object]] = []
+        self.post_hooks: list[tuple[nn.Module, object]] = []
+
+    def site(self, name: str, direction: str) -> Site:
+        return self.ctx.sites.site(f"{self.ctx.short(name)}/{direction}")
+
+    def embedding(self) -> VocabParallelEmbedding:
+        name = self.plan.embedding
+        new = VocabParallelEmbedding.from_module(
+            self.model.get_submodule(name), group=self.ctx.group, reduce=RegionExit(self.site(name, "fwd"))
+        )
+        self.swaps.append((name, new))
+        return new
+
+    def layers(self) -> None:
+        layers, plan, ctx = self.model.get_submodule(self.plan.layers), self.plan, self.ctx
+        if self.sp is not None:
+            self.pre_hooks.append((layers[0], SequenceSplit(self.site(f"{plan.layers}.0", "bwd"), self.sp)))
+        local_q, local_kv = self.dims.num_heads // ctx.tp, max(self.dims.num_kv_heads // ctx.tp, 1)
+        for index, layer in enumerate(layers):
+            for rel, style in plan.layer.items():
+                self.layer_module(f"{plan.layers}.{index}.{rel}", layer.get_submodule(rel), style)
+            plan.set_local_heads(layer.get_submodule(plan.attention), local_q, local_kv)
+        if self.sp is not None:
+            final_norm = self.model.get_submodule(plan.final_norm)
+            self.post_hooks.append((final_norm, SequenceGather(self.site(plan.final_norm, "fwd"), self.sp)))
+
+    def layer_module(self, name: str, module: nn.Module, style) -> None:
+        group, rel = self.ctx.group, name.rsplit(".", 1)[-1]
+        if isinstance(style, EnterRegion):
+            fwd = self.site(name, "fwd") if self.sp else None
+            self.pre_hooks.append((module, EnterRegionHook(RegionEntry(fwd, self.site(name, "bwd"), self.sp))))
+        elif isinstance(style, Colwise):
+            shard = _shard(style, module, self.dims, self.ctx.tp, rel)
+            replicas = Site(f"{self.ctx.short(name)}/replica_grad", group, None) if shard.replicas > 1 else None
+            new = ColumnParallelLinear.from_module(module, shard=shard, group=group, replica_site=replicas)
+            self.swaps.append((name, new))
+        elif isinstance(style, Rowwise):
+            reduce = RegionExit(self.site(name, "fwd"), self.site(name, "bwd") if self.sp else None, self.sp)
+            shard = _shard(style, module, self.dims, self.ctx.tp, rel)
+            self.swaps.append((name, RowParallelLinear.from_module(module, shard=shard, group=group, reduce=reduce)))
+        else:
+            raise TypeError(f"unknown plan style {style!r} for {name}")
+
+    def lm_head(self, embedding: VocabParallelEmbedding) -> ColumnParallelLinear:
+        """Split like the embedding (the same parameter when tied); full logits on request."""
+        name, group = self.plan.lm_head, self.ctx.group
+        head = self.model.get_submodule(name)
+        tied = head.weight is self.model.get_submodule(self.plan.embedding).weight
+        new = ColumnParallelLinear.from_module(
+            head, shard=embedding.shard, group=group, entry=RegionEntry(None, self.site(name, "bwd")),
+            gather=Site(f"{name}/logits", group, None),
+        )
+        if tied:
+            new.weight = embedding.weight
+        self.swaps.append((name, new))
+        return new
+
+    def apply(self) -> None:
+        for name, new in self.swaps:
+            parent, _, attr = name.rpartition(".")
+            setattr(self.model.get_submodule(parent) if parent else self.model, attr, new)
+        for module, hook in self.pre_hooks:
+            module.register_forward_pre_hook(hook, with_kwargs=True)
+        for module, hook in self.post_hooks:
+            module.register_forward_hook(hook)
+
+
+def _apply_plan(model: nn.Module, plan: TPPlan, ctx: TPContext) -> None:
+    """Swap the modules named by the plan, add the hooks, install the loss."""
+    rewrite = _Rewrite(model, plan, ctx)
+    embedding = rewrite.embedding()
+    rewrite.layers()
+    head = rewrite.lm_head(embedding)
+    rewrite.apply()
+
+    ctx.grad_sum_params = _partial_grad_params(model, plan, ctx)
+    ctx.install_grad_sums(model)
+    loss = CausalLMLoss(head, Site("loss/lse", ctx.group, None), getattr(model, "_loss_function", None))
+    try:
+        model.loss_function = loss
+    except AttributeError:  # a transformers without the setter reads _loss_function first
+        model._loss_function = loss
+    model.register_forward_pre_hook(LogitsMode(model, head, ctx), with_kwargs=True)
+
+
+def _partial_grad_params(model: nn.Module, plan: TPPlan, ctx: TPContext) -> list[str]:
+    """Replicated parameters whose gradient each rank computes from part of the data.
+
+    Inside a block's TP region (e.g. Qwen3's q_norm / k_norm on the local heads), and with
+    sequence parallelism everything replicated between the split and the final gather (norms,
+    row-parallel biases). Their gradients are summed over the group during backward.
+    """
+    if ctx.tp == 1:
+        return []
+    sharded = set()
+    for module in model.modules():
+        for pname in getattr(module, "shards", {}):
+            if getattr(module, pname, None) is not None:
+                sharded.add(id(getattr(module, pname)))
+    parallel = {
+        id(p) for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for p in m.parameters()
+    }
+    if ctx.sequence.enabled:
+        scopes = [f"{plan.layers}.", f"{plan.final_norm}."]
+    else:
+        regions = [rel for rel, style in plan.layer.items() if isinstance(style, EnterRegion)]
+        scopes = [f"{plan.layers}.{i}.{rel}." for i in range(len(model.get_submodule(plan.layers))) for rel in regions]
+    names = []
+    for name, param in model.named_parameters():
+        if id(param) in sharded or not any(name.startswith(s) for s in scopes):
+            continue
+        if ctx.sequence.enabled or id(param) not in parallel:
+            names.append(name)
+    return names
+
+
+@contextmanager
+def calibrate_group_sizes(model: nn.Module, candidates=GROUP_SIZES, tolerance: float = 0.05, max_elements: int = 2**16):
+    """Data-driven reshaping: while the block runs (a few training steps), every compressed
+    site keeps a sample of what it sends; on exit each site's group size is picked with
+    `codec.calibrate` (the smallest choice over the ranks) and applied. Yields the `SiteTable`::
+
+        with taco_accel.calibrate_group_sizes(model):
+            for batch in first_batches:
+                model(**batch).loss.backward()
+        print(model.taco.sites)
+        model.taco.sites.save("group_sizes.json")
+    """
+    sites = context_of(model).sites
+    sites.start_recording(max_elements)
+    try:
+        yield sites
+    except BaseException:
+        sites.stop_recording()
+        raise
+    sites.calibrate(candidates, tolerance)
+
+
+def context_of(model: nn.Module) -> TPContext:
+    ctx = getattr(model, "taco", None)
+    if not isinstance(ctx, TPContext):
+        raise ValueError(f"{type(model).__name__} is not parallelised; call taco_accel.parallelize(model) first")
+    return ctx

@@ -1,0 +1,160 @@
+"""Data parallelism over the mesh's dp axis, and what needs the whole mesh: gradient clipping
+and the gradient of a tied embedding split across pipeline stages.
+
+`apply_dp` wraps one pipeline stage: DDP (every replica holds the whole stage and all-reduces
+gradients over dp) or FSDP2 (``fully_shard`` per decoder layer and at the root: parameters,
+gradients and optimizer state sharded over dp). The TP collectives inside a stage run on the
+tp group and are untouched: DDP and FSDP only ever see the dp group.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .stage import StageModule
+
+logger = logging.getLogger(__name__)
+
+
+def apply_dp(stage: StageModule, mesh: DeviceMesh, mode: str = "ddp", *, param_dtype: torch.dtype | None = None) -> nn.Module:
+    """Prepare ``stage`` for data parallelism over ``mesh["dp"]``; returns the module to run.
+
+    ``"ddp"`` returns ``stage`` itself: its gradients are averaged over dp once per step by
+    `DataParallelGradSync`, after the pipeline schedule (Megatron's DDP does the same with
+    pipelining: there is nothing to overlap before the last micro-batch anyway). torch's
+    DistributedDataParallel is not used: under pipelining with TP hooks its reducer counts
+    parameters twice and fails in ``_rebuild_buckets``. ``"fsdp"`` applies FSDP2
+    (``fully_shard`` per decoder layer, then the stage); ``param_dtype`` (e.g. bf16) is its
+    compute dtype. dp=1 returns ``stage``.
+    """
+    dp_mesh = mesh["dp"]
+    if mode not in ("ddp", "fsdp"):
+        raise ValueError(f"data-parallel mode {mode!r} is not supported; use 'ddp' or 'fsdp'")
+    if dp_mesh.size() == 1 or mode == "ddp":
+        if dp_mesh.size() > 1:
+            logger.info("applied data parallelism (ddp, gradients averaged after each step) over %d replicas",
+                        dp_mesh.size())
+        return stage
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for _, layer in stage.layer_items():
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
+    wrapped = fully_shard(stage, mesh=dp_mesh, mp_policy=mp)
+    logger.info("applied data parallelism (fsdp) over %d replicas", dp_mesh.size())
+    return wrapped
+
+
+class DataParallelGradSync:
+    """Average the gradients of ``stages`` over the dp group: one all-reduce per bucket of
+    about ``bucket_bytes`` (flattened per dtype). Call after backward, before clipping."""
+
+    def __init__(self, stages: list[StageModule], mesh: DeviceMesh, bucket_bytes: int = 64 * 2**20):
+        self.group, self.size = mesh["dp"].get_group(), mesh["dp"].size()
+        self.params = [p for s in stages for p in s.parameters() if p.requires_grad]
+        self.bucket_bytes = bucket_bytes
+
+    def _buckets(self):
+        bucket, nbytes = [], 0
+        for p in self.params:
+            if bucket and (p.grad.dtype != bucket[0].dtype or nbytes >= self.bucket_bytes):
+                yield bucket
+                bucket, nbytes = [], 0
+            bucket.append(p.grad)
+            nbytes += p.grad.numel() * p.grad.element_size()
+        if bucket:
+            yield bucket
+
+    def __call__(self) -> None:
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        for p in self.params:  # a parameter unused on this replica still takes part
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for grads in self._buckets():
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.group)
+            flat.div_(self.size)
+            for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(synced)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def grad_norm_sq(stages: list[StageModule], mesh: DeviceMesh, dp_mode: str) -> torch.Tensor:
+    """This rank's share of the squared global gradient norm, such that summing it over every
+    rank of the mesh gives the norm of the unsharded model's gradient (each parameter counted
+    once): a parameter held by r tp ranks counts 1/r (``stage.tp_replicas``, tp when unknown),
+    DDP replicas 1/dp, the tied head copy (``stage.norm_skip_names``) 0."""
+    tp, dp = mesh["tp"].size(), mesh["dp"].size()
+    total = torch.zeros((), dtype=torch.float64)
+    for stage in stages:
+        skip = getattr(stage, "norm_skip_names", set())
+        replicas = getattr(stage, "tp_replicas", {})
+        for name, p in stage.named_parameters():
+            if p.grad is None or name in skip:
+                continue
+            sq = _local(p.grad).detach().double().pow(2).sum().cpu()
+            total += sq / replicas.get(name, tp)
+    return total / (dp if dp_mode == "ddp" else 1)
+
+
+def clip_grad_norm_(stages: list[StageModule], mesh: DeviceMesh, max_norm: float, dp_mode: str = "ddp") -> float:
+    """Clip all gradients of the model by their norm over the whole pp x dp x tp mesh.
+
+    A collective over all ranks (one scalar all-reduce). Returns the total norm before clipping.
+    ``max_norm <= 0`` only measures.
+    """
+    device = next(p for s in stages for p in s.parameters()).device
+    total = grad_norm_sq(stages, mesh, dp_mode).to(device)
+    dist.all_reduce(total)  # the default group spans the mesh
+    norm = math.sqrt(total.item())
+    if max_norm > 0 and norm > max_norm:
+        coef = max_norm / (norm + 1e-6)
+        for stage in stages:
+            for p in stage.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+    return norm
+
+
+class TiedEmbeddingSync:
+    """Keeps a tied embedding and head equal when they live on different pipeline stages.
+
+    Megatron's embedding group: after backward, the embedding (first stage) and the head copy
+    (last stage) of the same (dp, tp) coordinate add their gradients, so both take the same
+    optimizer step. Build it on every rank (it creates process groups).
+    """
+
+    def __init__(self, stages: list[StageModule], mesh: DeviceMesh, first_param: nn.Parameter | None,
+                 last_param: nn.Parameter | None):
+        self.first, self.last = first_param, last_param
+        self.group = None
+        pp = mesh["pp"].size()
+        if pp > 1:
+            ranks = mesh.mesh  # (pp, dp, tp) tensor of global ranks
+            me = dist.get_rank()
+            for d in range(ranks.shape[1]):
+                for t in range(ranks.shape[2]):
+                    pair = [int(ranks[0, d, t]), int(ranks[pp - 1, d, t])]
+                    group = dist.new_group(pair)
+                    if me in pair:
+                        self.group = group
+
+    def __call__(self) -> None:
+        if self.first is not None and self.last is not None:  # both on this rank
+            total = self.first.grad + self.last.grad
+            self.first.grad.copy_(total)
+            self.last.grad.copy_(total)
+        elif self.group is not None:
+            p = self.first if self.first is not None else self.last
+            if p is not None and p.grad is not None:
+                dist.all_reduce(_local(p.grad), group=self.group)

@@ -1,0 +1,156 @@
+"""The one device mesh of a run: ``("pp", "dp", "tp")``, pipeline outermost, tensor innermost.
+
+Tensor parallelism is innermost so that its two all-reduces per layer and direction stay inside
+a node (NVLink); pipeline parallelism is outermost because it only sends one activation per
+micro-batch to the next stage. The sizes come from arguments or from the environment that
+``accelerate launch`` sets (`ParallelDims.from_env`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+logger = logging.getLogger(__name__)
+
+MESH_DIMS = ("pp", "dp", "tp")
+DP_MODES = ("ddp", "fsdp")
+PP_ENV = "TACO_PP_SIZE"
+DP_MODE_ENV = "TACO_DP_MODE"
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an int >= 1")
+    return value
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the three parallel axes; their product is the world size.
+
+    Args:
+        pp: pipeline stages (outermost mesh axis). Default 1.
+        dp: data-parallel replicas (middle axis). Default 1.
+        tp: tensor-parallel ranks (innermost axis). Default 1.
+        dp_mode: how the dp axis reduces gradients: ``"ddp"`` (default: every replica keeps
+            all parameters, gradients are all-reduced) or ``"fsdp"`` (FSDP2: parameters,
+            gradients and optimizer state are sharded over dp).
+    """
+
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+    dp_mode: str = "ddp"
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "dp", "tp"):
+            _positive_int(f"ParallelDims.{name}", getattr(self, name))
+        if self.dp_mode not in DP_MODES:
+            raise ValueError(f"ParallelDims.dp_mode={self.dp_mode!r} is not supported; use one of {DP_MODES}")
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """``{"pp": i, "dp": j, "tp": k}`` of a global rank (row-major over MESH_DIMS)."""
+        return {"pp": rank // (self.dp * self.tp), "dp": rank // self.tp % self.dp, "tp": rank % self.tp}
+
+    def __str__(self) -> str:
+        return f"pp={self.pp} x dp={self.dp} ({self.dp_mode}) x tp={self.tp}"
+
+    @classmethod
+    def from_env(cls, world_size: int | None = None, *, pp: int | None = None, dp: int | None = None,
+                 tp: int | None = None, dp_mode: str | None = None) -> "ParallelDims":
+        """Sizes from explicit values, else from the environment of ``accelerate launch``.
+
+        tp comes from ``PARALLELISM_CONFIG_TP_SIZE``; dp from ``PARALLELISM_CONFIG_DP_SHARD_SIZE``
+        (FSDP) or ``PARALLELISM_CONFIG_DP_REPLICATE_SIZE`` (DDP); pp from ``TACO_PP_SIZE``.
+        Accelerate's ParallelismConfig has no pipeline axis, so when pp is not given the
+        processes that Accelerate's sizes leave unclaimed form the pipeline: a config with
+        tp_size=4 on 8 processes runs pp=2. Any axis still unknown takes the remaining factor
+        of the world size, dp first.
+        """
+        world_size = world_size or (dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1")))
+        env = os.environ
+        uses_accelerate = env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true"
+        if tp is None and "PARALLELISM_CONFIG_TP_SIZE" in env:
+            tp = int(env["PARALLELISM_CONFIG_TP_SIZE"])
+        if pp is None and PP_ENV in env:
+            pp = int(env[PP_ENV])
+        if dp_mode is None:
+            dp_mode = env.get(DP_MODE_ENV)
+        shard = int(env.get("PARALLELISM_CONFIG_DP_SHARD_SIZE", "1"))
+        replicate = int(env.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1"))
+        if shard > 1 and replicate > 1:
+            raise ValueError(
+                f"PARALLELISM_CONFIG_DP_SHARD_SIZE={shard} with DP_REPLICATE_SIZE={replicate} (HSDP) is not "
+                "supported by taco_accel; set one of them to 1"
+            )
+        if dp is None and uses_accelerate:
+            dp = shard * replicate
+            if dp_mode is None and shard > 1:
+                dp_mode = "fsdp"
+        tp = tp or 1
+        if dp is None and pp is None:
+            pp = 1
+        if pp is None:
+            pp, rest = divmod(world_size, dp * tp)
+            if rest or pp < 1:
+                raise ValueError(f"dp={dp} x tp={tp} does not divide the world size {world_size}")
+            if pp > 1:
+                logger.info("the parallelism config covers %d of %d processes: pp=%d takes the rest", dp * tp, world_size, pp)
+        if dp is None:
+            dp, rest = divmod(world_size, pp * tp)
+            if rest or dp < 1:
+                raise ValueError(f"pp={pp} x tp={tp} does not divide the world size {world_size}")
+        dims = cls(pp=pp, dp=dp, tp=tp, dp_mode=dp_mode or "ddp")
+        if dims.world_size != world_size:
+            raise ValueError(
+                f"{dims} needs {dims.world_size} processes but the world size is {world_size}; "
+                "change --pp/--dp/--tp (or TACO_PP_SIZE / the accelerate config) to multiply to it"
+            )
+        return dims
+
+
+def default_device() -> torch.device:
+    """This process's device: ``cuda:LOCAL_RANK`` with GPUs, else the CPU."""
+    if torch.cuda.is_available():
+        index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def build_mesh(dims: ParallelDims, device_type: str | None = None) -> DeviceMesh:
+    """The ``("pp", "dp", "tp")`` DeviceMesh over all ranks (a collective: call it on every rank).
+
+    Initialises the default process group (NCCL with GPUs, gloo without) when needed.
+    """
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not dist.is_initialized():
+        if dims.world_size == 1:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("RANK", "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    if dist.get_world_size() != dims.world_size:
+        raise ValueError(f"{dims} needs {dims.world_size} processes; this run has {dist.get_world_size()}")
+    mesh = init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=MESH_DIMS)
+    logger.info("device mesh %s on %d %s process(es)", dims, dims.world_size, device_type)
+    return mesh
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

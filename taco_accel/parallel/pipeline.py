@@ -1,0 +1,184 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``: split, prune, schedule.
+
+torchtitan's recipe, for transformers models: every rank builds the whole model, keeps the
+layers of its own stage(s) and drops the rest (`prune_to_stage`), so layer indices and
+state_dict keys survive (``model.layers.7.*`` stays ``model.layers.7.*`` on whichever stage owns
+layer 7). The first stage keeps the embedding, the last the final norm and the head; the loss
+is computed on the last stage by the schedule.
+
+Stage ``s`` of ``pp * v`` lives on pipeline rank ``s % pp`` ("looped" placement), so with
+``v = stages_per_rank > 1`` every rank holds v non-adjacent stages (interleaved schedules).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .stage import StageModule, family_of
+
+logger = logging.getLogger(__name__)
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+def stage_costs(config, seq_len: int = 2048) -> tuple[float, float]:
+    """(embedding cost, head cost) in decoder-layer units, for `split_layers`.
+
+    A layer costs about ``24 h^2 + 4 s h`` forward FLOPs per token (dense MLP of 4h assumed
+    when the config has no intermediate size), the head ``2 h V`` plus the loss. The embedding
+    lookup is cheap in FLOPs but holds as many parameters (and optimizer state) as the head:
+    it counts as one layer, as in torchtitan.
+    """
+    h = config.hidden_size
+    inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
+    mlp_matrices = 3 if getattr(config, "model_type", "") != "gpt2" else 2
+    layer = 2 * (4 * h * h + mlp_matrices * h * inter) + 4 * seq_len * h
+    head = 2 * h * config.vocab_size
+    return 1.0, max(head / layer, 0.25)
+
+
+def split_layers(num_layers: int, num_stages: int, embed_cost: float = 1.0, head_cost: float = 1.0) -> list[range]:
+    """Contiguous layer ranges, one per stage, minimising the most expensive stage.
+
+    The first stage also pays ``embed_cost`` and the last ``head_cost`` (in layer units).
+    Every stage gets at least one layer.
+    """
+    if num_stages < 1 or num_layers < num_stages:
+        raise ValueError(
+            f"cannot split {num_layers} layers into {num_stages} pipeline stages (each needs a layer); "
+            "lower pp (or stages_per_rank) or use a deeper model"
+        )
+    # dp[k][i]: best max-cost splitting the first i layers into k stages (k-th stage ends at i)
+    inf = float("inf")
+
+    def cost(k: int, lo: int, hi: int) -> float:
+        return (hi - lo) + (embed_cost if k == 0 else 0.0) + (head_cost if k == num_stages - 1 else 0.0)
+
+    best = [[inf] * (num_layers + 1) for _ in range(num_stages)]
+    cut = [[0] * (num_layers + 1) for _ in range(num_stages)]
+    for i in range(1, num_layers + 1):
+        best[0][i] = cost(0, 0, i)
+    for k in range(1, num_stages):
+        for i in range(k + 1, num_layers + 1):
+            for j in range(k, i):
+                value = max(best[k - 1][j], cost(k, j, i))
+                if value < best[k][i] - 1e-12:  # ties keep the earliest cut: later stages get more
+                    best[k][i], cut[k][i] = value, j
+    bounds, i = [num_layers], num_layers
+    for k in range(num_stages - 1, 0, -1):
+        i = cut[k][i]
+        bounds.append(i)
+    bounds.append(0)
+    bounds.reverse()
+    return [range(bounds[k], bounds[k + 1]) for k in range(num_stages)]
+
+
+def _shallow(module: nn.Module) -> nn.Module:
+    """A new module object sharing parameters and children, with its own child dicts."""
+    clone = copy.copy(module)
+    clone._modules = dict(module._modules)
+    clone._parameters = dict(module._parameters)
+    clone._buffers = dict(module._buffers)
+    return clone
+
+
+def prune_to_stage(model: nn.Module, layers: range, is_first: bool, is_last: bool) -> nn.Module:
+    """A view of ``model`` that holds only ``layers`` (a ModuleDict keyed by global index), the
+    embedding if ``is_first`` and the final norm and head if ``is_last``. ``model`` itself is
+    left intact; the view shares its parameters."""
+    fam = family_of(model)
+    top = _shallow(model)
+    base = _shallow(getattr(model, fam.base))
+    setattr(top, fam.base, base)
+    full = getattr(base, fam.layers)
+    setattr(base, fam.layers, nn.ModuleDict({str(i): full[i] for i in layers}))
+    if not is_first:
+        for name in (fam.embed, fam.position_embed):
+            if name:
+                setattr(base, name, None)
+    if not is_last:
+        setattr(base, fam.norm, None)
+        top.lm_head = None
+    if is_last and not is_first and is_tied(model):
+        # The head of a tied model lives on another rank than the embedding: give it its own
+        # copy, kept equal by `TiedEmbeddingSync` (Megatron's embedding group).
+        top.lm_head = _shallow(model.lm_head)
+        top.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+    return top
+
+
+def is_tied(model: nn.Module) -> bool:
+    """Whether the head shares its weight with the token embedding."""
+    fam = family_of(model)
+    embed = getattr(getattr(model, fam.base), fam.embed, None)
+    head = getattr(model, "lm_head", None)
+    return embed is not None and head is not None and head.weight is embed.weight
+
+
+@dataclass
+class PipelinePlan:
+    """Which stages this rank runs: ``stage_ids`` and their ``StageModule``s, in order."""
+
+    num_stages: int
+    stage_ids: list[int]
+    modules: list[StageModule]
+    layer_ranges: list[range]
+
+
+def apply_pp(model: nn.Module, mesh: DeviceMesh, stages_per_rank: int = 1, *, seq_len: int = 2048,
+             sequence_parallel: bool = False) -> PipelinePlan:
+    """Split ``model`` into ``pp * stages_per_rank`` stages; return the ones of this rank.
+
+    With pp=1 and one stage per rank this is the whole model as one `StageModule`. With
+    ``sequence_parallel`` the activations sent between stages hold 1/tp of the tokens.
+    """
+    pp, pp_rank = mesh["pp"].size(), mesh["pp"].get_local_rank()
+    num_stages = pp * stages_per_rank
+    embed_cost, head_cost = stage_costs(model.config, seq_len)
+    ranges = split_layers(model.config.num_hidden_layers, num_stages, embed_cost, head_cost)
+    stage_ids = list(range(pp_rank, num_stages, pp))
+    modules = []
+    for s in stage_ids:
+        first, last = s == 0, s == num_stages - 1
+        view = model if num_stages == 1 else prune_to_stage(model, ranges[s], first, last)
+        seq_split = mesh["tp"].size() if sequence_parallel else 1
+        modules.append(StageModule(view, is_first=first, is_last=last, seq_split=seq_split))
+    logger.info(
+        "applied pipeline parallelism: %d stage(s), layers per stage %s, this rank runs stage(s) %s",
+        num_stages, [len(r) for r in ranges], stage_ids,
+    )
+    return PipelinePlan(num_stages, stage_ids, modules, ranges)
+
+
+def build_schedule(name: str, stages: list, n_microbatches: int, loss_fn):
+    """A ``torch.distributed.pipelining`` schedule over this rank's ``PipelineStage``s.
+
+    ``"gpipe"``: all forwards then all backwards; ``"1f1b"``: one forward one backward in the
+    steady state (less activation memory); ``"interleaved_1f1b"``: 1F1B over several stages
+    per rank (smaller bubble; needs ``stages_per_rank > 1``).
+    """
+    from torch.distributed import pipelining as pl
+
+    if name not in SCHEDULES:
+        raise ValueError(f"pipeline schedule {name!r} is not supported; use one of {SCHEDULES}")
+    if name == "interleaved_1f1b":
+        return pl.ScheduleInterleaved1F1B(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
+    if len(stages) != 1:
+        raise ValueError(f"schedule {name!r} runs one stage per rank, got {len(stages)}; use interleaved_1f1b")
+    cls = pl.ScheduleGPipe if name == "gpipe" else pl.Schedule1F1B
+    return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
+
+
+def make_pipeline_stages(modules: list[nn.Module], stage_ids: list[int], num_stages: int, mesh: DeviceMesh,
+                         device: torch.device) -> list:
+    """Wrap each (possibly DP-wrapped) stage module in a ``PipelineStage`` over the pp group."""
+    from torch.distributed.pipelining import PipelineStage
+
+    group = mesh["pp"].get_group()
+    return [PipelineStage(m, s, num_stages, device, group=group) for m, s in zip(modules, stage_ids)]

@@ -1,0 +1,133 @@
+"""A pipeline stage of a transformers causal LM: embed (first) -> its layers -> norm + head (last).
+
+`StageModule` runs one contiguous slice of a (possibly pruned) transformers model. Only the
+hidden states travel between stages; each stage rebuilds what the decoder layers also need
+(position ids, rotary position embeddings, the causal mask) from the hidden states' shape, as
+``Qwen2Model.forward`` does, so nothing model-specific crosses the wire. Parameter names stay
+those of the transformers model (``model.layers.3.mlp.down_proj.weight``): a stage's
+state_dict is a subset of the full model's.
+
+The text is packed (no padding), so the mask is purely causal and positions are ``0..s-1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where the parts of one transformers architecture family live (attribute paths)."""
+
+    base: str  # the decoder model inside the causal LM ("model" or "transformer")
+    embed: str  # token embedding, inside base
+    layers: str  # ModuleList of decoder layers, inside base
+    norm: str  # final norm, inside base
+    position_embed: str | None = None  # learned absolute positions (GPT-2 "wpe")
+    dropout: str | None = None  # embedding dropout (GPT-2 "drop")
+    rotary: str | None = None  # rotary embedding module (Llama-likes "rotary_emb")
+
+
+LLAMA_LIKE = Family(base="model", embed="embed_tokens", layers="layers", norm="norm", rotary="rotary_emb")
+GPT2 = Family(base="transformer", embed="wte", layers="h", norm="ln_f", position_embed="wpe", dropout="drop")
+FAMILIES = {"qwen2": LLAMA_LIKE, "qwen3": LLAMA_LIKE, "llama": LLAMA_LIKE, "mistral": LLAMA_LIKE, "gpt2": GPT2}
+
+
+def family_of(model: nn.Module) -> Family:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in FAMILIES:
+        raise ValueError(f"model_type={model_type!r} has no pipeline stage layout; supported: {sorted(FAMILIES)}")
+    return FAMILIES[model_type]
+
+
+def _mask_fns():
+    from transformers import masking_utils
+
+    return masking_utils.create_causal_mask, getattr(masking_utils, "create_sliding_window_causal_mask", None)
+
+
+def causal_masks(config, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict:
+    """The causal mask(s) of a packed batch, keyed by layer type, as the HF model builds them."""
+    full, sliding = _mask_fns()
+    # the 4th argument is the KV cache, named past_key_values in transformers < 5.20 and cache after
+    masks = {"full_attention": full(config, hidden, None, None, position_ids=position_ids)}
+    if sliding is not None and "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        masks["sliding_attention"] = sliding(config, hidden, None, None, position_ids=position_ids)
+    return masks
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss of full-vocabulary logits ``(b, s, V)`` against ``labels (b, s)``."""
+    return nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
+class StageModule(nn.Module):
+    """Runs the layers ``model`` still holds, plus the embedding on the first stage and the
+    final norm and head on the last.
+
+    ``forward(x)``: x is ``input_ids (b, s)`` on the first stage, hidden states ``(b, s, h)``
+    elsewhere; returns hidden states, or logits ``(b, s, V/tp)`` on the last stage.
+    """
+
+    def __init__(self, model: nn.Module, is_first: bool = True, is_last: bool = True, seq_split: int = 1):
+        super().__init__()
+        self.model = model  # the (pruned) transformers causal LM; its keys stay HF keys
+        self.family = family_of(model)
+        self.is_first, self.is_last = is_first, is_last
+        # with sequence parallelism the hidden states between stages hold 1/tp of the tokens
+        self.seq_split = seq_split
+
+    # -- parts ------------------------------------------------------------------------------
+    def _base(self) -> nn.Module:
+        return getattr(self.model, self.family.base)
+
+    def _layers(self):
+        return getattr(self._base(), self.family.layers)
+
+    def _layer_ids(self) -> list[int]:
+        layers = self._layers()
+        if isinstance(layers, nn.ModuleDict):
+            return sorted(int(k) for k in layers.keys())
+        return list(range(len(layers)))
+
+    def layer_items(self) -> list[tuple[int, nn.Module]]:
+        """``(global layer index, layer)`` for the layers of this stage, in order."""
+        layers = self._layers()
+        return [(i, layers[str(i)] if isinstance(layers, nn.ModuleDict) else layers[i]) for i in self._layer_ids()]
+
+    # -- forward ----------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base, fam, config = self._base(), self.family, self.model.config
+        if self.is_first:
+            input_ids = x  # (b, s)
+            x = getattr(base, fam.embed)(input_ids)  # (b, s, h)
+            seq = input_ids.shape[1]
+        else:
+            seq = x.shape[1] * self.seq_split  # x: (b, s/seq_split, h)
+            if self.seq_split > 1:  # layer 0's hook starts sequence parallelism; it ran elsewhere
+                self.model.taco.sequence.begin(seq)
+        position_ids = torch.arange(seq, device=x.device).unsqueeze(0)  # (1, s)
+        if self.is_first and fam.position_embed:
+            x = x + getattr(base, fam.position_embed)(position_ids)
+        if self.is_first and fam.dropout:
+            x = getattr(base, fam.dropout)(x)
+        layer_items = self.layer_items()
+        if layer_items:
+            full = x if x.shape[1] == seq else x[:, :1].expand(-1, seq, -1)  # (b, s, h) shape, no copy
+            masks = causal_masks(config, full, position_ids)
+            kwargs = {"position_ids": position_ids}
+            if fam.rotary:
+                kwargs["position_embeddings"] = getattr(base, fam.rotary)(full, position_ids)
+            layer_types = getattr(config, "layer_types", None)
+            for i, layer in layer_items:
+                mask = masks[layer_types[i]] if layer_types else masks["full_attention"]
+                x = layer(x, attention_mask=mask, **kwargs)
+                if isinstance(x, tuple):  # older layer forwards return (hidden_states, ...)
+                    x = x[0]
+        if self.is_last:
+            x = getattr(base, fam.norm)(x)
+            x = self.model.lm_head(x)  # (b, s, V/tp)
+        return x

@@ -1,0 +1,43 @@
+"""Layer 3: Megatron-style tensor parallelism over the compressed collectives of `taco_accel.comm`.
+
+utils (who holds what) -> sites (names and codec settings) -> mappings (autograd functions)
+-> regions (entering / leaving the TP region, sequence parallelism) -> layers, cross_entropy.
+"""
+
+from .cross_entropy import vocab_parallel_cross_entropy
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .mappings import (
+    copy_to_tp_region,
+    gather_from_sp_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sp_region,
+    register_grad_sum,
+    scatter_to_sp_region,
+    sum_replica_grads,
+)
+from .regions import RegionEntry, RegionExit, SequenceState
+from .sites import Compression, Site, SiteTable
+from .utils import ShardSpec
+
+__all__ = [
+    "ColumnParallelLinear",
+    "Compression",
+    "RegionEntry",
+    "RegionExit",
+    "RowParallelLinear",
+    "SequenceState",
+    "ShardSpec",
+    "Site",
+    "SiteTable",
+    "VocabParallelEmbedding",
+    "copy_to_tp_region",
+    "gather_from_sp_region",
+    "gather_from_tp_region",
+    "reduce_from_tp_region",
+    "reduce_scatter_to_sp_region",
+    "register_grad_sum",
+    "scatter_to_sp_region",
+    "sum_replica_grads",
+    "vocab_parallel_cross_entropy",
+]

@@ -1,0 +1,210 @@
+"""The TP communication functions, one autograd function per Megatron mapping.
+
+Each function moves a tensor through one `Site` (its process group and codec settings) via the
+compressed collectives of `taco_accel.comm`; ``config=None`` at a site is the plain collective.
+Conjugate pairs (Megatron-LM mappings.py; "f" and "g" of the Megatron paper, sec. 3):
+
+    copy_to_tp_region            forward: identity        backward: all-reduce       (f)
+    reduce_from_tp_region        forward: all-reduce      backward: identity         (g)
+    gather_from_tp_region        forward: all-gather      backward: keep own part
+    scatter_to_sp_region         forward: keep own part   backward: all-gather
+    gather_from_sp_region        forward: all-gather      backward: reduce-scatter
+    reduce_scatter_to_sp_region  forward: reduce-scatter  backward: all-gather
+
+Tensors are batch-first (b, s, h) as in transformers: sequence-parallel functions split dim 1.
+With one rank every function is the identity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .. import comm
+from .sites import Site
+from .utils import ShardSpec, group_rank, group_size
+
+
+def _all_reduce(x: torch.Tensor, site: Site) -> torch.Tensor:
+    site.observe(x)
+    return comm.all_reduce(x.contiguous(), site.group, site.config, site=site.name)
+
+
+def _all_gather(x: torch.Tensor, site: Site, dim: int) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (the collectives work along dim 0)."""
+    x = x.movedim(dim, 0).contiguous()
+    site.observe(x)
+    out = comm.all_gather(x, site.group, site.config, site=site.name)
+    return out.movedim(0, dim).contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, site: Site, dim: int) -> torch.Tensor:
+    """This rank's part (along ``dim``) of the sum of every rank's ``x``."""
+    x = x.movedim(dim, 0).contiguous()
+    site.observe(x)
+    out = comm.reduce_scatter(x, site.group, site.config, site=site.name)
+    return out.movedim(0, dim).contiguous()
+
+
+def _split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """This rank's equal part of ``x`` along ``dim``."""
+    size = x.shape[dim] // group_size(group)
+    return x.narrow(dim, group_rank(group) * size, size).contiguous()
+
+
+class _CopyToTPRegion(torch.autograd.Function):
+    """f: forward identity, backward all-reduce of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, bwd: Site):
+        ctx.bwd = bwd
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.bwd), None
+
+
+class _ReduceFromTPRegion(torch.autograd.Function):
+    """g: forward all-reduce, backward identity."""
+
+    @staticmethod
+    def forward(ctx, x, fwd: Site):
+        return _all_reduce(x, fwd)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromTPRegion(torch.autograd.Function):
+    """Forward: all-gather along ``dim`` (parts may differ in size), backward: keep own part.
+
+    Only right when what follows is replicated (every rank computes the same thing from the
+    gathered tensor), so that every rank already holds the whole gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x, fwd: Site, dim: int, sizes: Sequence[int] | None):
+        rank = group_rank(fwd.group)
+        sizes = list(sizes) if sizes is not None else [x.shape[dim]] * group_size(fwd.group)
+        ctx.dim, ctx.start, ctx.size = dim, sum(sizes[:rank]), sizes[rank]
+        pad = max(sizes) - x.shape[dim]
+        if pad:  # uneven parts (a vocabulary of any size): pad to the largest, cut after
+            x = torch.cat([x, x.new_zeros(*x.shape[:dim], pad, *x.shape[dim + 1 :])], dim=dim)
+        gathered = _all_gather(x, fwd, dim).split(max(sizes), dim=dim)
+        return torch.cat([part.narrow(dim, 0, n) for part, n in zip(gathered, sizes)], dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.narrow(ctx.dim, ctx.start, ctx.size).contiguous(), None, None, None
+
+
+class _ScatterToSPRegion(torch.autograd.Function):
+    """Forward: keep own part of the sequence, backward: all-gather the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, bwd: Site, dim: int):
+        ctx.bwd, ctx.dim = bwd, dim
+        return _split(x, bwd.group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.bwd, ctx.dim), None, None
+
+
+class _GatherFromSPRegion(torch.autograd.Function):
+    """Forward: all-gather the sequence, backward: reduce-scatter the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, fwd: Site, bwd: Site, dim: int):
+        ctx.bwd, ctx.dim = bwd, dim
+        return _all_gather(x, fwd, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.bwd, ctx.dim), None, None, None
+
+
+class _ReduceScatterToSPRegion(torch.autograd.Function):
+    """Forward: reduce-scatter along the sequence, backward: all-gather the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, fwd: Site, bwd: Site, dim: int):
+        ctx.bwd, ctx.dim = bwd, dim
+        return _reduce_scatter(x, fwd, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.bwd, ctx.dim), None, None, None
+
+
+def copy_to_tp_region(x: torch.Tensor, bwd: Site) -> torch.Tensor:
+    """f: enter the TP region; the input gradient is all-reduced at site ``bwd``."""
+    return x if group_size(bwd.group) == 1 else _CopyToTPRegion.apply(x, bwd)
+
+
+def reduce_from_tp_region(x: torch.Tensor, fwd: Site) -> torch.Tensor:
+    """g: leave the TP region by summing the partial results at site ``fwd``."""
+    return x if group_size(fwd.group) == 1 else _ReduceFromTPRegion.apply(x, fwd)
+
+
+def gather_from_tp_region(
+    x: torch.Tensor, fwd: Site, dim: int = -1, sizes: Sequence[int] | None = None
+) -> torch.Tensor:
+    """Concatenate every rank's part along ``dim`` (``sizes[r]``: rank r's part; default equal)."""
+    if group_size(fwd.group) == 1:
+        return x
+    return _GatherFromTPRegion.apply(x, fwd, dim % x.dim(), sizes)
+
+
+def scatter_to_sp_region(x: torch.Tensor, bwd: Site, dim: int = 1) -> torch.Tensor:
+    """Enter sequence parallelism: keep this rank's part of the sequence (dim 1)."""
+    return x if group_size(bwd.group) == 1 else _ScatterToSPRegion.apply(x, bwd, dim)
+
+
+def gather_from_sp_region(x: torch.Tensor, fwd: Site, bwd: Site, dim: int = 1) -> torch.Tensor:
+    """Sequence shards -> whole sequence before a column-parallel region."""
+    return x if group_size(fwd.group) == 1 else _GatherFromSPRegion.apply(x, fwd, bwd, dim)
+
+
+def reduce_scatter_to_sp_region(x: torch.Tensor, fwd: Site, bwd: Site, dim: int = 1) -> torch.Tensor:
+    """Partial sums -> this rank's sequence shard of the sum, after a row-parallel region."""
+    return x if group_size(fwd.group) == 1 else _ReduceScatterToSPRegion.apply(x, fwd, bwd, dim)
+
+
+class _SumReplicaGrads(torch.autograd.Function):
+    """Forward: identity on a weight whose blocks several ranks hold (replicated kv heads),
+    backward: sum the gradient of each block over the ranks that hold it."""
+
+    @staticmethod
+    def forward(ctx, weight, shard: ShardSpec, bwd: Site):
+        ctx.shard, ctx.bwd = shard, bwd
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shard, rank = ctx.shard, group_rank(ctx.bwd.group)
+        shape = list(grad.shape)
+        shape[shard.dim] = shard.full_size
+        full, offset = grad.new_zeros(shape), 0  # every rank writes its blocks, the sum adds replicas
+        for start, stop in shard.ranges[rank]:
+            full.narrow(shard.dim, start, stop - start).copy_(grad.narrow(shard.dim, offset, stop - start))
+            offset += stop - start
+        return shard.take(_all_reduce(full, ctx.bwd), rank), None, None
+
+
+def sum_replica_grads(weight: torch.Tensor, shard: ShardSpec, bwd: Site) -> torch.Tensor:
+    """``weight`` itself; its gradient is summed over the ranks holding the same blocks."""
+    return weight if shard.replicas == 1 else _SumReplicaGrads.apply(weight, shard, bwd)
+
+
+def register_grad_sum(param: torch.nn.Parameter, site: Site):
+    """Sum ``param``'s gradient over the group as backward computes it; returns the hook handle.
+
+    For a replicated parameter that each rank applies to part of the data (a norm on sequence
+    shards, a per-head norm on the local heads). The hook sees one backward's gradient before
+    it is accumulated into ``.grad``, so gradient accumulation stays right.
+    """
+    return param.register_hook(lambda grad: _all_reduce(grad, site))

@@ -1,0 +1,135 @@
+"""Where a tensor enters and leaves the tensor-parallel region, with or without sequence parallelism.
+
+Without sequence parallelism the residual stream is replicated: a block enters the TP region
+with f (identity forward, all-reduce backward) and leaves it with g (all-reduce forward).
+With it (Korthikanti et al. 2022, "Reducing Activation Recomputation") the residual stream is
+split along the sequence between blocks, so norms and dropout work on 1/tp of the tokens:
+a block enters with an all-gather (reduce-scatter backward) and leaves with a reduce-scatter
+(all-gather backward). The sequence is split once before the first layer and gathered once
+after the final norm.
+
+`SequenceState` is the one piece of per-forward state: whether this forward pass actually
+runs on sequence shards. A sequence that does not divide by tp (a one-token decoding step of
+``generate``) runs unsplit, which gives the same numbers; that is allowed without gradients
+only, because the gradient sums of the replicated norm weights assume the split.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .mappings import (
+    copy_to_tp_region,
+    gather_from_sp_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sp_region,
+    scatter_to_sp_region,
+)
+from .sites import Site
+
+SEQ_DIM = 1  # transformers hidden states are (batch, seq, hidden)
+
+
+class SequenceState:
+    """Sequence parallelism of one model: configured (``enabled``) and in use this forward (``active``)."""
+
+    def __init__(self, enabled: bool, tp: int) -> None:
+        self.enabled, self.tp, self.active = enabled, tp, False
+
+    def begin(self, seq_len: int) -> bool:
+        """Called once per forward before the first layer; returns whether to split."""
+        self.active = self.enabled and self.tp > 1 and seq_len % self.tp == 0
+        if self.enabled and self.tp > 1 and not self.active and torch.is_grad_enabled():
+            raise ValueError(
+                f"sequence length {seq_len} is not a multiple of tp={self.tp}, which sequence "
+                f"parallelism needs for training; pad batches to a multiple of {self.tp} (e.g. "
+                f"DataCollatorForLanguageModeling(..., pad_to_multiple_of={self.tp}))"
+            )
+        return self.active
+
+
+class RegionEntry:
+    """Enter the TP region: f, or the sequence all-gather when sequence parallel this forward.
+
+    ``fwd`` (the all-gather) is only needed with a ``sequence``; ``bwd`` is the gradient's
+    all-reduce (or reduce-scatter).
+    """
+
+    def __init__(self, fwd: Site | None, bwd: Site, sequence: SequenceState | None = None) -> None:
+        self.fwd, self.bwd, self.sequence = fwd, bwd, sequence
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence is not None and self.sequence.active:
+            return gather_from_sp_region(x, self.fwd, self.bwd, SEQ_DIM)  # (b, s/tp, h) -> (b, s, h)
+        return copy_to_tp_region(x, self.bwd)
+
+    def __repr__(self) -> str:
+        return f"RegionEntry({self.bwd.name.rsplit('/', 1)[0]!r})"
+
+
+class RegionExit:
+    """Leave the TP region: g, or the sequence reduce-scatter when sequence parallel this forward.
+
+    This is the reduction step of a row-parallel layer, kept a separate object so that it can
+    be replaced (a single-process emulation of tp ranks, LoRA adding its partial product first).
+    """
+
+    def __init__(self, fwd: Site, bwd: Site | None = None, sequence: SequenceState | None = None) -> None:
+        self.fwd, self.bwd, self.sequence = fwd, bwd, sequence
+
+    def __call__(self, partial: torch.Tensor) -> torch.Tensor:
+        if self.sequence is not None and self.sequence.active:
+            return reduce_scatter_to_sp_region(partial, self.fwd, self.bwd, SEQ_DIM)  # (b, s, h) -> (b, s/tp, h)
+        return reduce_from_tp_region(partial, self.fwd)
+
+
+class SequenceSplit:
+    """Forward pre-hook of the first layer: start the forward's sequence parallelism."""
+
+    def __init__(self, bwd: Site, sequence: SequenceState) -> None:
+        self.bwd, self.sequence = bwd, sequence
+
+    def __call__(self, module, args, kwargs):
+        args, kwargs, hidden = _hidden_states(args, kwargs)
+        if self.sequence.begin(hidden.shape[SEQ_DIM]):
+            return _with_hidden_states(args, kwargs, scatter_to_sp_region(hidden, self.bwd, SEQ_DIM))
+        return None
+
+
+class SequenceGather:
+    """Forward hook of the final norm: whole sequence again for the (replicated) lm head."""
+
+    def __init__(self, fwd: Site, sequence: SequenceState) -> None:
+        self.fwd, self.sequence = fwd, sequence
+
+    def __call__(self, module, args, output):
+        if not self.sequence.active:
+            return None
+        return gather_from_tp_region(output, self.fwd, SEQ_DIM)  # (b, s/tp, h) -> (b, s, h)
+
+
+class EnterRegionHook:
+    """Forward pre-hook that enters the TP region once for a module's ``hidden_states`` input,
+    shared by the column-parallel layers inside it (q/k/v, gate/up): one collective, not three."""
+
+    def __init__(self, entry: RegionEntry) -> None:
+        self.entry = entry
+
+    def __call__(self, module, args, kwargs):
+        args, kwargs, hidden = _hidden_states(args, kwargs)
+        return _with_hidden_states(args, kwargs, self.entry(hidden))
+
+
+def _hidden_states(args: tuple, kwargs: dict):
+    if args:
+        return args, kwargs, args[0]
+    if "hidden_states" in kwargs:
+        return args, kwargs, kwargs["hidden_states"]
+    raise TypeError("expected the hidden states as the first argument or as hidden_states=")
+
+
+def _with_hidden_states(args: tuple, kwargs: dict, hidden: torch.Tensor):
+    if args:
+        return (hidden, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": hidden}

@@ -1,0 +1,119 @@
+"""Mesh sizes from arguments and from `accelerate launch`, layer splits, stage pruning, and
+`StageModule` against the transformers forward (single process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from taco_accel.parallel import ParallelDims, StageModule, build_schedule, prune_to_stage, split_layers
+from taco_accel.parallel.pipeline import is_tied, stage_costs
+
+
+def _clear(monkeypatch):
+    for key in ("ACCELERATE_USE_PARALLELISM_CONFIG", "PARALLELISM_CONFIG_TP_SIZE", "PARALLELISM_CONFIG_DP_SHARD_SIZE",
+                "PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "TACO_PP_SIZE", "TACO_DP_MODE"):
+        monkeypatch.delenv(key, raising=False)
+
+
+def _accelerate(monkeypatch, tp=1, replicate=1, shard=1):
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", str(tp))
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", str(replicate))
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", str(shard))
+
+
+def test_dims_from_arguments(monkeypatch):
+    _clear(monkeypatch)
+    assert ParallelDims.from_env(8, tp=2) == ParallelDims(pp=1, dp=4, tp=2)
+    assert ParallelDims.from_env(8, tp=2, dp=2) == ParallelDims(pp=2, dp=2, tp=2)
+    assert ParallelDims.from_env(1) == ParallelDims()
+    assert ParallelDims(pp=2, dp=2, tp=2).coords(5) == {"pp": 1, "dp": 0, "tp": 1}
+    with pytest.raises(ValueError, match="needs 12 processes"):
+        ParallelDims.from_env(8, pp=3, dp=2, tp=2)
+    with pytest.raises(ValueError, match="dp_mode"):
+        ParallelDims(dp_mode="zero3")
+
+
+def test_dims_from_accelerate_launch(monkeypatch):
+    _clear(monkeypatch)
+    _accelerate(monkeypatch, tp=4)
+    assert ParallelDims.from_env(8) == ParallelDims(pp=2, dp=1, tp=4)  # the processes left form pp
+    _accelerate(monkeypatch, tp=2, replicate=2)
+    assert ParallelDims.from_env(8) == ParallelDims(pp=2, dp=2, tp=2)  # TP with replicated dp is fine here
+    _accelerate(monkeypatch, tp=2, shard=2)
+    assert ParallelDims.from_env(4) == ParallelDims(pp=1, dp=2, tp=2, dp_mode="fsdp")
+    monkeypatch.setenv("TACO_PP_SIZE", "2")
+    with pytest.raises(ValueError, match="multiply"):
+        ParallelDims.from_env(16)
+    _accelerate(monkeypatch, tp=2, replicate=2, shard=2)
+    with pytest.raises(ValueError, match="HSDP"):
+        ParallelDims.from_env(8)
+
+
+def test_split_layers_balances_embedding_and_head():
+    assert split_layers(8, 2) == [range(0, 4), range(4, 8)]
+    heavy_head = split_layers(8, 4, embed_cost=0, head_cost=2)
+    assert [len(r) for r in heavy_head][-1] == 1 and max(len(r) for r in heavy_head) == 3  # max cost 3
+    assert [r.start for r in heavy_head][0] == 0 and heavy_head[-1].stop == 8
+    assert [len(r) for r in split_layers(28, 4, 1.0, 2.3)] == [7, 8, 8, 5]
+    with pytest.raises(ValueError, match="each needs a layer"):
+        split_layers(3, 4)
+
+
+def test_stage_costs_grow_with_the_vocabulary():
+    from taco_accel.integrations.presets import model_config
+
+    small = stage_costs(model_config("qwen2", "7b", vocab_size=152064, max_positions=4096), 4096)
+    assert small[0] == 1.0 and 1.0 < small[1] < 4.0
+
+
+def _model(family, **kw):
+    from transformers import AutoModelForCausalLM
+
+    from taco_accel.integrations.presets import model_config
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(model_config(family, "nano", vocab_size=128, max_positions=32, **kw)).eval()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gpt2"])
+def test_stages_chain_to_the_transformers_forward(family):
+    model = _model(family)
+    x = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        expected = model(x).logits
+        parts = [prune_to_stage(model, r, i == 0, i == 2) for i, r in enumerate(split_layers(4, 3))]
+        h = x
+        for i, part in enumerate(parts):
+            h = StageModule(part, is_first=i == 0, is_last=i == 2)(h)
+    torch.testing.assert_close(h, expected, rtol=1e-5, atol=1e-5)
+    keys = [set(p.state_dict()) for p in parts]
+    full = set(model.state_dict())
+    assert set().union(*keys) == full | ({"lm_head.weight"} if is_tied(model) else set())
+    assert "model.layers.3.mlp.down_proj.weight" in keys[2] or "transformer.h.3.mlp.c_proj.weight" in keys[2]
+    if is_tied(model):  # the head copy on the last stage is its own parameter, equal at the start
+        assert parts[2].lm_head.weight is not model.lm_head.weight
+        torch.testing.assert_close(parts[2].lm_head.weight, model.lm_head.weight)
+
+
+def test_schedule_names_are_checked():
+    with pytest.raises(ValueError, match="not supported"):
+        build_schedule("zigzag", [], 2, None)
+    with pytest.raises(ValueError, match="one stage per rank"):
+        build_schedule("1f1b", [object(), object()], 2, None)
+
+
+def test_layering_of_parallel_data_and_integrations():
+    """parallel/ and data/ never import Accelerate or the integrations; only integrations/ does."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "taco_accel"
+    for package, forbidden in (("parallel", ("accelerate", "integrations")), ("data", ("accelerate", "integrations", "parallel"))):
+        for file in (root / package).glob("*.py"):
+            for node in ast.walk(ast.parse(file.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                for name in names:
+                    assert not any(part in forbidden for part in name.split(".")), f"{file.name} imports {name}"

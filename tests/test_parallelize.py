@@ -1,0 +1,294 @@
+"""`taco_accel.parallelize` against the single-process model: every family, tp 2 and 4.
+
+One 4-rank `run_ranks` launch does every comparison (tp=4 on the world, tp=2 on two groups of
+two ranks; families x sequence parallel x compression off / on), the calibration and the
+multi-rank errors, and returns what it measured; the tests assert on that.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import run_ranks
+
+import taco_accel
+from taco_accel import comm
+from taco_accel.models.checkpoint import shard_specs
+from taco_accel.models.tiny import tiny_config, tiny_model
+
+ARCHS = ("qwen2", "qwen3", "llama", "mistral", "gpt2")
+TPS = (2, 4)
+WORLD = 4
+COMPRESSED = taco_accel.TacoConfig(threshold_bytes=0)  # tiny tensors compress too
+
+
+def _batch(vocab: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (2, 8), generator=g)
+    labels = ids.clone()
+    labels[0, :2] = -100  # ignored positions
+    return ids, labels
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().double() - b.detach().double()).abs().max())
+
+
+def _grad_diff(model, ref) -> float:
+    """Largest |grad - reference grad| over all parameters, on this rank's slices."""
+    rank, specs, worst = model.taco.rank, shard_specs(model), 0.0
+    for name, param in model.named_parameters():
+        expected = ref.get_parameter(name).grad
+        if name in specs:
+            expected = specs[name].take(expected, rank)
+        worst = max(worst, _max_diff(param.grad, expected))
+    return worst
+
+
+def _layer_input_len(model, ids) -> int:
+    """Sequence length the second decoder layer sees (ids' length / tp with sequence parallel)."""
+    seen = []
+    layer = model.get_submodule(model.taco.plan.layers)[1]
+    handle = layer.register_forward_pre_hook(lambda m, args, kwargs: seen.append(args[0].shape[1]), with_kwargs=True)
+    with torch.no_grad():
+        model(ids, labels=ids)
+    handle.remove()
+    return seen[0]
+
+
+def _exact(arch: str, sp: bool, group) -> dict:
+    ref = tiny_model(arch)
+    model = taco_accel.parallelize(copy.deepcopy(ref), compression=None, sequence_parallel=sp, device_mesh=group)
+    ids, labels = _batch(ref.config.vocab_size)
+    out, expected = model(ids, labels=labels), ref(ids, labels=labels)
+    out.loss.backward()
+    expected.loss.backward()
+    local = model.lm_head.shard.on_dim(-1).take(expected.logits, model.taco.rank)
+    with torch.no_grad():
+        full = model(ids).logits
+    model.eval(), ref.eval()
+    prompt = ids[:, :3]
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
+    generated, reference = model.generate(prompt, **kw), ref.generate(prompt, **kw)
+    return {
+        "loss": abs(out.loss.item() - expected.loss.item()),
+        "local_logits": _max_diff(out.logits, local),
+        "full_logits": _max_diff(full, expected.logits),
+        "grad": _grad_diff(model, ref),
+        "generate_equal": bool(torch.equal(generated, reference)),
+        "local_vocab": out.logits.shape[-1],
+        "layer_seq_len": _layer_input_len(model.train(), ids),
+    }
+
+
+def _compressed(arch: str, sp: bool, group, steps: int = 2) -> dict:
+    """Losses of a few AdamW steps, compressed TP vs. the single-process model."""
+    ref = tiny_model(arch)
+    model = taco_accel.parallelize(copy.deepcopy(ref), compression=COMPRESSED, sequence_parallel=sp, device_mesh=group)
+    ids, labels = _batch(ref.config.vocab_size)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    comm.pop_comm_stats()
+    losses, ref_losses = [], []
+    for _ in range(steps + 1):
+        for m, o, record in ((model, opt, losses), (ref, ref_opt, ref_losses)):
+            o.zero_grad()
+            loss = m(ids, labels=labels).loss
+            loss.backward()
+            o.step()
+            record.append(loss.item())
+    stats = comm.pop_comm_stats()
+    compressed = set(model.taco.sites.group_sizes())
+    rel = [abs(a - b) / b for a, b in zip(losses, ref_losses)]
+    return {
+        "first_rel": rel[0], "max_rel": max(rel),
+        "sites_not_compressed": sorted(s for s in compressed if stats.get(s, comm.CommStats()).compressed_calls == 0),
+    }
+
+
+def _checkpointing(arch: str, group) -> dict:
+    """Activation checkpointing re-runs the layers (and their TP hooks) during backward."""
+    ref = tiny_model(arch)
+    model = taco_accel.parallelize(copy.deepcopy(ref), compression=None, sequence_parallel=True, device_mesh=group)
+    for m in (model, ref):
+        m.gradient_checkpointing_enable()
+        m.train()
+    ids, labels = _batch(ref.config.vocab_size)
+    loss, ref_loss = model(ids, labels=labels).loss, ref(ids, labels=labels).loss
+    loss.backward()
+    ref_loss.backward()
+    return {"loss": abs(loss.item() - ref_loss.item()), "grad": _grad_diff(model, ref)}
+
+
+def _calibration(group) -> dict:
+    model = tiny_model("qwen3")
+    taco_accel.parallelize(model, compression=COMPRESSED, sequence_parallel=True, device_mesh=group)
+    ids, labels = _batch(128)
+    before = model.taco.sites.group_sizes()
+    with taco_accel.calibrate_group_sizes(model, candidates=(32, 64)):
+        for _ in range(2):
+            model(ids, labels=labels).loss.backward()
+    after = model.taco.sites.group_sizes()
+    return {"before": before, "after": after, "table": str(model.taco.sites)}
+
+
+def _errors(group) -> dict:
+    """Multi-rank misuse: each message must quote the bad value."""
+    messages = {}
+    wide = dict(num_attention_heads=8, num_key_value_heads=8)  # 8 heads: only the world size is wrong
+    for key, call in {
+        "world": lambda: taco_accel.parallelize(tiny_model("llama", **wide), tp=8),
+        "mesh": lambda: taco_accel.parallelize(tiny_model("llama"), tp=4, device_mesh=group),
+        "twice": lambda: taco_accel.parallelize(taco_accel.parallelize(tiny_model("gpt2"), device_mesh=group)),
+    }.items():
+        try:
+            call()
+            messages[key] = None
+        except ValueError as error:
+            messages[key] = str(error)
+    return messages
+
+
+def _subgroup_default(tp: int) -> dict:
+    """parallelize(tp=2) on a 4-rank world without a mesh: groups of consecutive ranks."""
+    model = taco_accel.parallelize(tiny_model("gpt2"), tp=tp, compression=None)
+    return {"tp": model.taco.tp, "rank": model.taco.rank, "members": dist.get_process_group_ranks(model.taco.group)}
+
+
+def _worker() -> dict:
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+    groups = {4: dist.group.WORLD, 2: pairs[rank // 2]}
+    results = {}
+    for tp, group in groups.items():
+        for arch in ARCHS:
+            for sp in (False, True):
+                results[tp, arch, sp, "exact"] = _exact(arch, sp, group)
+                results[tp, arch, sp, "compressed"] = _compressed(arch, sp, group)
+        results[tp, "calibration"] = _calibration(group)
+        results[tp, "checkpointing"] = _checkpointing("qwen3" if tp == 2 else "gpt2", group)
+    results["errors"] = _errors(groups[2])
+    results["subgroup"] = _subgroup_default(2)
+    return results
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return run_ranks(_worker, WORLD)
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_matches_single_process(measured, tp, arch, sp):
+    for result in measured:
+        r = result[tp, arch, sp, "exact"]
+        assert r["loss"] < 1e-5, r
+        assert r["local_logits"] < 1e-5 and r["full_logits"] < 1e-5, r
+        assert r["grad"] < 1e-5, r
+        assert r["generate_equal"], r
+        assert r["local_vocab"] <= -(-tiny_config(arch).vocab_size // tp)  # the loss never gathered the logits
+        assert r["layer_seq_len"] == (8 // tp if sp else 8), r
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_compressed_stays_close(measured, tp, arch, sp):
+    for result in measured:
+        r = result[tp, arch, sp, "compressed"]
+        assert r["sites_not_compressed"] == [], r
+        assert r["first_rel"] < 5e-3, r
+        assert r["max_rel"] < 2e-2, r
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_calibration_agrees_across_ranks(measured, tp, tmp_path):
+    chosen = [result[tp, "calibration"]["after"] for result in measured]
+    assert all(c == chosen[0] for c in chosen)  # one wire layout per collective
+    assert set(chosen[0].values()) <= {32, 64} and set(chosen[0]) == set(measured[0][tp, "calibration"]["before"])
+    assert "layers.1.mlp.down_proj/fwd" in measured[0][tp, "calibration"]["table"]
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_activation_checkpointing_with_sequence_parallel(measured, tp):
+    for result in measured:
+        r = result[tp, "checkpointing"]
+        assert r["loss"] < 1e-5 and r["grad"] < 1e-5, r
+
+
+def test_multi_rank_errors(measured):
+    errors = measured[0]["errors"]
+    assert "tp=8 does not divide the world size 4" in errors["world"]
+    assert "tp=4 but the tp group of device_mesh has 2 ranks" in errors["mesh"]
+    assert "already parallelised (tp=2)" in errors["twice"]
+
+
+def test_tp_below_world_size_makes_consecutive_groups(measured):
+    assert [r["subgroup"]["members"] for r in measured] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["subgroup"]["rank"] for r in measured] == [0, 1, 0, 1]
+
+
+# -- single process ------------------------------------------------------------------------
+
+
+def test_unsupported_model_lists_the_supported_ones():
+    from transformers import AutoModelForCausalLM, GPTNeoXConfig
+
+    config = GPTNeoXConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+    )
+    with pytest.raises(ValueError, match=r"model_type='gpt_neox'.*supported model types: \['gpt2', 'llama', 'mistral', 'qwen2', 'qwen3'\].*register_plan"):
+        taco_accel.parallelize(AutoModelForCausalLM.from_config(config))
+
+
+def test_tp_that_does_not_divide_the_heads():
+    with pytest.raises(ValueError, match=r"tp=3 does not divide num_attention_heads=4; use a tp degree in \[1, 2, 4\]"):
+        taco_accel.parallelize(tiny_model("qwen2"), tp=3)
+
+
+def test_kv_heads_that_neither_divide_nor_are_divided_by_tp():
+    model = tiny_model("llama", num_attention_heads=12, num_key_value_heads=3, hidden_size=48)
+    with pytest.raises(ValueError, match=r"tp=4 and num_key_value_heads=3"):
+        taco_accel.parallelize(model, tp=4)
+
+
+def test_tp_without_distributed_says_how_to_launch():
+    with pytest.raises(ValueError, match=r"tp=2 needs torch.distributed: launch 2 processes"):
+        taco_accel.parallelize(tiny_model("gpt2"), tp=2)
+
+
+def test_parallelize_twice_and_bad_compression():
+    model = taco_accel.parallelize(tiny_model("gpt2"))
+    with pytest.raises(ValueError, match="already parallelised"):
+        taco_accel.parallelize(model)
+    with pytest.raises(ValueError, match="compression="):
+        taco_accel.parallelize(tiny_model("gpt2"), compression="fp8")
+
+
+def test_tp1_is_the_model_itself():
+    ref = tiny_model("qwen3")
+    model = taco_accel.parallelize(copy.deepcopy(ref))
+    ids, labels = _batch(128)
+    assert torch.equal(model(ids, labels=labels).logits, ref(ids, labels=labels).logits)
+    assert "tp=1" in repr(model.lm_head)
+
+
+def test_sites_save_and_load(tmp_path):
+    compression = {"forward": COMPRESSED, "backward": None, "sites": {"layers.0.*": COMPRESSED.replace(group_size=32)}}
+    model = taco_accel.parallelize(tiny_model("llama"), compression=compression)
+    sites = model.taco.sites
+    assert sites["layers.1.mlp.down_proj/fwd"].config.group_size == 128
+    assert sites["layers.0.mlp.down_proj/fwd"].config.group_size == 32
+    assert sites["layers.1.mlp/bwd"].config is None  # backward: plain
+    path = os.path.join(tmp_path, "sizes.json")
+    sites.save(path)
+    sites.set_group_sizes({"layers.1.mlp.down_proj/fwd": 64})
+    sites.load(path)
+    assert sites.group_sizes()["layers.1.mlp.down_proj/fwd"] == 128
+    with pytest.raises(ValueError, match="unknown sites"):
+        sites.set_group_sizes({"layers.9.mlp/fwd": 64})

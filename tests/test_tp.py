@@ -1,0 +1,244 @@
+"""Layer 3 on its own: shard specs, sites, and the parallel layers against dense PyTorch.
+
+The multi-rank part runs on 3 ranks (an odd tp, and a vocabulary that does not divide by it)
+in one launch; each check returns its largest difference and the tests assert on them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from harness import run_ranks
+from torch import nn
+
+from taco_accel import TacoConfig, comm
+from taco_accel.tp import (
+    ColumnParallelLinear,
+    Compression,
+    RegionEntry,
+    RegionExit,
+    RowParallelLinear,
+    SequenceState,
+    ShardSpec,
+    Site,
+    SiteTable,
+    VocabParallelEmbedding,
+    scatter_to_sp_region,
+    vocab_parallel_cross_entropy,
+)
+from taco_accel.tp.mappings import gather_from_tp_region
+
+WORLD = 3
+
+# -- single process ------------------------------------------------------------------------
+
+
+def test_shard_spec_even_balanced_heads():
+    assert ShardSpec.even(12, 3).ranges == (((0, 4),), ((4, 8),), ((8, 12),))
+    assert ShardSpec.balanced(10, 4).ranges == (((0, 3),), ((3, 6),), ((6, 8),), ((8, 10),))
+    kv = ShardSpec.heads(1, 8, 4)  # one kv head on four ranks: replicated
+    assert kv.replicas == 4 and kv.ranges[3] == ((0, 8),)
+    assert ShardSpec.heads(4, 8, 2).ranges == (((0, 16),), ((16, 32),))
+    with pytest.raises(ValueError, match=r"tp=3 and num_heads=2"):
+        ShardSpec.heads(2, 8, 3)
+    with pytest.raises(ValueError, match=r"tp=3 does not divide the size=10; use a tp degree in \[1, 2, 5, 10\]"):
+        ShardSpec.even(10, 3)
+
+
+def test_shard_spec_fused_take_assemble():
+    block = ShardSpec.even(4, 2).scaled(2)  # 4 heads of 2 -> 8 features
+    fused = ShardSpec.concat([block] * 3).on_dim(1)  # GPT-2 q|k|v along dim 1
+    assert fused.ranges[1] == ((4, 8), (12, 16), (20, 24))
+    full = torch.arange(2 * 24.0).view(2, 24)
+    parts = [fused.take(full, r) for r in range(2)]
+    assert parts[1].shape == (2, 12)
+    assert torch.equal(fused.assemble(parts), full)
+    assert torch.equal(torch.cat([full[i] for i in fused.index(1)], dim=1), parts[1])
+
+
+def test_compression_forms():
+    cfg = TacoConfig(group_size=64)
+    assert Compression.resolve(None).config_for("a/fwd") is None
+    assert Compression.resolve(cfg).config_for("a/bwd") == cfg
+    c = Compression.resolve({"forward": cfg, "backward": None, "sites": {"lm_head/*": None, "lm_head/bwd": cfg}})
+    assert c.config_for("layers.0.mlp/fwd") == cfg and c.config_for("layers.0.mlp/bwd") is None
+    assert c.config_for("lm_head/bwd") == cfg  # the last matching pattern wins
+    with pytest.raises(ValueError, match="unknown keys"):
+        Compression.resolve({"fwd": cfg})
+    with pytest.raises(ValueError, match="must be a TacoConfig or None"):
+        Compression(forward="e4m3")
+
+
+def test_site_table_print_and_sizes(tmp_path):
+    table = SiteTable(None, Compression.resolve(TacoConfig()))
+    table.site("layers.0.mlp.down_proj/fwd")
+    assert table.group_sizes() == {"layers.0.mlp.down_proj/fwd": 128}
+    assert "layers.0.mlp.down_proj/fwd  e4m3 G=128" in str(table)
+    table.start_recording(max_elements=64)
+    table["layers.0.mlp.down_proj/fwd"].observe(torch.randn(10, 32))
+    assert table["layers.0.mlp.down_proj/fwd"].samples[0].shape == (2, 32)  # evenly spaced rows
+    assert table.calibrate(candidates=(32,)) == {"layers.0.mlp.down_proj/fwd": 32}
+    assert table["layers.0.mlp.down_proj/fwd"].samples is None
+
+
+def test_one_rank_layers_are_plain_layers():
+    torch.manual_seed(0)
+    dense = nn.Linear(8, 6)
+    col = ColumnParallelLinear.from_module(dense)
+    x = torch.randn(2, 3, 8)
+    assert torch.equal(col(x), dense(x))
+    assert "tp=1" in repr(col) and col.in_features == 8 and col.out_features == 6
+
+
+# -- three ranks ---------------------------------------------------------------------------
+
+
+def _site(name: str, config=None) -> Site:
+    return Site(name, None, config)
+
+
+def _copy_param(dense: torch.Tensor, spec: ShardSpec | None, rank: int) -> torch.Tensor:
+    return dense.detach() if spec is None else spec.take(dense.detach(), rank)
+
+
+def _diff(a, b) -> float:
+    return float((a.detach().double() - b.detach().double()).abs().max())
+
+
+def _mlp(sequence: SequenceState | None, conv1d: bool) -> dict:
+    """dense fc1 -> gelu -> fc2 vs. column -> gelu -> row, optionally on sequence shards."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    fc1, fc2 = nn.Linear(12, 18), nn.Linear(18, 12)
+    x = torch.randn(2, 6, 12, requires_grad=True)
+    entry = RegionEntry(_site("fc1/fwd"), _site("fc1/bwd"), sequence)
+    col = ColumnParallelLinear(12, 18, group=None, entry=entry, conv1d=conv1d)
+    exit_ = RegionExit(_site("fc2/fwd"), _site("fc2/bwd"), sequence)
+    row = RowParallelLinear(18, 12, group=None, reduce=exit_, conv1d=conv1d)
+    for layer, dense in ((col, fc1), (row, fc2)):
+        weight = dense.weight.t() if conv1d else dense.weight
+        layer.weight.data.copy_(_copy_param(weight, layer.shards["weight"], rank))
+        layer.bias.data.copy_(_copy_param(dense.bias, layer.shards.get("bias"), rank))
+    expected = fc2(F.gelu(fc1(x)))
+    expected.square().sum().backward()
+    xp = x.detach().clone().requires_grad_()
+    h = xp
+    if sequence is not None:
+        sequence.begin(6)
+        h = scatter_to_sp_region(xp, _site("split/bwd"))  # (2, 2, 12)
+    out = row(F.gelu(col(h)))
+    if sequence is not None:
+        out = gather_from_tp_region(out, _site("gather/fwd"), dim=1)
+    out.square().sum().backward()
+    w1 = fc1.weight.grad.t() if conv1d else fc1.weight.grad
+    w2 = fc2.weight.grad.t() if conv1d else fc2.weight.grad
+    grad_b2 = row.bias.grad.clone()
+    if sequence is not None:  # the row bias saw this rank's tokens only
+        dist.all_reduce(grad_b2)
+    return {
+        "out": _diff(out, expected),
+        "x_grad": _diff(xp.grad, x.grad),
+        "w1": _diff(col.weight.grad, col.shards["weight"].take(w1, rank)),
+        "b1": _diff(col.bias.grad, col.shards["bias"].take(fc1.bias.grad, rank)),
+        "w2": _diff(row.weight.grad, row.shards["weight"].take(w2, rank)),
+        "b2": _diff(grad_b2, fc2.bias.grad),
+    }
+
+
+def _embedding_and_loss() -> dict:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    vocab, hidden = 10, 4  # 10 rows over 3 ranks: 4, 3, 3
+    dense = nn.Embedding(vocab, hidden, padding_idx=5)
+    emb = VocabParallelEmbedding(vocab, hidden, padding_idx=5, reduce=RegionExit(_site("emb/fwd")))
+    emb.weight.data.copy_(emb.shard.take(dense.weight.detach(), rank))
+    ids = torch.tensor([[0, 5, 9, 3], [4, 7, 5, 1]])
+    out, expected = emb(ids), dense(ids)
+    out.sum().backward()
+    expected.sum().backward()
+    head = ShardSpec.balanced(vocab, WORLD).on_dim(-1)
+    logits = torch.randn(2, 4, vocab, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    target = torch.tensor([[1, 9, -100, 4], [0, 3, 8, -100]])
+    local = head.take(logits.detach(), rank).requires_grad_()
+    start = head.ranges[rank][0][0]
+    loss = vocab_parallel_cross_entropy(local, target, start, _site("loss/lse"))
+    ref = F.cross_entropy(logits.view(-1, vocab), target.view(-1), reduction="none").view(2, 4)
+    loss.sum().backward()
+    ref.sum().backward()
+    return {
+        "emb": _diff(out, expected),
+        "emb_grad": _diff(emb.weight.grad, emb.shard.take(dense.weight.grad, rank)),
+        "ce": _diff(loss, ref),
+        "ce_grad": _diff(local.grad, head.take(logits.grad, rank)),
+        "local_vocab": local.shape[-1],
+    }
+
+
+def _replicated_kv() -> dict:
+    """One kv head held by all three ranks: its weight gradient is summed over them."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    dense = nn.Linear(6, 4)
+    spec = ShardSpec.heads(1, 4, WORLD)
+    layer = ColumnParallelLinear(6, 4, shard=spec, replica_site=_site("k/replica_grad"))
+    layer.weight.data.copy_(dense.weight.detach())
+    layer.bias.data.copy_(dense.bias.detach())
+    x = torch.randn(3, 5, 6)
+    # each rank uses the head for its own "query heads": different upstream gradients
+    scale = torch.tensor([1.0, 2.0, 3.0])
+    (layer(x) * scale[rank]).sum().backward()
+    (dense(x) * scale.sum()).sum().backward()
+    return {"w": _diff(layer.weight.grad, dense.weight.grad), "b": _diff(layer.bias.grad, dense.bias.grad)}
+
+
+def _compressed_site() -> dict:
+    """A compressed backward site records its statistics under its own name."""
+    torch.manual_seed(dist.get_rank())
+    cfg = TacoConfig(threshold_bytes=0, group_size=32)
+    x = torch.randn(4, 64, requires_grad=True)
+    entry = RegionEntry(None, _site("blk/bwd", cfg))
+    comm.pop_comm_stats()
+    entry(x).mul(torch.randn(4, 64)).sum().backward()
+    stats = comm.pop_comm_stats()
+    return {"compressed_calls": stats["blk/bwd"].compressed_calls, "finite": bool(torch.isfinite(x.grad).all())}
+
+
+def _worker() -> dict:
+    return {
+        "mlp": _mlp(None, conv1d=False),
+        "mlp_conv1d": _mlp(None, conv1d=True),
+        "mlp_sp": _mlp(SequenceState(True, WORLD), conv1d=False),
+        "embedding_loss": _embedding_and_loss(),
+        "replicated_kv": _replicated_kv(),
+        "compressed": _compressed_site(),
+    }
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return run_ranks(_worker, WORLD)
+
+
+@pytest.mark.parametrize("case", ["mlp", "mlp_conv1d", "mlp_sp"])
+def test_column_row_pair_matches_dense(measured, case):
+    for result in measured:
+        assert max(result[case].values()) < 1e-5, result[case]
+
+
+def test_vocab_parallel_embedding_and_cross_entropy(measured):
+    for rank, result in enumerate(measured):
+        r = result["embedding_loss"]
+        assert max(v for k, v in r.items() if k != "local_vocab") < 1e-5, r
+        assert r["local_vocab"] == (4 if rank == 0 else 3)  # uneven slices, never the full vocabulary
+
+
+def test_replicated_kv_heads_sum_their_gradients(measured):
+    for result in measured:
+        assert max(result["replicated_kv"].values()) < 1e-5, result["replicated_kv"]
+
+
+def test_compressed_site_goes_through_the_codec(measured):
+    for result in measured:
+        assert result["compressed"] == {"compressed_calls": 1, "finite": True}
