@@ -87,6 +87,25 @@ def _butterfly2(a, b):
     return a + b, a - b
 
 
+# H_(2n) (x) H_SUB on 2n consecutive sub-blocks: butterflies between the two H_n (x) H_SUB halves.
+@triton.jit
+def _merge2(a0, a1, b0, b1, HADAMARD: tl.constexpr):
+    if HADAMARD:
+        a0, b0 = _butterfly2(a0, b0)
+        a1, b1 = _butterfly2(a1, b1)
+    return a0, a1, b0, b1
+
+
+@triton.jit
+def _merge4(a0, a1, a2, a3, b0, b1, b2, b3, HADAMARD: tl.constexpr):
+    if HADAMARD:
+        a0, b0 = _butterfly2(a0, b0)
+        a1, b1 = _butterfly2(a1, b1)
+        a2, b2 = _butterfly2(a2, b2)
+        a3, b3 = _butterfly2(a3, b3)
+    return a0, a1, a2, a3, b0, b1, b2, b3
+
+
 @triton.jit
 def _round_half_even(v):
     """Round fp32 ``v`` (|v| < 2**31) to an integer value, ties to even, in exact arithmetic."""
@@ -200,7 +219,6 @@ def _t1(x_ptr, base, numel, sign_ptr, h, j: tl.constexpr, SUB: tl.constexpr, HAD
     return x
 
 
-# H_(2n) (x) H_SUB on 2n consecutive sub-blocks = butterflies of two H_n (x) H_SUB halves.
 @triton.jit
 def _t2(x_ptr, base, numel, sign_ptr, h, j: tl.constexpr, SUB: tl.constexpr, HADAMARD: tl.constexpr,
         SIGNS: tl.constexpr, ZERO_NONFINITE: tl.constexpr, DOT_MODE: tl.constexpr):
@@ -216,10 +234,7 @@ def _t4(x_ptr, base, numel, sign_ptr, h, j: tl.constexpr, SUB: tl.constexpr, HAD
         SIGNS: tl.constexpr, ZERO_NONFINITE: tl.constexpr, DOT_MODE: tl.constexpr):
     a0, a1 = _t2(x_ptr, base, numel, sign_ptr, h, j, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
     b0, b1 = _t2(x_ptr, base, numel, sign_ptr, h, j + 2, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
-    if HADAMARD:
-        a0, b0 = _butterfly2(a0, b0)
-        a1, b1 = _butterfly2(a1, b1)
-    return a0, a1, b0, b1
+    return _merge2(a0, a1, b0, b1, HADAMARD)
 
 
 @triton.jit
@@ -227,12 +242,7 @@ def _t8(x_ptr, base, numel, sign_ptr, h, SUB: tl.constexpr, HADAMARD: tl.constex
         SIGNS: tl.constexpr, ZERO_NONFINITE: tl.constexpr, DOT_MODE: tl.constexpr):
     a0, a1, a2, a3 = _t4(x_ptr, base, numel, sign_ptr, h, 0, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
     b0, b1, b2, b3 = _t4(x_ptr, base, numel, sign_ptr, h, 4, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
-    if HADAMARD:
-        a0, b0 = _butterfly2(a0, b0)
-        a1, b1 = _butterfly2(a1, b1)
-        a2, b2 = _butterfly2(a2, b2)
-        a3, b3 = _butterfly2(a3, b3)
-    return a0, a1, a2, a3, b0, b1, b2, b3
+    return _merge4(a0, a1, a2, a3, b0, b1, b2, b3, HADAMARD)
 
 
 @triton.jit
@@ -334,22 +344,14 @@ def _d4(q_ptr, offs, g_mask, h, j: tl.constexpr, SUB: tl.constexpr, HADAMARD: tl
         DOT_MODE: tl.constexpr):
     a0, a1 = _d2(q_ptr, offs, g_mask, h, j, SUB, HADAMARD, DOT_MODE)
     b0, b1 = _d2(q_ptr, offs, g_mask, h, j + 2, SUB, HADAMARD, DOT_MODE)
-    if HADAMARD:
-        a0, b0 = _butterfly2(a0, b0)
-        a1, b1 = _butterfly2(a1, b1)
-    return a0, a1, b0, b1
+    return _merge2(a0, a1, b0, b1, HADAMARD)
 
 
 @triton.jit
 def _d8(q_ptr, offs, g_mask, h, SUB: tl.constexpr, HADAMARD: tl.constexpr, DOT_MODE: tl.constexpr):
     a0, a1, a2, a3 = _d4(q_ptr, offs, g_mask, h, 0, SUB, HADAMARD, DOT_MODE)
     b0, b1, b2, b3 = _d4(q_ptr, offs, g_mask, h, 4, SUB, HADAMARD, DOT_MODE)
-    if HADAMARD:
-        a0, b0 = _butterfly2(a0, b0)
-        a1, b1 = _butterfly2(a1, b1)
-        a2, b2 = _butterfly2(a2, b2)
-        a3, b3 = _butterfly2(a3, b3)
-    return a0, a1, a2, a3, b0, b1, b2, b3
+    return _merge4(a0, a1, a2, a3, b0, b1, b2, b3, HADAMARD)
 
 
 @triton.jit
