@@ -35,8 +35,8 @@ import torch.distributed as dist
 
 from ..codec import TacoConfig
 from ..parallel import (
-    SCHEDULES, DataParallelGradSync, TiedEmbeddingSync, apply_dp, apply_pp, apply_tp, build_mesh, build_schedule, clip_grad_norm_,
-    default_device, make_pipeline_stages,
+    SCHEDULES, DataParallelGradSync, ReplicaGradSum, TiedEmbeddingSync, apply_dp, apply_pp, apply_tp, build_mesh,
+    build_schedule, clip_grad_norm_, default_device, make_pipeline_stages,
 )
 from ..parallel.pipeline import is_tied
 from . import checkpoint as ckpt
@@ -219,6 +219,8 @@ class Trainer:
                 stage.norm_skip_names = {"model.lm_head.weight"}  # a copy of the embedding: count it once
         self.tied_sync = TiedEmbeddingSync(plan.modules, mesh, first, last) if split_tied else None
         param_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" and self.dims.dp_mode == "fsdp" else None
+        fsdp = self.dims.dp_mode == "fsdp" and self.dims.dp > 1
+        self.replica_sum = ReplicaGradSum(plan.modules, mesh) if fsdp and self.dims.tp > 1 else None
         self.run_modules = [apply_dp(stage, mesh, self.dims.dp_mode, param_dtype=param_dtype) for stage in plan.modules]
         ddp = self.dims.dp_mode == "ddp" and self.dims.dp > 1
         self.dp_sync = DataParallelGradSync(plan.modules, mesh) if ddp else None
@@ -284,6 +286,8 @@ class Trainer:
         loss = self._run_schedule(inputs, labels, train=True)
         if self.dp_sync is not None:
             self.dp_sync()
+        if self.replica_sum:
+            self.replica_sum()
         if self.tied_sync is not None:
             self.tied_sync()
         grad_norm = clip_grad_norm_(self.plan.modules, self.mesh, cfg.max_grad_norm, self.dims.dp_mode)

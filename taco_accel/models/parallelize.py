@@ -50,14 +50,20 @@ class TPContext:
     def install_grad_sums(self, model: nn.Module) -> None:
         """(Re)register the gradient sums of replicated parameters that see part of the data
         (call again after replacing parameter objects, as `from_pretrained` does)."""
-        for handle in self._grad_sum_handles:
-            handle.remove()
+        self.remove_grad_sums()
         params = [(name, model.get_parameter(name)) for name in self.grad_sum_params]
         self._grad_sum_handles = [
             register_grad_sum(param, Site(f"{self.short(name)}/grad", self.group, None))
             for name, param in params
             if param.requires_grad
         ]
+
+    def remove_grad_sums(self) -> None:
+        """Drop the gradient-sum hooks, for a wrapper that replaces the parameter objects (FSDP2)
+        and sums ``grad_sum_params`` over the TP group itself after backward."""
+        for handle in self._grad_sum_handles:
+            handle.remove()
+        self._grad_sum_handles = []
 
     def short(self, name: str) -> str:
         return _short(self.plan, name)

@@ -6,7 +6,7 @@ values and a ("pp", "dp", "tp") DeviceMesh: `apply_pp` (split into stages), `app
 the whole mesh: `clip_grad_norm_` and `TiedEmbeddingSync`.
 """
 
-from .data_parallel import DataParallelGradSync, TiedEmbeddingSync, apply_dp, clip_grad_norm_, grad_norm_sq
+from .data_parallel import DataParallelGradSync, ReplicaGradSum, TiedEmbeddingSync, apply_dp, clip_grad_norm_, grad_norm_sq
 from .mesh import MESH_DIMS, ParallelDims, build_mesh, default_device
 from .pipeline import SCHEDULES, PipelinePlan, apply_pp, build_schedule, make_pipeline_stages, prune_to_stage, split_layers
 from .stage import StageModule, cross_entropy
@@ -14,6 +14,7 @@ from .tensor_parallel import apply_tp
 
 __all__ = [
     "DataParallelGradSync",
+    "ReplicaGradSum",
     "MESH_DIMS",
     "SCHEDULES",
     "ParallelDims",

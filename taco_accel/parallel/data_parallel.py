@@ -51,6 +51,34 @@ def apply_dp(stage: StageModule, mesh: DeviceMesh, mode: str = "ddp", *, param_d
     return wrapped
 
 
+class ReplicaGradSum:
+    """Sum the gradients of TP-replicated parameters that each TP rank applies to part of the
+    data (norms under sequence parallelism, Qwen3's per-head q/k norms) over the tp group, after
+    backward. `parallelize` does this with hooks on the parameters, but FSDP2 replaces the
+    parameter objects and the hooks never fire: build this before `apply_dp` (it removes the
+    hooks, so nothing is summed twice) and call it after the schedule, before clipping.
+    """
+
+    def __init__(self, stages: list[StageModule], mesh: DeviceMesh):
+        self.group = mesh["tp"].get_group()
+        self.names: set[str] = set()
+        for stage in stages:
+            context = getattr(stage.model, "taco", None)
+            if context is not None:
+                context.remove_grad_sums()
+                self.names.update(f"model.{n}" for n in context.grad_sum_params)
+        self.stages = stages
+
+    def __bool__(self) -> bool:
+        return bool(self.names)
+
+    def __call__(self) -> None:
+        for stage in self.stages:
+            for name, p in stage.named_parameters():
+                if name in self.names and p.grad is not None:
+                    dist.all_reduce(_local(p.grad), group=self.group)
+
+
 class DataParallelGradSync:
     """Average the gradients of ``stages`` over the dp group: one all-reduce per bucket of
     about ``bucket_bytes`` (flattened per dtype). Call after backward, before clipping."""
