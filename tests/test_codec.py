@@ -684,3 +684,12 @@ def test_tiny_groups_decode_accurately_or_to_zero(fmt, scales, std):
     lift = 1e3 if scales == "dual" else 1.0  # the adaptive scale (clamped at 1e3) lifts tiny groups
     if std * lift >= 1e-32:
         assert not flushed.any()
+
+
+def test_decompress_refuses_a_buffer_of_another_layout():
+    packed = compress(torch.randn(1000))
+    wrong = Packed(packed.buffer[:-16], packed.shape, packed.dtype, packed.config, packed.layout)
+    with pytest.raises(ValueError, match="does not belong to this layout"):
+        decompress(wrong)
+    with pytest.raises(ValueError, match="contiguous tensor of 1000"):
+        decompress(packed, out=torch.empty(999))

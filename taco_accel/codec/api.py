@@ -109,10 +109,15 @@ def compress(x: torch.Tensor, config: TacoConfig | None = None, *, chunks: int =
 
 def decompress(packed: Packed, out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode ``packed`` to a tensor of its original shape, dtype and device (or into ``out``)."""
+    if packed.buffer.dim() != 1 or packed.buffer.numel() != packed.layout.total_bytes:
+        raise ValueError(
+            f"packed.buffer has {packed.buffer.numel()} bytes but its layout needs "
+            f"{packed.layout.total_bytes}: the buffer does not belong to this layout"
+        )
     if out is None:
         out = torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)
-    elif out.numel() != packed.layout.numel or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous with {packed.layout.numel} elements")
+    elif out.numel() != packed.layout.numel or not out.is_contiguous() or out.device != packed.device:
+        raise ValueError(f"out must be a contiguous tensor of {packed.layout.numel} elements on {packed.device}")
     if packed.layout.numel:
         backend = backend_for(packed.config, packed.device)
         backend.decompress_into(packed.buffer, packed.layout, packed.config, out.view(-1))
