@@ -153,16 +153,21 @@ def _scale_offsets(g, gpc, chunk_bytes, G: tl.constexpr):
 
 
 @triton.jit
-def _row_stats(y, amax, sumsq, nonfinite):
-    """Accumulate per-group max |y|, sum y^2 and a NaN-if-non-finite sum over one tile."""
-    amax = tl.maximum(amax, tl.max(tl.abs(y), axis=1))
-    sumsq = sumsq + tl.sum(y * y, axis=1)
-    nonfinite = nonfinite + tl.sum(y * 0.0, axis=1)  # NaN once any value is NaN or Inf
-    return amax, sumsq, nonfinite
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
-def _scales(amax, sumsq, nonfinite, bad_in, G: tl.constexpr, QMAX: tl.constexpr,
+def _row_stats(y, amax, sumsq, SUMSQ: tl.constexpr):
+    """Accumulate per-group max |y| (NaN if any value is NaN) and, if asked, sum y^2 over a tile."""
+    amax = _max_nan(amax, tl.reduce(tl.abs(y), 1, _max_nan))
+    if SUMSQ:
+        sumsq = sumsq + tl.sum(y * y, axis=1)
+    return amax, sumsq
+
+
+@triton.jit
+def _scales(amax, sumsq, bad_in, G: tl.constexpr, QMAX: tl.constexpr,
             DUAL: tl.constexpr, ADAPTIVE: tl.constexpr):
     """Per-group (a, s, inv, bad) from the row statistics; payload = clamp(y * a * inv)."""
     if DUAL and ADAPTIVE:
@@ -171,7 +176,7 @@ def _scales(amax, sumsq, nonfinite, bad_in, G: tl.constexpr, QMAX: tl.constexpr,
         amax = amax * a  # == max |a * y|: scaling by a > 0 commutes with rounding and max
     else:
         a = tl.full(amax.shape, 1.0, tl.float32)
-    bad = bad_in | (nonfinite != 0.0) | (amax != amax) | (tl.abs(amax) == float("inf"))
+    bad = bad_in | (amax != amax) | (amax == float("inf"))  # NaN or Inf in the group, or overflow
     big = amax >= _TINY
     s = tl.where(bad, float("nan"), tl.where(big, tl.div_rn(amax, QMAX), 0.0))
     inv = tl.where(big & (~bad), tl.div_rn(QMAX, tl.where(big, amax, 1.0)), 0.0)
@@ -280,28 +285,27 @@ def _compress_kernel(
     NORM: tl.constexpr = G**-0.5 if HADAMARD else 1.0
     amax = tl.zeros((BG,), tl.float32)
     sumsq = tl.zeros((BG,), tl.float32)
-    nonfinite = tl.zeros((BG,), tl.float32)
     y0 = y0 * NORM
-    amax, sumsq, nonfinite = _row_stats(y0, amax, sumsq, nonfinite)
+    amax, sumsq = _row_stats(y0, amax, sumsq, DUAL and ADAPTIVE)
     if NSUB >= 2:
         y1 = y1 * NORM
-        amax, sumsq, nonfinite = _row_stats(y1, amax, sumsq, nonfinite)
+        amax, sumsq = _row_stats(y1, amax, sumsq, DUAL and ADAPTIVE)
     if NSUB >= 4:
         y2 = y2 * NORM
         y3 = y3 * NORM
-        amax, sumsq, nonfinite = _row_stats(y2, amax, sumsq, nonfinite)
-        amax, sumsq, nonfinite = _row_stats(y3, amax, sumsq, nonfinite)
+        amax, sumsq = _row_stats(y2, amax, sumsq, DUAL and ADAPTIVE)
+        amax, sumsq = _row_stats(y3, amax, sumsq, DUAL and ADAPTIVE)
     if NSUB >= 8:
         y4 = y4 * NORM
         y5 = y5 * NORM
         y6 = y6 * NORM
         y7 = y7 * NORM
-        amax, sumsq, nonfinite = _row_stats(y4, amax, sumsq, nonfinite)
-        amax, sumsq, nonfinite = _row_stats(y5, amax, sumsq, nonfinite)
-        amax, sumsq, nonfinite = _row_stats(y6, amax, sumsq, nonfinite)
-        amax, sumsq, nonfinite = _row_stats(y7, amax, sumsq, nonfinite)
+        amax, sumsq = _row_stats(y4, amax, sumsq, DUAL and ADAPTIVE)
+        amax, sumsq = _row_stats(y5, amax, sumsq, DUAL and ADAPTIVE)
+        amax, sumsq = _row_stats(y6, amax, sumsq, DUAL and ADAPTIVE)
+        amax, sumsq = _row_stats(y7, amax, sumsq, DUAL and ADAPTIVE)
     bad = tl.zeros((BG,), tl.int1)
-    a, s, inv, bad = _scales(amax, sumsq, nonfinite, bad, G, QMAX, DUAL, ADAPTIVE)
+    a, s, inv, bad = _scales(amax, sumsq, bad, G, QMAX, DUAL, ADAPTIVE)
     offs = _payload_offsets(g, gpc, chunk_bytes, G)[:, None] + tl.arange(0, SUB)[None, :]
     mask = g_mask[:, None]
     _store_payload(q_ptr, offs, y0, a, inv, bad, mask, FMT, QMAX, DUAL, EMULATE_ROUND)
@@ -427,9 +431,8 @@ def _sum_kernel(
         z += q * scale[:, None]
     amax = tl.zeros((BG,), tl.float32)
     sumsq = tl.zeros((BG,), tl.float32)
-    nonfinite = tl.zeros((BG,), tl.float32)
-    amax, sumsq, nonfinite = _row_stats(z, amax, sumsq, nonfinite)
-    a, s, inv, bad = _scales(amax, sumsq, nonfinite, bad, G, QMAX, DUAL, ADAPTIVE)
+    amax, sumsq = _row_stats(z, amax, sumsq, DUAL and ADAPTIVE)
+    a, s, inv, bad = _scales(amax, sumsq, bad, G, QMAX, DUAL, ADAPTIVE)
     _store_payload(out_q_ptr, offs, z, a, inv, bad, g_mask[:, None], FMT, QMAX, DUAL, EMULATE_ROUND)
     _store_scales(out_s_ptr, g, g_mask, s, a, gpc, chunk_bytes, G, DUAL)
     _store_padding(out_q_ptr, g, g_mask, gpc, chunk_bytes, used_bytes)
