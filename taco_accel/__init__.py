@@ -13,7 +13,7 @@ from .models import (
 )
 from .tp import Compression
 from .parallel import ParallelDims, build_mesh
-from .integrations import TrainConfig, Trainer
+from .integrations import TrainConfig, Trainer, export_merged, get_peft_model, load_adapter, save_adapter
 
 __version__ = "0.1.0"
 
@@ -33,11 +33,15 @@ __all__ = [
     "calibrate_group_sizes",
     "compress",
     "decompress",
+    "export_merged",
     "from_pretrained",
+    "get_peft_model",
+    "load_adapter",
     "parallelize",
     "pop_comm_stats",
     "reduce_scatter",
     "register_plan",
+    "save_adapter",
     "save_pretrained",
     "supported_model_types",
 ]

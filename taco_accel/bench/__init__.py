@@ -2,4 +2,5 @@
 
 - `fidelity`: how precisely the codec and its ablations reproduce TP-like tensors (CPU, figures).
 - `codec`: throughput of the fused Triton kernels against separate PyTorch ops.
+- `convergence`: loss curves of one training run under TACO and its ablations, with emulated TP.
 """

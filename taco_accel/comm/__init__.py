@@ -7,14 +7,17 @@
 ``config=None`` (or a message under ``config.threshold_bytes``) is the plain collective in the
 input dtype; otherwise the TACO FP8 path. `pop_comm_stats` returns and resets the per-site
 figures (bytes sent against the plain collective, calls, sampled error); `set_error_sampling`
-turns the error sampling on.
+turns the error sampling on. `EmulatedGroup` runs the same collectives for P virtual ranks in
+one process (lists of per-rank tensors in, the same bytes out), for emulated TP.
 """
 
 from .collectives import all_gather, all_reduce, reduce_scatter
+from .emulated import EmulatedGroup
 from .stats import CommStats, error_sampling, pop_comm_stats, set_error_sampling
 
 __all__ = [
     "CommStats",
+    "EmulatedGroup",
     "all_gather",
     "all_reduce",
     "error_sampling",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 
 import torch
@@ -51,15 +52,20 @@ def _gather(local: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
     return spec.assemble([p.narrow(spec.dim, 0, n) for p, n in zip(parts, sizes)])
 
 
-def gather_state_dict(model: nn.Module, device: torch.device | str | None = "cpu") -> dict[str, torch.Tensor]:
+def gather_state_dict(
+    model: nn.Module, device: torch.device | str | None = "cpu", keys: Callable[[str], bool] | None = None
+) -> dict[str, torch.Tensor]:
     """The full state dict with transformers' names and shapes, on every rank of the TP group.
 
     A collective: every rank of the group calls it. Tied parameters map to one tensor.
+    ``keys``: keep only the entries whose name it accepts (e.g. a LoRA adapter's).
     """
     ctx = context_of(model)
     specs = shard_specs(model)
     full, done = {}, {}
     for name, tensor in model.state_dict(keep_vars=True).items():
+        if keys is not None and not keys(name):
+            continue
         if id(tensor) not in done:
             value = tensor.detach()
             if name in specs and ctx.tp > 1:

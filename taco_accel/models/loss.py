@@ -39,7 +39,7 @@ class CausalLMLoss:
         self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, num_items_in_batch=None,
         ignore_index: int = -100, shift_labels: torch.Tensor | None = None, **kwargs,
     ) -> torch.Tensor:
-        if logits.shape[-1] == vocab_size:  # full logits (gathered, or tp=1)
+        if self.full_logits(logits, vocab_size):  # gathered, or tp=1
             return self.fallback(
                 logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                 ignore_index=ignore_index, shift_labels=shift_labels, **kwargs,
@@ -47,13 +47,21 @@ class CausalLMLoss:
         if shift_labels is None:  # tokens < n predict n
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         shift_labels = shift_labels.to(logits.device)
-        vocab_start = self.lm_head.shard.ranges[self.lm_head.rank][0][0]
-        loss = vocab_parallel_cross_entropy(logits, shift_labels, vocab_start, self.site, ignore_index)
+        loss = self.token_losses(logits, shift_labels, ignore_index)
         if num_items_in_batch is None:
             return loss.sum() / (shift_labels != ignore_index).sum()
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
         return loss.sum() / num_items_in_batch
+
+    def full_logits(self, logits: torch.Tensor, vocab_size: int) -> bool:
+        """Whether ``logits`` hold the whole vocabulary (then transformers' loss applies)."""
+        return logits.shape[-1] == vocab_size
+
+    def token_losses(self, logits: torch.Tensor, shift_labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+        """Per-token loss (0 where ignored) from this rank's vocabulary slice of the logits."""
+        vocab_start = self.lm_head.shard.ranges[self.lm_head.rank][0][0]
+        return vocab_parallel_cross_entropy(logits, shift_labels, vocab_start, self.site, ignore_index)
 
 
 class LogitsMode:

@@ -30,6 +30,8 @@ class TPContext:
     ``sites``: the communication sites (print it; ``save`` / ``load`` their group sizes).
     ``logits``: ``"auto"`` (default: the lm head returns this rank's vocabulary slice when
     ``labels`` are given, the full logits otherwise), ``"full"`` or ``"local"``.
+    ``emulator``: the `EmulatedGroup` of an emulated model (``emulate=True``: ``group`` is
+    None, ``rank`` 0, the logits always full), None for real TP.
     """
 
     plan: TPPlan
@@ -40,12 +42,17 @@ class TPContext:
     sites: SiteTable
     sequence: SequenceState
     logits: str = "auto"
+    emulator: object = None
     grad_sum_params: list[str] = field(default_factory=list)
     _grad_sum_handles: list = field(default_factory=list, repr=False)
 
     @property
     def sequence_parallel(self) -> bool:
         return self.sequence.enabled
+
+    @property
+    def emulated(self) -> bool:
+        return self.emulator is not None
 
     def install_grad_sums(self, model: nn.Module) -> None:
         """(Re)register the gradient sums of replicated parameters that see part of the data
@@ -81,6 +88,7 @@ def parallelize(
     compression: TacoConfig | Compression | dict | None = TacoConfig(),
     sequence_parallel: bool = False,
     device_mesh=None,
+    emulate: bool = False,
 ) -> nn.Module:
     """Make a transformers causal LM tensor parallel over ``tp`` ranks, in place; returns it.
 
@@ -99,6 +107,11 @@ def parallelize(
             (norms and dropout on 1/tp of the tokens); training sequences must divide by tp.
         device_mesh: a 1-D DeviceMesh, a DeviceMesh with a ``"tp"`` dimension, or a
             ProcessGroup: the ranks that share this model's weights.
+        emulate: run ``tp`` virtual ranks in this one process, no torch.distributed needed
+            (a laptop, one GPU): every collective of real TP goes through the same codec
+            calls on the same per-rank tensors, so losses and gradients match a real
+            compressed run (see `taco_accel.tp.emulate`). The parameters stay whole, so the
+            model saves and loads as the transformers model it was. Needs ``tp``.
     """
     if getattr(model, "taco", None) is not None:
         raise ValueError(
@@ -108,6 +121,10 @@ def parallelize(
     plan = plan_for(model)
     if plan.check is not None:
         plan.check(model.config)
+    if emulate:
+        from .emulate import emulate_tp  # it builds on this module
+
+        return emulate_tp(model, plan, tp, compression, sequence_parallel, device_mesh)
     if tp is not None:
         _check_tp(model, plan, tp)  # before any collective: wrong numbers fail fast
     group, tp = _resolve_group(tp, device_mesh)

@@ -25,13 +25,23 @@ def vocab_parallel_cross_entropy(
     ``target``: (...) ids in the full vocabulary. Computed in fp32. ``site`` must be plain
     (``config=None``): the result is exact up to fp32 rounding.
     """
+    parts = local_loss_parts(logits, target, vocab_start, ignore_index)  # (2, ...)
+    parts = gather_from_tp_region(parts.unsqueeze(0), site, dim=0)  # (tp, 2, ...)
+    return combine_loss_parts(parts, target == ignore_index)
+
+
+def local_loss_parts(logits: torch.Tensor, target: torch.Tensor, vocab_start: int, ignore_index: int = -100) -> torch.Tensor:
+    """(2, ...) fp32: the log-sum-exp of this rank's logits (..., V/tp) and the target logit
+    where the target is in its rows (0 elsewhere)."""
     logits = logits.float()
     local_vocab = logits.shape[-1]
-    ignored = target == ignore_index
     local_target = target - vocab_start
-    mine = (local_target >= 0) & (local_target < local_vocab) & ~ignored
+    mine = (local_target >= 0) & (local_target < local_vocab) & (target != ignore_index)
     picked = logits.gather(-1, local_target.clamp(0, max(local_vocab - 1, 0)).unsqueeze(-1)).squeeze(-1)
-    parts = torch.stack([torch.logsumexp(logits, dim=-1), picked * mine], dim=0)  # (2, ...)
-    parts = gather_from_tp_region(parts.unsqueeze(0), site, dim=0)  # (tp, 2, ...)
+    return torch.stack([torch.logsumexp(logits, dim=-1), picked * mine], dim=0)
+
+
+def combine_loss_parts(parts: torch.Tensor, ignored: torch.Tensor) -> torch.Tensor:
+    """Per-token loss from every rank's `local_loss_parts` stacked, (tp, 2, ...); 0 where ``ignored``."""
     loss = torch.logsumexp(parts[:, 0], dim=0) - parts[:, 1].sum(dim=0)
     return loss.masked_fill(ignored, 0.0)

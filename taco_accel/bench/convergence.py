@@ -1,0 +1,539 @@
+"""Convergence of the same training run under TACO and its ablations, with emulated TP.
+
+Run ``python -m taco_accel.bench.convergence`` (CPU: the ``cpu-tiny`` preset, emulated tp=8).
+Every variant trains the same model from the same initial weights on the same batches, in
+one process, with ``parallelize(model, tp=tp, emulate=True)``: each row-parallel output,
+the embedding's output and each column-parallel input gradient is summed over tp virtual
+ranks through that variant's codec, exactly as a real tp group would (TACO_SPEC.md, "Where it
+is used in TP"). Every message is compressed (``threshold_bytes=0``), as in a large model.
+
+Variants (``--variants``, keys in brackets):
+
+- uncompressed [none]: plain fp32 (bf16) sums;
+- noise floor [reorder]: plain sums taken in the reverse rank order. It differs from
+  ``none`` by fp32 rounding only, so its delta is a lower bound of the run-to-run noise (a
+  compressed run, perturbed more, decorrelates from ``none`` sooner);
+- naive per-tensor FP8 [naive]: one E4M3 scale per tensor (`naive_per_tensor_all_reduce`);
+- per-group FP8 without Hadamard [no-hadamard]; Hadamard without the adaptive scale
+  [no-adaptive]; per-group INT8, Hadamard [int8];
+- TACO [taco] (the default `TacoConfig`), TACO with the paper's dual scales [taco-dual], TACO
+  with E5M2 [e5m2].
+
+Each run writes ``<out>/seed<n>/<key>.json`` (its loss history); an existing file is reused
+unless ``--force``, so variants and seeds can run as separate processes (one per GPU) into
+one folder, and ``--report`` rebuilds the table and ``<out>/convergence.png`` from what is
+there. The table gives the final training loss (mean of the last 10% of steps), the final
+validation loss (fixed validation batches) and their relative deltas against ``none``: the
+mean over ``--seeds``, with the range over seeds when there are several. ``--fidelity``
+adds what chaos cannot blur: every variant's loss and gradient error at the same weights
+(those of the uncompressed run at 0, 25, ..., 100% of the steps), `same_weights_fidelity`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import shlex
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from taco_accel.bench.fidelity import naive_per_tensor
+from taco_accel.codec import TacoConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One study size: model (a Qwen2 config), data and optimisation."""
+
+    model: dict
+    seq_len: int
+    batch: int
+    steps: int
+    lr: float
+    warmup: int
+    eval_every: int
+    eval_batches: int
+    tokenizer: str = "byte"
+    tp: int = 8
+    bf16: bool = False
+    data: tuple[str, ...] = ()  # load_texts sources; () is the shipped stdlib corpus
+    note: str = ""
+
+
+_QWEN = dict(tie_word_embeddings=False)
+
+PRESETS = {
+    # the test suite's smoke run: seconds
+    "nano": Preset(
+        model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                   num_key_value_heads=4, **_QWEN),
+        seq_len=32, batch=4, steps=4, lr=3e-3, warmup=1, eval_every=2, eval_batches=1, tp=8,
+    ),
+    # the laptop study: 0.9M parameters, 1024 tokens per step, minutes per variant on 2 cores
+    "cpu-tiny": Preset(
+        model=dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=8,
+                   num_key_value_heads=4, **_QWEN),
+        seq_len=128, batch=8, steps=300, lr=3e-3, warmup=30, eval_every=50, eval_batches=8,
+        note="kv heads replicated on 2 of the 8 ranks each",
+    ),
+    # the GPU study: 105M parameters (80M in the blocks), 8k tokens per step, bf16; pass more
+    # text than the shipped corpus with --data (see benchmarks/results/convergence_cpu.md)
+    "h200-100m": Preset(
+        model=dict(hidden_size=768, intermediate_size=2304, num_hidden_layers=12, num_attention_heads=16,
+                   num_key_value_heads=4, **_QWEN),
+        seq_len=1024, batch=8, steps=3000, lr=6e-4, warmup=200, eval_every=250, eval_batches=16,
+        tokenizer="bpe:16384", bf16=True, note="kv heads replicated on 2 of the 8 ranks each",
+    ),
+}
+
+
+# --- variants ---------------------------------------------------------------------------------
+
+
+def naive_per_tensor_all_reduce(partials: Sequence[torch.Tensor], config: TacoConfig) -> tuple[torch.Tensor, int]:
+    """A two-shot all-reduce with one FP8 scale per tensor, the baseline TACO improves on.
+
+    Each rank quantises its whole partial with one scale (``max|x| / FP8_MAX``) and sends chunk
+    r to rank r; rank r sums the dequantised chunks in fp32 and requantises its chunk with one
+    scale; every rank decodes every chunk. ``config.format`` picks E4M3 or E5M2 (INT8: E4M3).
+    An `EmulatedGroup` reducer (see `taco_accel.comm.emulated.Reducer`); bytes per rank: the
+    fp8 payload plus one fp32 scale per chunk, both ways.
+    """
+    fmt = config.format if config.format in ("e4m3", "e5m2") else "e4m3"
+    world, dtype = len(partials), partials[0].dtype
+    total = torch.stack([naive_per_tensor(p, fmt).float() for p in partials]).sum(0)  # fp32 sums on the ranks
+    chunks = total.view(-1).tensor_split(world)  # rank r's chunk
+    out = torch.cat([naive_per_tensor(c, fmt) for c in chunks]).view(partials[0].shape).to(dtype)
+    chunk_bytes = -(-total.numel() // world) + 4
+    return out, 2 * (world - 1) * chunk_bytes
+
+
+def reversed_plain_all_reduce(partials: Sequence[torch.Tensor], config: TacoConfig) -> tuple[torch.Tensor, int]:
+    """The plain sum taken from the last rank to the first (the noise floor: fp32 rounding only)."""
+    out = partials[-1].clone()
+    for x in reversed(partials[:-1]):
+        out += x
+    return out, 2 * (len(partials) - 1) * out.numel() * out.element_size() // len(partials)
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    fields: dict | None = None  # TacoConfig fields changed from the default; None: uncompressed
+    reducer: object = None  # an EmulatedGroup reducer replacing the TACO all-reduce
+
+    def compression(self, group_size: int) -> TacoConfig | None:
+        if self.fields is None:
+            return None
+        return TacoConfig(group_size=group_size, threshold_bytes=0, **self.fields)
+
+    def describe(self, group_size: int) -> str:
+        if self.fields is None:
+            return "fp32 / bf16 sums"
+        if self.reducer is naive_per_tensor_all_reduce:
+            return "E4M3, one scale per tensor"
+        if self.reducer is reversed_plain_all_reduce:
+            return "plain, reversed sum order"
+        cfg = self.compression(group_size)
+        return (
+            f"{cfg.format.upper()} G={cfg.group_size}, {'Hadamard' if cfg.hadamard else 'no Hadamard'}, "
+            f"{cfg.scales}{' no adaptive' if cfg.scales == 'dual' and not cfg.adaptive_scale else ''}"
+        )
+
+
+VARIANTS = {
+    "none": Variant("uncompressed"),
+    "reorder": Variant("noise floor: uncompressed, sums reversed", {}, reversed_plain_all_reduce),
+    "naive": Variant("naive per-tensor FP8", {}, naive_per_tensor_all_reduce),
+    "no-hadamard": Variant("per-group FP8, no Hadamard", {"hadamard": False}),
+    "no-adaptive": Variant("Hadamard, no adaptive scale", {"scales": "dual", "adaptive_scale": False}),
+    "int8": Variant("per-group INT8 (Hadamard)", {"format": "int8"}),
+    "taco": Variant("TACO (default)", {}),
+    "taco-dual": Variant("TACO, dual scales (paper)", {"scales": "dual"}),
+    "e5m2": Variant("TACO, E5M2", {"format": "e5m2"}),
+}
+BASELINE = "none"
+
+
+# --- one run ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Data:
+    """Token streams and the model config of one study (shared by its variants)."""
+
+    train: torch.Tensor
+    val: torch.Tensor
+    config: object
+    info: dict = field(default_factory=dict)
+
+
+def load_data(preset: Preset, cache_dir: Path) -> Data:
+    """Tokenise the preset's text (cached) and build the Qwen2 config for its vocabulary."""
+    from transformers import Qwen2Config
+
+    from taco_accel.data import build_tokenizer, load_texts, split_documents, tokenize
+    from taco_accel.integrations.presets import pad_vocab
+
+    docs = [d for source in (preset.data or (None,)) for d in load_texts(source)]
+    train_docs, val_docs = split_documents(docs)
+    tok = build_tokenizer(preset.tokenizer, train_docs, cache_dir)
+    train, val = tokenize(train_docs, tok, cache_dir), tokenize(val_docs, tok, cache_dir)
+    config = Qwen2Config(
+        vocab_size=pad_vocab(len(tok)), max_position_embeddings=max(preset.seq_len, 128), **preset.model
+    )
+    info = {"train_tokens": train.numel(), "val_tokens": val.numel(), "vocab": config.vocab_size}
+    return Data(train, val, config, info)
+
+
+def build_model(data: Data, variant: Variant, preset: Preset, seed: int, group_size: int, device: torch.device):
+    """The seeded model, emulated over ``preset.tp`` ranks with the variant's codec."""
+    from transformers import AutoModelForCausalLM
+
+    import taco_accel
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(data.config)
+    taco_accel.parallelize(model, tp=preset.tp, compression=variant.compression(group_size), emulate=True)
+    if variant.reducer is not None:
+        model.taco.emulator.reducer = variant.reducer
+    return model.to(device)
+
+
+def _optimizer(model, preset: Preset, device: torch.device):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=preset.lr, betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if device.type == "cuda" else {}),
+    )
+
+    def factor(step: int) -> float:  # linear warm-up, cosine to 10%
+        if step < preset.warmup:
+            return (step + 1) / preset.warmup
+        progress = min(1.0, (step - preset.warmup) / max(1, preset.steps - preset.warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def _loss(model, inputs, labels, device, bf16: bool) -> torch.Tensor:
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        logits = model(input_ids=inputs.to(device)).logits
+    labels = labels.to(device)
+    return model.loss_function(logits, labels, logits.shape[-1], shift_labels=labels)
+
+
+@torch.no_grad()
+def evaluate(model, batches, device, bf16: bool) -> float:
+    model.eval()
+    total = sum(_loss(model, x, y, device, bf16).item() for x, y in batches)
+    model.train()
+    return total / len(batches)
+
+
+def train_variant(key: str, data: Data, preset: Preset, *, seed: int, group_size: int, device: torch.device,
+                  progress: bool = False, on_step: Callable | None = None) -> dict:
+    """Train one variant; returns its record (loss history, finals, time).
+
+    ``on_step(step, model)`` is called before the first step (0) and after every optimizer step.
+    """
+    from taco_accel.data import PackedBatches, eval_batches
+
+    variant = VARIANTS[key]
+    model = build_model(data, variant, preset, seed, group_size, device)
+    opt, sched = _optimizer(model, preset, device)
+    batches = PackedBatches(data.train, preset.seq_len, preset.batch, seed=seed)
+    val = eval_batches(data.val, preset.seq_len, preset.batch, preset.eval_batches)
+    history, start = [], time.perf_counter()
+    if on_step is not None:
+        on_step(0, model)
+    for step in range(1, preset.steps + 1):
+        opt.zero_grad(set_to_none=True)
+        loss = _loss(model, *batches.batch(step - 1), device, preset.bf16)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if on_step is not None:
+            on_step(step, model)
+        row = {"step": step, "loss": loss.item()}
+        if step % preset.eval_every == 0 or step == preset.steps:
+            row["val_loss"] = evaluate(model, val, device, preset.bf16)
+            if progress:
+                logger.info("%s step %d: loss %.4f val %.4f", key, step, row["loss"], row["val_loss"])
+        if not math.isfinite(row["loss"]):
+            logger.warning("%s diverged at step %d", key, step)
+            history.append(row)
+            break
+        history.append(row)
+    tail = [h["loss"] for h in history[-max(1, len(history) // 10):]]
+    return {
+        "key": key, "label": variant.label, "codec": variant.describe(group_size), "seed": seed,
+        "steps": len(history), "final_train": sum(tail) / len(tail), "final_val": history[-1].get("val_loss"),
+        "seconds": time.perf_counter() - start, "history": history,
+    }
+
+
+# --- the codec's error at the same weights ----------------------------------------------------
+
+
+def same_weights_fidelity(data: Data, preset: Preset, keys: Sequence[str], *, seed: int, group_size: int,
+                          device: torch.device, num_batches: int = 2) -> dict:
+    """Loss and gradient of every variant at the weights of the uncompressed run, against the
+    uncompressed ones: the codec's own error, free of the chaos of diverging trajectories.
+
+    Trains the uncompressed run once more, keeping its weights at 0, 25, 50, 75 and 100% of the
+    steps; at each, every variant runs forward and backward on the first ``num_batches``
+    validation batches. Returns ``{"steps": [...], key: {"loss_delta": [...], "grad_error":
+    [...]}}`` with relative figures per kept step (``||g - g_ref|| / ||g_ref||`` over all
+    parameters, before clipping).
+    """
+    from taco_accel.data import eval_batches
+
+    wanted = sorted({round(f * preset.steps) for f in (0.0, 0.25, 0.5, 0.75, 1.0)})
+    states = {}
+
+    def keep(step: int, model) -> None:
+        if step in wanted:
+            states[step] = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+    train_variant(BASELINE, data, preset, seed=seed, group_size=group_size, device=device, on_step=keep)
+    val = eval_batches(data.val, preset.seq_len, preset.batch, preset.eval_batches)[:num_batches]
+    models = {key: build_model(data, VARIANTS[key], preset, seed, group_size, device) for key in [BASELINE, *keys]}
+    result = {"steps": wanted, **{key: {"loss_delta": [], "grad_error": []} for key in keys}}
+    for step in wanted:
+        ref_loss, ref_grad = _loss_and_grad(models[BASELINE], states[step], val, device, preset.bf16)
+        for key in keys:
+            loss, grad = _loss_and_grad(models[key], states[step], val, device, preset.bf16)
+            result[key]["loss_delta"].append((loss - ref_loss) / ref_loss)
+            result[key]["grad_error"].append(float((grad - ref_grad).norm() / ref_grad.norm()))
+    return result
+
+
+def _loss_and_grad(model, state: dict, batches, device, bf16: bool) -> tuple[float, torch.Tensor]:
+    """Mean loss over ``batches`` at the weights ``state``, and its gradient as one fp32 vector."""
+    model.load_state_dict(state)
+    model.zero_grad(set_to_none=True)
+    total = 0.0
+    for inputs, labels in batches:
+        loss = _loss(model, inputs, labels, device, bf16) / len(batches)
+        loss.backward()
+        total += loss.item()
+    grad = torch.cat([p.grad.detach().float().flatten() for p in model.parameters()])
+    return total, grad
+
+
+def fidelity_table(result: dict) -> str:
+    """Markdown table of `same_weights_fidelity`: mean and worst over the kept steps."""
+    lines = [
+        "| variant | loss delta at the same weights, mean (max abs) | gradient relative error, mean (max) |",
+        "| --- | --- | --- |",
+    ]
+    for key in VARIANTS:
+        if key not in result:
+            continue
+        deltas, errors = result[key]["loss_delta"], result[key]["grad_error"]
+        lines.append(
+            f"| {VARIANTS[key].label} | {100 * sum(deltas) / len(deltas):+.3f}% ({100 * max(map(abs, deltas)):.3f}%) "
+            f"| {100 * sum(errors) / len(errors):.2f}% ({100 * max(errors):.2f}%) |"
+        )
+    return "\n".join(lines)
+
+
+# --- report -----------------------------------------------------------------------------------
+
+
+Records = dict[int, dict[str, dict]]  # seed -> variant key -> the record train_variant returns
+
+
+def _delta(values: Sequence[float], bases: Sequence[float]) -> str:
+    """Mean relative delta over seeds, in percent, with the range over seeds when several."""
+    deltas = [100 * (v - b) / b for v, b in zip(values, bases)]
+    if not deltas or not all(math.isfinite(d) for d in deltas):
+        return "-"
+    text = f"{sum(deltas) / len(deltas):+.2f}%"
+    return text if len(deltas) == 1 else f"{text} [{min(deltas):+.2f}, {max(deltas):+.2f}]"
+
+
+def _finals(records: Records, key: str, what: str) -> list[float]:
+    return [r[key][what] if r[key][what] is not None else math.nan for r in records.values()]
+
+
+def table(records: Records) -> str:
+    """Markdown table: finals (mean over seeds) and their deltas against the uncompressed run."""
+    seeds = list(records)
+    keys = [k for k in VARIANTS if all(k in records[s] for s in seeds)]
+    lines = [
+        "| variant | codec | final train loss | delta | final val loss | delta |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    has_base = BASELINE in keys
+    for key in keys:
+        first = records[seeds[0]][key]
+        row = [first["label"], first["codec"]]
+        for what in ("final_train", "final_val"):
+            values = _finals(records, key, what)
+            delta = _delta(values, _finals(records, BASELINE, what)) if has_base else "-"
+            row += [f"{sum(values) / len(values):.4f}", delta]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def _mean_curve(histories: list[list[dict]], field_name: str) -> tuple[list[int], list[float]]:
+    """Steps and the mean over seeds of ``field_name`` at the steps every run recorded it."""
+    per_run = [{h["step"]: h[field_name] for h in hist if field_name in h} for hist in histories]
+    steps = sorted(set.intersection(*(set(r) for r in per_run)))
+    return steps, [sum(r[s] for r in per_run) / len(per_run) for s in steps]
+
+
+def plot(records: Records, path: Path, title: str) -> bool:
+    """Training (smoothed) and validation loss curves of every variant, mean over seeds;
+    False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    seeds = list(records)
+    fig, (ax_train, ax_val, ax_delta) = plt.subplots(1, 3, figsize=(17, 4.8), dpi=110)
+    window = 1
+    keys = [k for k in VARIANTS if all(k in records[s] for s in seeds)]
+    base = _mean_curve([records[s][BASELINE]["history"] for s in seeds], "val_loss") if BASELINE in keys else None
+    for key in keys:
+        histories = [records[s][key]["history"] for s in seeds]
+        label = records[seeds[0]][key]["label"]
+        steps, losses = _mean_curve(histories, "loss")
+        window = max(1, len(steps) // 30)
+        smooth = torch.tensor(losses).unfold(0, window, 1).mean(1).tolist() if len(losses) >= window else losses
+        ax_train.plot(steps[len(steps) - len(smooth):], smooth, label=label, lw=1.1)
+        val_steps, val = _mean_curve(histories, "val_loss")
+        ax_val.plot(val_steps, val, "o-", label=label, lw=1.1, ms=3)
+        if base is not None:
+            ref = dict(zip(*base))
+            pairs = [(s, 100 * (v - ref[s]) / ref[s]) for s, v in zip(val_steps, val) if s in ref]
+            ax_delta.plot(*zip(*pairs), "o-", label=label, lw=1.1, ms=3)
+    mean = f" (mean of {len(seeds)} seeds)" if len(seeds) > 1 else ""
+    ax_train.set_title(f"training loss (running mean of {window} steps){mean}", fontsize=9)
+    ax_val.set_title(f"validation loss{mean}", fontsize=9)
+    ax_delta.set_title(f"validation loss vs uncompressed, %{mean}", fontsize=9)
+    for ax in (ax_train, ax_val, ax_delta):
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    ax_train.set_ylabel("loss (nats / token)")
+    ax_delta.axhline(0.0, color="black", lw=0.8)
+    ax_delta.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def load_records(out: Path, seeds: Sequence[int]) -> Records:
+    """What ``out/seed<n>/<key>.json`` holds for each seed."""
+    found = {}
+    for seed in seeds:
+        folder = out / f"seed{seed}"
+        paths = {k: folder / f"{k}.json" for k in VARIANTS}
+        found[seed] = {k: json.loads(path.read_text()) for k, path in paths.items() if path.exists()}
+    return found
+
+
+# --- command line -----------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-tiny")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--tp", type=int, help="emulated tp degree (default: the preset's, 8)")
+    parser.add_argument("--steps", type=int, help="override the preset's step count")
+    parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run per seed (weights and batch order)")
+    parser.add_argument("--data", nargs="+", help="text sources for load_texts (files, globs); default: the preset's")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default="runs/convergence", help="folder of the per-variant JSON files and the PNG")
+    parser.add_argument("--force", action="store_true", help="rerun variants whose JSON already exists")
+    parser.add_argument("--report", action="store_true", help="only rebuild the table and PNG from --out")
+    parser.add_argument("--fidelity", action="store_true",
+                        help="also measure every variant's loss and gradient error at the uncompressed run's weights "
+                             "(first seed; one more uncompressed run)")
+    return parser.parse_args(argv)
+
+
+def resolve_preset(args: argparse.Namespace) -> Preset:
+    preset = PRESETS[args.preset]
+    changes = {k: v for k, v in (("tp", args.tp), ("steps", args.steps)) if v is not None}
+    if args.data:
+        changes["data"] = tuple(args.data)
+    if changes.get("steps") is not None:
+        changes["eval_every"] = min(preset.eval_every, changes["steps"])
+        changes["warmup"] = min(preset.warmup, max(1, changes["steps"] // 10))
+    return replace(preset, **changes)
+
+
+def run_seed(args: argparse.Namespace, preset: Preset, data: Data, seed: int, params: int, device) -> None:
+    """Train every requested variant of one seed into ``out/seed<n>/`` (existing records kept)."""
+    folder = Path(args.out) / f"seed{seed}"
+    folder.mkdir(parents=True, exist_ok=True)
+    for key in args.variants:
+        path = folder / f"{key}.json"
+        if path.exists() and not args.force:
+            logger.info("%s seed %d: reusing %s", key, seed, path)
+            continue
+        record = train_variant(key, data, preset, seed=seed, group_size=args.group_size, device=device, progress=True)
+        record.update(preset=args.preset, tp=preset.tp, params=params, data=data.info, preset_fields=asdict(preset))
+        path.write_text(json.dumps(record))
+        logger.info("%s seed %d: train %.4f val %.4f in %.0f s", key, seed, record["final_train"], record["final_val"],
+                    record["seconds"])
+
+
+def main(argv: Sequence[str] | None = None) -> Records:
+    """Run (or with ``--report`` only report) the study; prints the table, writes the PNG."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = parse_args(argv)
+    preset, out, device = resolve_preset(args), Path(args.out), torch.device(args.device)
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.report:
+        data = load_data(preset, out / "cache")
+        model = build_model(data, VARIANTS[BASELINE], preset, args.seeds[0], args.group_size, torch.device("cpu"))
+        params = sum(p.numel() for p in model.parameters())
+        del model
+        logger.info("%s: %.2fM parameters, %s, emulated tp=%d", args.preset, params / 1e6, data.info, preset.tp)
+        for seed in args.seeds:
+            run_seed(args, preset, data, seed, params, device)
+        if args.fidelity:
+            keys = [k for k in args.variants if k != BASELINE]
+            result = same_weights_fidelity(data, preset, keys, seed=args.seeds[0], group_size=args.group_size,
+                                           device=device)
+            (out / f"seed{args.seeds[0]}" / "fidelity.json").write_text(json.dumps(result))
+    records = load_records(out, args.seeds)
+    print(f"{args.preset}, emulated tp={preset.tp}, {preset.steps} steps, seeds {', '.join(map(str, args.seeds))} "
+          f"(deltas: mean over seeds, range in brackets)\n")
+    print(table(records))
+    fidelity = out / f"seed{args.seeds[0]}" / "fidelity.json"
+    if fidelity.exists():
+        result = json.loads(fidelity.read_text())
+        print(f"\nat the uncompressed run's weights (seed {args.seeds[0]}, steps {result['steps']}):\n")
+        print(fidelity_table(result))
+    command = shlex.join(["python", "-m", "taco_accel.bench.convergence", *(sys.argv[1:] if argv is None else argv)])
+    title = f"{args.preset}, emulated tp={preset.tp}: {command}"
+    if any(records.values()) and plot(records, out / "convergence.png", title):
+        logger.info("loss curves: %s", out / "convergence.png")
+    return records
+
+
+if __name__ == "__main__":
+    main()

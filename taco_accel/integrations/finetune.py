@@ -1,0 +1,438 @@
+"""Fine-tuning a transformers checkpoint with TP (TACO-compressed) x DP: full or LoRA, then export.
+
+Read top to bottom:
+
+1. `Finetuner.__init__`: the ("pp"=1, "dp", "tp") mesh from `FinetuneConfig` or ``accelerate
+   launch``; the checkpoint (a local folder, a hub name, or ``"tiny"``: a small random model of
+   ``family`` written on the spot); its tokenizer; the records, formatted (chat template or plain
+   text) and tokenized with the loss on the response tokens only, some held out; the model read
+   straight into its TP slices (`taco_accel.from_pretrained`); LoRA through peft on the parallel
+   layers (`get_peft_model`) or every parameter trainable; AdamW on what trains.
+2. `Finetuner.train_step`: one optimizer step over ``micro_batches`` padded micro-batches; the
+   loss is the mean over the response tokens of the whole global batch (``num_items_in_batch``);
+   gradients averaged over dp, clipped by their norm over the mesh.
+3. `Finetuner.evaluate`: per held-out sequence, the summed negative log-likelihood of its
+   scored tokens, reduced to a perplexity by the local `evaluate` metric `token_perplexity`
+   (no hub); recorded in the history, the trackers and ``eval_results.json``.
+4. `Finetuner.train` then exports: LoRA writes ``adapter/`` (peft format, full shapes: plain
+   peft loads it on the original model) and ``merged/`` (the adapter merged in, a plain
+   transformers checkpoint); full fine-tuning writes ``final/``. Each with the tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..codec import TacoConfig
+from ..data.supervised import IGNORE, RecordFields, SFTBatches, eval_micro_batches, load_records, split_examples, \
+    tokenize_records
+from ..models import from_pretrained, save_pretrained
+from ..models.checkpoint import shard_specs
+from ..parallel import DataParallelGradSync, build_mesh, clip_grad_norm_, default_device
+from ..tp import vocab_parallel_cross_entropy
+from .accelerate import make_accelerator, parallel_dims_from_launch
+from .metrics import plot_losses, write_history
+from .trainer import MIXED_PRECISION, _comm_totals, _flat, _progress, lr_lambda
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("lora", "full")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+TINY = "tiny"
+TINY_VOCAB = 384  # the byte tokenizer's 257 tokens, padded to a multiple of 128
+
+
+@dataclass
+class FinetuneConfig:
+    """Everything a fine-tuning run needs; the recipes fill it from argparse.
+
+    ``model``: a local checkpoint folder, a hub name, or ``"tiny"`` (a random tiny model of
+    ``family`` with a byte tokenizer, for smoke tests). Mesh sizes left as None come from
+    ``accelerate launch``. ``compression=None`` runs the TP collectives uncompressed.
+    """
+
+    model: str = TINY
+    family: str = "qwen2"  # only for model="tiny"
+    method: str = "lora"
+    # LoRA
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    target_modules: str | list[str] = "all-linear"
+    # parallelism
+    tp: int | None = None
+    dp: int | None = None
+    sequence_parallel: bool = False
+    compression: TacoConfig | dict | None = field(default_factory=TacoConfig)
+    # data
+    data: str | None = None
+    eval_data: str | None = None
+    split: str = "train"
+    eval_split: str | None = None
+    format: str = "auto"
+    prompt_field: str | None = None
+    response_field: str | None = None
+    text_field: str = "text"
+    messages_field: str = "messages"
+    system_prompt: str | None = None
+    tokenizer: str | None = None  # default: the checkpoint's
+    max_len: int = 512
+    eval_fraction: float = 0.05
+    max_eval_examples: int = 256
+    micro_batch_size: int = 4
+    micro_batches: int = 1
+    # optimisation
+    steps: int = 100
+    lr: float = 2e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    mixed_precision: str = "no"
+    dtype: str = "auto"
+    gradient_checkpointing: bool = False
+    seed: int = 0
+    # evaluation, logging, output
+    eval_every: int = 50
+    log_every: int = 10
+    output_dir: str = "runs/finetune"
+    trackers: tuple = ("tensorboard",)
+    progress: bool = True
+    export: bool = True
+    merge: bool = True
+    plot: bool = True
+    device: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method={self.method!r}: use one of {METHODS}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: use one of {DTYPES}")
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise ValueError(f"mixed_precision={self.mixed_precision!r}: use one of {MIXED_PRECISION}")
+        if self.data is None:
+            raise ValueError("data=None: pass --data (a datasets name or local .jsonl/.json/.txt files)")
+        for name in ("max_len", "micro_batch_size", "micro_batches", "steps", "lora_r"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"lora_dropout={self.lora_dropout} must be in [0, 1)")
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        c = self.compression
+        out["compression"] = c.to_dict() if isinstance(c, TacoConfig) else None if c is None else {
+            k: (v.to_dict() if isinstance(v, TacoConfig) else v) for k, v in c.items()}
+        return out
+
+
+def tiny_checkpoint(family: str, path: str | os.PathLike, max_len: int, seed: int = 0) -> None:
+    """Write a random tiny causal LM of ``family`` (qwen2, qwen3, llama, mistral, gpt2) with a byte
+    tokenizer to ``path``: a stand-in for a hub checkpoint when there is no network."""
+    from ..data import build_tokenizer
+    from ..models.tiny import tiny_model
+
+    positions = "n_positions" if family == "gpt2" else "max_position_embeddings"
+    model = tiny_model(family, seed=seed, vocab_size=TINY_VOCAB, **{positions: max(max_len, 64)})
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = 0  # <|endoftext|>
+    model.save_pretrained(path)
+    build_tokenizer("byte").save_pretrained(path)
+    logger.info("wrote a random tiny %s to %s", type(model).__name__, path)
+
+
+def resolve_checkpoint(name: str) -> str:
+    """A local folder for ``name``: itself, or a hub snapshot (downloaded once, on the first rank)."""
+    if os.path.isdir(name):
+        return name
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+    return snapshot_download(name, allow_patterns=patterns)
+
+
+class Finetuner:
+    """Builds a fine-tuning run from a `FinetuneConfig`; `train()` runs it and returns the history."""
+
+    def __init__(self, cfg: FinetuneConfig):
+        self.cfg = cfg
+        self.dims = parallel_dims_from_launch(pp=1, dp=cfg.dp, tp=cfg.tp, dp_mode="ddp")
+        self.device = torch.device(cfg.device) if cfg.device else default_device()
+        self.mesh = build_mesh(self.dims, self.device.type)
+        self.rank, self.is_main = dist.get_rank(), dist.get_rank() == 0
+        self.tp_rank, self.dp_rank = self.mesh["tp"].get_local_rank(), self.mesh["dp"].get_local_rank()
+        self.out = Path(cfg.output_dir)
+        self.accelerator = make_accelerator(mixed_precision=cfg.mixed_precision,
+                                            trackers=cfg.trackers if self.is_main else (),
+                                            project_dir=str(self.out), cpu=self.device.type == "cpu")
+        self.path = self._main_first(self._checkpoint)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or self.path)
+        self._build_data()
+        self._build_model()
+        self._build_optimizer()
+        self.step, self.history, self.eval_results = 0, [], {}
+
+    def _main_first(self, fn):
+        """``fn()`` on the main process, then on the others (downloads and caches happen once)."""
+        if self.is_main:
+            result = fn()
+        dist.barrier()
+        if not self.is_main:
+            result = fn()
+        return result
+
+    def _checkpoint(self) -> str:
+        if self.cfg.model != TINY:
+            return resolve_checkpoint(self.cfg.model)
+        path = self.out / "base"
+        if self.is_main and not (path / "config.json").exists():
+            tiny_checkpoint(self.cfg.family, path, self.cfg.max_len, self.cfg.seed)
+        return str(path)
+
+    # -- construction -----------------------------------------------------------------------
+    def _build_data(self) -> None:
+        cfg, tok = self.cfg, self.tokenizer
+        fields = RecordFields(cfg.prompt_field, cfg.response_field, cfg.messages_field, cfg.text_field,
+                              cfg.system_prompt)
+
+        def examples(source, split):
+            return tokenize_records(load_records(source, split=split), tok, fmt=cfg.format, max_len=cfg.max_len,
+                                    fields=fields, warn=self.is_main)
+
+        train = self._main_first(lambda: examples(cfg.data, cfg.split))
+        if cfg.eval_data or cfg.eval_split:
+            held = self._main_first(lambda: examples(cfg.eval_data or cfg.data, cfg.eval_split or cfg.split))
+        else:
+            train, held = split_examples(train, cfg.eval_fraction)
+        held = held[:cfg.max_eval_examples]
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        multiple = self.dims.tp if cfg.sequence_parallel else 1
+        dp, dp_rank = self.dims.dp, self.dp_rank
+        self.batches = SFTBatches(train, cfg.micro_batch_size, cfg.micro_batches, pad, dp_rank=dp_rank, dp_size=dp,
+                                  seed=cfg.seed, pad_multiple=multiple)
+        self.val = eval_micro_batches(held, cfg.micro_batch_size, pad, dp_rank=dp_rank, dp_size=dp,
+                                      pad_multiple=multiple)
+        scored = sum(sum(label != IGNORE for label in labels) for _, labels in train)
+        logger.info("data: %d training examples (%d scored tokens), %d held out", len(train), scored, len(held))
+
+    def _dtype(self) -> torch.dtype | None:
+        if self.cfg.dtype != "auto":
+            return getattr(torch, self.cfg.dtype)
+        if self.cfg.method == "lora" and self.device.type == "cuda":
+            return None  # the checkpoint's own (frozen base weights)
+        return torch.float32  # master weights of full fine-tuning, and CPU runs
+
+    def _build_model(self) -> None:
+        cfg = self.cfg
+        model = from_pretrained(self.path, compression=cfg.compression, sequence_parallel=cfg.sequence_parallel,
+                                device_mesh=self.mesh["tp"], dtype=self._dtype(), device=self.device)
+        if len(self.tokenizer) > model.config.vocab_size:
+            raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens but the model's vocabulary is "
+                             f"{model.config.vocab_size}; use the checkpoint's own tokenizer")
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        if cfg.method == "lora":
+            from peft import LoraConfig
+
+            from .lora import get_peft_model
+
+            targets = cfg.target_modules
+            torch.manual_seed(cfg.seed)  # the adapter's initial draw (broadcast over tp anyway)
+            model = get_peft_model(model, LoraConfig(
+                r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, task_type="CAUSAL_LM",
+                target_modules=targets if isinstance(targets, str) else list(targets)))
+            model.peft_config["default"].base_model_name_or_path = cfg.model if cfg.model != TINY else self.path
+        torch.manual_seed(cfg.seed + 1 + self.dp_rank)  # dropout: the same within a tp group, not across dp
+        specs = shard_specs(model)
+        model.tp_replicas = {n: specs[n].replicas if n in specs else self.dims.tp for n, _ in model.named_parameters()}
+        self.model = model
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        full_size = {n: p.numel() * self.dims.tp // model.tp_replicas[n] for n, p in model.named_parameters()}
+        total = sum(full_size.values())
+        trained = sum(full_size[n] for n, p in model.named_parameters() if p.requires_grad)
+        self.dp_sync = DataParallelGradSync([model], self.mesh) if self.dims.dp > 1 else None
+        if self.is_main:
+            logger.info("%s fine-tuning of %s: %.2fM of %.2fM parameters train, mesh %s", cfg.method, cfg.model,
+                        trained / 1e6, total / 1e6, self.dims)
+
+    def _build_optimizer(self) -> None:
+        cfg = self.cfg
+        decay = [p for p in self.trainable if p.dim() >= 2]
+        no_decay = [p for p in self.trainable if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+
+    # -- one step ---------------------------------------------------------------------------
+    def _all_sum(self, values: list[float], replica_only: bool = False) -> list[float]:
+        """Sum over every rank (``replica_only``: tp rank 0 of each replica counts, the others add 0)."""
+        keep = 1.0 if not replica_only or self.tp_rank == 0 else 0.0
+        t = torch.tensor([v * keep for v in values], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def _to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    def train_step(self) -> dict:
+        """One optimizer step on the next global batch; returns its metrics (on every rank)."""
+        start = time.perf_counter()
+        micro = self.batches.batch(self.step)
+        local_tokens = sum(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in micro)
+        global_tokens = self._all_sum([local_tokens], replica_only=True)[0]
+        # mean over the global batch's scored tokens, after DataParallelGradSync averages over dp
+        num_items = torch.tensor(max(global_tokens, 1.0) / self.dims.dp, device=self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = 0.0
+        for mb in micro:
+            with self.accelerator.autocast():
+                out = self.model(**self._to_device(mb), num_items_in_batch=num_items)
+            out.loss.backward()
+            loss += out.loss.item()
+        if self.dp_sync is not None:
+            self.dp_sync()
+        grad_norm = clip_grad_norm_([self.model], self.mesh, self.cfg.max_grad_norm, "ddp")
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        sent, plain = _comm_totals()
+        loss, sent, plain = self._all_sum([loss / self.dims.dp, sent, plain], replica_only=True)
+        seconds = time.perf_counter() - start
+        return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": seconds,
+                "tokens_per_s": global_tokens / seconds, "comm_bytes_sent": sent, "comm_bytes_saved": plain - sent}
+
+    # -- evaluation -------------------------------------------------------------------------
+    def _token_nll(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token next-token loss (b, s), 0 where not scored, from full or vocab-parallel logits."""
+        shift = F.pad(labels, (0, 1), value=IGNORE)[..., 1:]
+        if logits.shape[-1] == self.model.config.vocab_size:
+            return F.cross_entropy(logits.float().transpose(1, 2), shift, ignore_index=IGNORE, reduction="none")
+        loss_fn = self.model.loss_function  # the vocab-parallel loss `parallelize` installed
+        vocab_start = loss_fn.lm_head.shard.ranges[loss_fn.lm_head.rank][0][0]
+        return vocab_parallel_cross_entropy(logits, shift, vocab_start, loss_fn.site, IGNORE)
+
+    def evaluate(self) -> dict:
+        """Perplexity of the held-out response tokens (a collective); see `perplexity`."""
+        self.model.eval()
+        nll, tokens = [], []
+        with torch.no_grad():
+            for mb in self.val:
+                mb = self._to_device(mb)
+                with self.accelerator.autocast():
+                    logits = self.model(**mb).logits  # labels given: this rank's vocabulary slice
+                per_token = self._token_nll(logits, mb["labels"])
+                nll += per_token.double().sum(-1).tolist()
+                tokens += (F.pad(mb["labels"], (0, 1), value=IGNORE)[..., 1:] != IGNORE).sum(-1).tolist()
+        self.model.train()
+        _comm_totals()  # evaluation traffic is not part of the training step figures
+        parts = [None] * self.dims.dp
+        dist.all_gather_object(parts, (nll, tokens), group=self.mesh["dp"].get_group())
+        nll, tokens = [v for p in parts for v in p[0]], [v for p in parts for v in p[1]]
+        result = [perplexity(nll, tokens) if self.is_main else None]
+        dist.broadcast_object_list(result, src=0)
+        return result[0]
+
+    # -- the loop ---------------------------------------------------------------------------
+    def train(self) -> list[dict]:
+        """Train for ``cfg.steps`` steps, evaluating before, every ``eval_every`` and at the end; export."""
+        cfg, acc = self.cfg, self.accelerator
+        if self.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "run_config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
+            if cfg.trackers:
+                acc.init_trackers(self.out.name or "finetune", config=_flat(cfg.to_dict()))
+        self.eval_results = {"step": 0, **{f"eval_{k}": v for k, v in self.evaluate().items()}}
+        self.history.append(self.eval_results)
+        bar = _progress(cfg.steps, self.step, enabled=cfg.progress and self.is_main)
+        while self.step < cfg.steps:
+            row = self.train_step()
+            if self.step == cfg.steps or (cfg.eval_every and self.step % cfg.eval_every == 0):
+                row.update({f"eval_{k}": v for k, v in self.evaluate().items()})
+                self.eval_results = {"step": self.step, **{k: v for k, v in row.items() if k.startswith("eval_")}}
+            self.history.append(row)
+            if self.is_main:
+                acc.log({k: v for k, v in row.items() if k != "step"}, step=self.step)
+                bar.update(1)
+                bar.set_postfix(loss=f"{row['loss']:.3f}")
+                if self.step % cfg.log_every == 0 or "eval_loss" in row:
+                    logger.info(_format(row))
+        bar.close()
+        self._finish()
+        return self.history
+
+    def _finish(self) -> None:
+        cfg = self.cfg
+        if self.is_main:
+            write_history(self.history, self.out / "history.jsonl")
+            (self.out / "eval_results.json").write_text(json.dumps(self.eval_results, indent=1))
+            logger.info("held-out perplexity %.3f (loss %.4f) after %d steps", self.eval_results["eval_perplexity"],
+                        self.eval_results["eval_loss"], self.eval_results["step"])
+            rows = [{**r, "val_loss": r["eval_loss"]} if "eval_loss" in r else r for r in self.history]
+            if cfg.plot and plot_losses(rows, self.out / "loss.png", f"{cfg.method} fine-tuning, {self.dims}"):
+                logger.info("loss curve: %s", self.out / "loss.png")
+        if cfg.export:
+            self.export()
+        if self.is_main and cfg.trackers:
+            self.accelerator.end_training()
+
+    def export(self) -> None:
+        """LoRA: ``adapter/`` (peft, full shapes) and ``merged/``; full: ``final/``; tokenizer in each."""
+        from .lora import export_merged, save_adapter
+
+        folders = []
+        if self.cfg.method == "lora":
+            save_adapter(self.model, self.out / "adapter")
+            folders.append(self.out / "adapter")
+            if self.cfg.merge:
+                self.model = export_merged(self.model, self.out / "merged")
+                folders.append(self.out / "merged")
+        else:
+            save_pretrained(self.model, self.out / "final")
+            folders.append(self.out / "final")
+        if self.is_main:
+            for folder in folders:
+                self.tokenizer.save_pretrained(folder)
+                (folder / "eval_results.json").write_text(json.dumps(self.eval_results, indent=1))
+            logger.info("exported %s", ", ".join(str(f) for f in folders))
+
+
+def perplexity(nll: list[float], tokens: list[int]) -> dict:
+    """``{"perplexity", "loss", "tokens", ...}`` through the local `evaluate` metric `token_perplexity`
+    (no hub); the same formula without evaluate where it is not installed."""
+    try:
+        import evaluate
+    except ImportError:
+        import math
+
+        count = sum(tokens)
+        return {"perplexity": math.exp(sum(nll) / count), "loss": sum(nll) / count, "tokens": int(count)}
+    from .token_perplexity import MODULE_DIR
+
+    metric = evaluate.load(MODULE_DIR, keep_in_memory=True)
+    return metric.compute(nll=nll, tokens=tokens)
+
+
+def _format(row: dict) -> str:
+    text = f"step {row['step']}: loss {row['loss']:.4f} lr {row['lr']:.2e} grad_norm {row['grad_norm']:.3f}"
+    text += f" {row['tokens_per_s']:.0f} scored tok/s"
+    if row["comm_bytes_sent"]:
+        text += f" comm saved {row['comm_bytes_saved'] / 2**20:.2f} MiB"
+    if "eval_loss" in row:
+        text += f" eval_loss {row['eval_loss']:.4f} eval_ppl {row['eval_perplexity']:.3f}"
+    return text

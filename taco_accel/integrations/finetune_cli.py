@@ -1,0 +1,129 @@
+"""The command line of the fine-tuning recipes: argparse -> `FinetuneConfig` -> `Finetuner`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from types import SimpleNamespace
+
+from .cli import compression_from_args
+from .finetune import DTYPES, METHODS, TINY, FinetuneConfig, Finetuner
+from .trainer import MIXED_PRECISION
+
+
+def build_parser(family: str, description: str, default_data: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=TINY, help=f"a hub name or a local checkpoint folder; '{TINY}': a random tiny "
+                   f"{family} with a byte tokenizer, written to OUTPUT_DIR/base (no network)")
+    m.add_argument("--method", default="lora", choices=METHODS, help="LoRA through peft, or full fine-tuning")
+    m.add_argument("--lora-r", type=int, default=16)
+    m.add_argument("--lora-alpha", type=int, default=32)
+    m.add_argument("--lora-dropout", type=float, default=0.0)
+    m.add_argument("--target-modules", default="all-linear", help="'all-linear' or comma-separated module names")
+    m.add_argument("--dtype", default="auto", choices=DTYPES, help="weights as loaded (auto: the checkpoint's for "
+                   "LoRA on GPUs, float32 otherwise)")
+    m.add_argument("--gradient-checkpointing", action="store_true")
+    par = p.add_argument_group("parallelism (unset: from accelerate launch or the world size)")
+    par.add_argument("--tp", type=int, help="tensor-parallel size")
+    par.add_argument("--dp", type=int, help="data-parallel replicas")
+    par.add_argument("--sequence-parallel", action="store_true")
+    c = p.add_argument_group("TACO compression of the TP collectives")
+    c.add_argument("--compression", default="on", help="on, off, or a JSON settings file (see the pretraining recipes)")
+    c.add_argument("--group-size", type=int, help="codec group size G (default: 128, or the hidden size if smaller)")
+    c.add_argument("--compression-threshold", type=int, help="bytes below which a collective stays plain "
+                   "(default: TacoConfig's 8 MiB; 0 for the tiny model)")
+    d = p.add_argument_group("data")
+    d.add_argument("--data", default=default_data, help="a datasets name[:config], or local .jsonl/.json/.txt/.parquet")
+    d.add_argument("--eval-data", help="held-out data (default: every 1/EVAL_FRACTION-th example of --data)")
+    d.add_argument("--split", default="train", help="datasets split of --data")
+    d.add_argument("--eval-split", help="datasets split of the held-out data, e.g. test")
+    d.add_argument("--format", default="auto", choices=("auto", "chat", "plain"),
+                   help="chat template or plain prompt template (auto: chat if the tokenizer has a template)")
+    d.add_argument("--prompt-field", help="record field of the prompt (default: detected)")
+    d.add_argument("--response-field", help="record field of the response (default: detected)")
+    d.add_argument("--text-field", default="text", help="record field of plain text (all tokens trained)")
+    d.add_argument("--messages-field", default="messages", help="record field of a conversation")
+    d.add_argument("--system-prompt", help="a system message for chat formatting")
+    d.add_argument("--tokenizer", help="a local tokenizer folder (default: the checkpoint's)")
+    d.add_argument("--max-len", type=int, default=512, help="tokens per example (longer ones are cut)")
+    d.add_argument("--eval-fraction", type=float, default=0.05)
+    d.add_argument("--max-eval-examples", type=int, default=256)
+    d.add_argument("--micro-batch-size", type=int, default=4)
+    d.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step (gradient accumulation)")
+    o = p.add_argument_group("optimisation")
+    o.add_argument("--steps", type=int, default=100)
+    o.add_argument("--lr", type=float, help="default: 2e-4 for LoRA, 2e-5 for full fine-tuning")
+    o.add_argument("--min-lr-ratio", type=float, default=0.1)
+    o.add_argument("--warmup", type=int, default=10)
+    o.add_argument("--weight-decay", type=float, default=0.0)
+    o.add_argument("--max-grad-norm", type=float, default=1.0)
+    o.add_argument("--mixed-precision", choices=MIXED_PRECISION, help="default: bf16 on GPUs, no on CPU")
+    o.add_argument("--seed", type=int, default=0)
+    r = p.add_argument_group("evaluation, logging, output")
+    r.add_argument("--eval-every", type=int, default=50)
+    r.add_argument("--log-every", type=int, default=10)
+    r.add_argument("--output-dir", default=f"runs/{family}_finetune")
+    r.add_argument("--trackers", default="tensorboard", help="comma-separated Accelerate trackers, or 'none'")
+    r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--no-export", action="store_true", help="skip the adapter / merged / final export")
+    r.add_argument("--no-merge", action="store_true", help="LoRA: write the adapter only")
+    r.add_argument("--no-plot", action="store_true")
+    r.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
+    return p
+
+
+def _hidden_size(model: str) -> int:
+    """The hidden size of a local checkpoint (64 for the tiny model; 128 when it cannot be read)."""
+    if model == TINY:
+        return 64
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model, local_files_only=True)
+        return getattr(config, "hidden_size", None) or getattr(config, "n_embd", 128)
+    except (OSError, ValueError):
+        return 128
+
+
+def config_from_args(family: str, args) -> FinetuneConfig:
+    import torch
+
+    tiny = args.model == TINY
+    settings = SimpleNamespace(compression=args.compression, group_size=args.group_size,
+                               compression_threshold=args.compression_threshold, preset="tiny" if tiny else None)
+    targets = args.target_modules if args.target_modules == "all-linear" else args.target_modules.split(",")
+    gpu = torch.cuda.is_available() and args.device != "cpu"
+    return FinetuneConfig(
+        model=args.model, family=family, method=args.method, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout, target_modules=targets, tp=args.tp, dp=args.dp,
+        sequence_parallel=args.sequence_parallel, compression=compression_from_args(settings, _hidden_size(args.model)),
+        data=args.data, eval_data=args.eval_data, split=args.split, eval_split=args.eval_split, format=args.format,
+        prompt_field=args.prompt_field, response_field=args.response_field, text_field=args.text_field,
+        messages_field=args.messages_field, system_prompt=args.system_prompt, tokenizer=args.tokenizer,
+        max_len=args.max_len, eval_fraction=args.eval_fraction, max_eval_examples=args.max_eval_examples,
+        micro_batch_size=args.micro_batch_size, micro_batches=args.micro_batches, steps=args.steps,
+        lr=args.lr or (2e-4 if args.method == "lora" else 2e-5), min_lr_ratio=args.min_lr_ratio,
+        warmup_steps=args.warmup, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+        mixed_precision=args.mixed_precision or ("bf16" if gpu else "no"), dtype=args.dtype,
+        gradient_checkpointing=args.gradient_checkpointing, seed=args.seed, eval_every=args.eval_every,
+        log_every=args.log_every, output_dir=args.output_dir,
+        trackers=() if args.trackers == "none" else tuple(t for t in args.trackers.split(",") if t),
+        progress=not args.no_progress, export=not args.no_export, merge=not args.no_merge, plot=not args.no_plot,
+        device=args.device,
+    )
+
+
+def main(family: str, description: str, argv=None, default_data: str | None = None) -> list[dict]:
+    """Parse the command line, fine-tune, export; returns the history (on every rank)."""
+    args = build_parser(family, description, default_data).parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    history = Finetuner(config_from_args(family, args)).train()
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return history

@@ -1,0 +1,59 @@
+"""Smoke test of the convergence study (``python -m taco_accel.bench.convergence``) on the nano preset."""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import torch
+
+from taco_accel.bench import convergence
+from taco_accel.comm.emulated import EmulatedGroup
+
+
+def _small_text(tmp_path) -> str:
+    """20 kB of the standard library's own source (the shipped corpus takes seconds to tokenise)."""
+    source = Path(sysconfig.get_paths()["stdlib"]) / "argparse.py"
+    path = tmp_path / "text.txt"
+    path.write_text(source.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    return str(path)
+
+
+def test_study_runs_and_reports(tmp_path, capsys):
+    argv = ["--preset", "nano", "--data", _small_text(tmp_path), "--out", str(tmp_path)]
+    records = convergence.main([*argv, "--variants", "none", "naive", "taco", "--fidelity"])[0]  # seed 0
+    assert set(records) == {"none", "naive", "taco"}
+    for key, record in records.items():
+        assert record["steps"] == convergence.PRESETS["nano"].steps
+        assert [h["step"] for h in record["history"] if "val_loss" in h] == [2, 4]
+        assert json.loads((tmp_path / "seed0" / f"{key}.json").read_text())["final_val"] == record["final_val"]
+    first = {k: r["history"][0]["loss"] for k, r in records.items()}  # same weights and batch, other codec
+    assert first["taco"] != first["none"] and abs(first["taco"] - first["none"]) < 1e-2 * first["none"]
+    printed = capsys.readouterr().out
+    assert "| TACO (default) | E4M3 G=128, Hadamard, single |" in printed and "+0.00%" in printed
+    fidelity = json.loads((tmp_path / "seed0" / "fidelity.json").read_text())
+    assert fidelity["steps"] == [0, 1, 2, 3, 4] and set(fidelity) == {"steps", "naive", "taco"}
+    assert all(0 < e < 0.2 for e in fidelity["taco"]["grad_error"])  # the codec's error, at the same weights
+    assert "| TACO (default) |" in printed.split("at the uncompressed run's weights")[1]
+    if (tmp_path / "convergence.png").exists() is False:  # matplotlib missing: the table is enough
+        import importlib.util
+
+        assert importlib.util.find_spec("matplotlib") is None
+    # an existing record is reused, and --report only rebuilds the table
+    again = convergence.main([*argv, "--variants", "taco", "--report"])[0]
+    assert again["taco"]["history"] == records["taco"]["history"]
+
+
+def test_naive_per_tensor_reducer_is_a_pluggable_all_reduce():
+    gen = torch.Generator().manual_seed(0)
+    partials = [torch.randn(16, 128, generator=gen) * 1e-3 for _ in range(4)]
+    partials[0][0, 0] = 1e3  # one outlier sets the per-tensor scale of rank 0
+    total = torch.stack(partials).sum(0)
+    group = EmulatedGroup(4, reducer=convergence.naive_per_tensor_all_reduce)
+    cfg = convergence.VARIANTS["naive"].compression(128)
+    naive = group.all_reduce(partials, cfg)
+    taco = EmulatedGroup(4).all_reduce(partials, cfg)
+    err = lambda x: float((x - total)[1:].norm() / total[1:].norm())  # noqa: E731  (rows without the outlier)
+    assert err(taco) < 0.05 and err(naive) > 0.5  # per tensor, the small values flush to zero
+    assert "naive_per_tensor_all_reduce" in repr(group)

@@ -1,0 +1,194 @@
+"""``parallelize(..., emulate=True)``: tp virtual ranks in one process against real TP.
+
+One 2-rank `run_ranks` launch: on every rank, for every family with and without sequence
+parallelism, a few SGD steps of real compressed TP and of the emulation of the same two
+ranks (in the same process, so that both use the same thread count and matmul kernels); the
+rank returns the differences on its own slices. The compression mixes formats, scale
+layouts, group sizes per site and pieces, so every codec path is compared byte for byte.
+The single-process tests run without torch.distributed at all.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import run_ranks
+
+import taco_accel
+from taco_accel import comm
+from taco_accel.comm.emulated import EmulatedGroup
+from taco_accel.models.checkpoint import shard_specs
+from taco_accel.models.tiny import tiny_model
+
+ARCHS = ("qwen2", "qwen3", "llama", "mistral", "gpt2")
+STEPS = 3
+CFG = taco_accel.TacoConfig(threshold_bytes=0)  # tiny tensors compress too
+MIXED = taco_accel.Compression(
+    forward=CFG.replace(piece_bytes=2048),  # several pieces per message
+    backward=CFG.replace(scales="dual", random_signs=True),
+    sites={"layers.0.*": CFG.replace(group_size=32, format="int8"), "lm_head/*": CFG.replace(format="e5m2")},
+)
+
+
+def _batch(vocab: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (2, 8), generator=g)
+    labels = ids.clone()
+    labels[0, :2] = -100
+    return ids, labels
+
+
+def _train(model, ids, labels) -> dict:
+    """STEPS SGD steps: every step's loss; the first step's logits, gradients and statistics.
+
+    SGD, not Adam: Adam divides by |g|, which turns the fp32 rounding of a near-zero
+    gradient into a full step, with or without compression."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    comm.pop_comm_stats()
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        out = model(ids, labels=labels)
+        out.loss.backward()
+        losses.append(out.loss.item())
+        if step == 0:
+            first = {
+                "logits": out.logits.detach(),
+                "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
+                "stats": {  # the sites of the table (the emulation skips always-plain bookkeeping sites)
+                    k: (v.calls, v.compressed_calls, v.bytes_sent, v.bytes_uncompressed)
+                    for k, v in comm.pop_comm_stats().items() if k in model.taco.sites
+                },
+            }
+        opt.step()
+    return {"losses": losses, **first}
+
+
+def _compare(arch: str, sp: bool) -> dict:
+    """Real tp=2 on the world against the emulation of both ranks; differences on this rank."""
+    ref, rank = tiny_model(arch), dist.get_rank()
+    ids, labels = _batch(ref.config.vocab_size)
+    real_model = taco_accel.parallelize(copy.deepcopy(ref), compression=MIXED, sequence_parallel=sp)
+    emu_model = taco_accel.parallelize(copy.deepcopy(ref), tp=2, compression=MIXED, sequence_parallel=sp, emulate=True)
+    real, emu = _train(real_model, ids, labels), _train(emu_model, ids, labels)
+    specs = shard_specs(real_model)
+    grad_diff = max(
+        float((real["grads"][n] - (specs[n].take(g, rank) if n in specs else g)).abs().max())
+        for n, g in emu["grads"].items()
+    )
+    local_logits = real_model.lm_head.shard.on_dim(-1).take(emu["logits"], rank)
+    return {
+        "losses": (real["losses"], emu["losses"]),
+        "logits": float((real["logits"] - local_logits).abs().max()),
+        "grad": grad_diff,
+        "stats": (real["stats"], emu["stats"]),
+        "sites": (list(real_model.taco.sites), list(emu_model.taco.sites)),
+    }
+
+
+def _worker() -> dict:
+    return {(arch, sp): _compare(arch, sp) for arch in ARCHS for sp in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return run_ranks(_worker, 2)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_emulation_equals_real_compressed_tp(measured, arch, sp):
+    for result in measured:
+        r = result[arch, sp]
+        real_losses, emu_losses = r["losses"]
+        assert real_losses[0] == pytest.approx(emu_losses[0], rel=1e-6), r["losses"]
+        assert r["logits"] < 1e-5 and r["grad"] < 1e-6, r
+        # later steps: the fp32 rounding of replicated-weight gradients (Qwen3's q_norm, norms
+        # under sequence parallelism) that real TP sums in another order may flip an FP8 rounding
+        assert real_losses == pytest.approx(emu_losses, rel=1e-4), r["losses"]
+        assert r["sites"][0] == r["sites"][1]  # the same names, in the same order
+        assert r["stats"][0] == r["stats"][1]  # calls, compressed calls and bytes per site
+
+
+# -- single process, no torch.distributed --------------------------------------------------------
+
+
+def test_runs_without_distributed_and_matches_the_model_uncompressed():
+    assert not dist.is_initialized()
+    ref = tiny_model("llama")  # one kv head: replicated on all 4 ranks
+    model = taco_accel.parallelize(copy.deepcopy(ref), tp=4, compression=None, emulate=True)
+    ids, labels = _batch(128)
+    out, expected = model(ids, labels=labels), ref(ids, labels=labels)
+    out.loss.backward()
+    expected.loss.backward()
+    assert abs(out.loss.item() - expected.loss.item()) < 1e-5
+    assert float((out.logits - expected.logits).detach().abs().max()) < 1e-5
+    for name, param in model.named_parameters():
+        assert param.shape == ref.get_parameter(name).shape  # whole parameters, transformers names
+        assert float((param.grad - ref.get_parameter(name).grad).abs().max()) < 1e-5, name
+    assert model.taco.emulated and model.taco.tp == 4 and "tp=4, emulated" in repr(model.model.layers[0].mlp.down_proj)
+
+
+def test_compressed_emulation_is_close_and_counts_every_site():
+    ref = tiny_model("gpt2")
+    model = taco_accel.parallelize(copy.deepcopy(ref), tp=4, compression=CFG, sequence_parallel=True, emulate=True)
+    ids, labels = _batch(130)
+    comm.pop_comm_stats()
+    comm.set_error_sampling(1)
+    try:
+        loss = model(ids, labels=labels).loss
+        loss.backward()
+    finally:
+        comm.set_error_sampling(0)
+    stats = comm.pop_comm_stats()
+    assert abs(loss.item() - ref(ids, labels=labels).loss.item()) < 5e-3 * loss.item()
+    assert set(model.taco.sites.group_sizes()) <= {s for s, v in stats.items() if v.compressed_calls}
+    assert all(v.bytes_sent < v.bytes_uncompressed for v in stats.values())
+    assert all(0 < v.error_max < 0.1 for v in stats.values())  # sampled against the exact float64 result
+
+
+def test_generate_and_save_like_the_transformers_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ref = tiny_model("qwen2").eval()
+    model = taco_accel.parallelize(copy.deepcopy(ref), tp=2, compression=None, emulate=True).eval()
+    prompt = torch.tensor([[1, 2, 3]])
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
+    assert torch.equal(model.generate(prompt, **kw), ref.generate(prompt, **kw))
+    taco_accel.save_pretrained(model, tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    for name, value in ref.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+
+
+def test_errors_match_real_tp():
+    with pytest.raises(ValueError, match=r"tp=3 does not divide num_attention_heads=4; use a tp degree in \[1, 2, 4\]"):
+        taco_accel.parallelize(tiny_model("qwen2"), tp=3, emulate=True)
+    model = tiny_model("llama", num_attention_heads=12, num_key_value_heads=3, hidden_size=48)
+    with pytest.raises(ValueError, match=r"tp=4 and num_key_value_heads=3"):
+        taco_accel.parallelize(model, tp=4, emulate=True)
+    with pytest.raises(ValueError, match=r"emulate=True needs the number of ranks"):
+        taco_accel.parallelize(tiny_model("gpt2"), emulate=True)
+    with pytest.raises(ValueError, match="already parallelised"):
+        taco_accel.parallelize(taco_accel.parallelize(tiny_model("gpt2"), tp=2, emulate=True), tp=2, emulate=True)
+
+
+def test_emulated_group_matches_its_contract():
+    group = EmulatedGroup(4)
+    xs = [torch.randn(8, 64, generator=torch.Generator().manual_seed(r)) for r in range(4)]
+    cfg = CFG.replace(group_size=32)
+    total = sum(xs)
+    assert torch.allclose(group.all_reduce(xs, None), total)
+    assert (group.all_reduce(xs, cfg) - total).norm() < 0.05 * total.norm()
+    rows = group.reduce_scatter(xs, cfg)
+    assert [r.shape for r in rows] == [torch.Size([2, 64])] * 4
+    assert (torch.cat(rows) - total).norm() < 0.05 * total.norm()
+    gathered = group.all_gather(xs, cfg)
+    assert gathered.shape == (32, 64) and (gathered - torch.cat(xs)).norm() < 0.05 * torch.cat(xs).norm()
+    with pytest.raises(ValueError, match="needs 4 tensors"):
+        group.all_reduce(xs[:3], cfg)
+    with pytest.raises(ValueError, match="divisible by the group size 4"):
+        group.reduce_scatter([x[:3] for x in xs], cfg)
