@@ -117,7 +117,7 @@ def _gloo_worker(rank: int, world: int, init_file: str, numel: int, reps: int, q
     import torch
     import torch.distributed as dist
 
-    from ..codec import TacoConfig, WireLayout, compress, decompress, sum_packed
+    from ..codec import TacoConfig, compress, decompress, sum_packed
     from ..comm import all_reduce
 
     torch.set_num_threads(1)

@@ -21,7 +21,6 @@ Read top to bottom:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -42,7 +41,7 @@ from ..parallel import DataParallelGradSync, build_mesh, clip_grad_norm_, defaul
 from ..tp import vocab_parallel_cross_entropy
 from .accelerate import make_accelerator, parallel_dims_from_launch
 from .metrics import plot_losses, write_history
-from .trainer import MIXED_PRECISION, _comm_totals, _flat, _progress, lr_lambda
+from .trainer import MIXED_PRECISION, _comm_totals, _flat, _progress, config_dict, lr_lambda
 
 logger = logging.getLogger(__name__)
 
@@ -130,11 +129,7 @@ class FinetuneConfig:
             raise ValueError(f"lora_dropout={self.lora_dropout} must be in [0, 1)")
 
     def to_dict(self) -> dict:
-        out = dataclasses.asdict(self)
-        c = self.compression
-        out["compression"] = c.to_dict() if isinstance(c, TacoConfig) else None if c is None else {
-            k: (v.to_dict() if isinstance(v, TacoConfig) else v) for k, v in c.items()}
-        return out
+        return config_dict(self)
 
 
 def tiny_checkpoint(family: str, path: str | os.PathLike, max_len: int, seed: int = 0) -> None:

@@ -21,11 +21,9 @@ The global batch is ``micro_batch_size * micro_batches * dp`` windows of ``seq_l
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,11 +110,16 @@ class TrainConfig:
             self.stages_per_rank = 2 if self.schedule == "interleaved_1f1b" else 1
 
     def to_dict(self) -> dict:
-        out = dataclasses.asdict(self)
-        c = self.compression
-        out["compression"] = c.to_dict() if isinstance(c, TacoConfig) else None if c is None else {
-            k: (v.to_dict() if isinstance(v, TacoConfig) else v) for k, v in c.items()}
-        return out
+        return config_dict(self)
+
+
+def config_dict(cfg) -> dict:
+    """A run config (a dataclass with a ``compression`` field) as JSON-ready values."""
+    out = dataclasses.asdict(cfg)
+    c = cfg.compression
+    out["compression"] = c.to_dict() if isinstance(c, TacoConfig) else None if c is None else {
+        k: (v.to_dict() if isinstance(v, TacoConfig) else v) for k, v in c.items()}
+    return out
 
 
 def lr_lambda(cfg: TrainConfig):

@@ -35,7 +35,7 @@ from ..tp.emulate import (
 from ..tp.regions import SequenceState
 from ..tp.sites import Compression, Site, SiteTable
 from .loss import CausalLMLoss
-from .parallelize import TPContext, _check_tp, _shard
+from .parallelize import TPContext, _check_tp, _Rewrite, _shard
 from .plan import Colwise, EnterRegion, Rowwise, TPPlan
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ def emulate_tp(model: nn.Module, plan: TPPlan, tp, compression, sequence_paralle
         plan, None, tp, 0, compression, SiteTable(None, compression), SequenceState(bool(sequence_parallel), tp),
         logits="full", emulator=group,
     )
-    _EmulatedRewrite(model, plan, context).apply()
+    _EmulatedRewrite(model, plan, context).install()
     model.taco = context
     logger.info(
         "emulated tensor parallel %s: tp=%d in one process, sequence_parallel=%s, %d communication sites "
@@ -75,20 +75,13 @@ class EmulatedCausalLMLoss(CausalLMLoss):
         return emulated_vocab_parallel_cross_entropy(logits, shift_labels, self.lm_head.split, ignore_index)
 
 
-class _EmulatedRewrite:
+class _EmulatedRewrite(_Rewrite):
     """The module swaps and hooks of one emulated `parallelize`; sites in forward order, with
     the names real TP gives them."""
 
     def __init__(self, model: nn.Module, plan: TPPlan, ctx: TPContext) -> None:
-        self.model, self.plan, self.ctx, self.group = model, plan, ctx, ctx.emulator
-        self.dims = plan.dims(model.config)
-        self.sp = ctx.sequence if ctx.sequence.enabled else None
-        self.swaps: list[tuple[str, nn.Module]] = []
-        self.pre_hooks: list[tuple[nn.Module, object]] = []
-        self.post_hooks: list[tuple[nn.Module, object]] = []
-
-    def site(self, name: str, direction: str) -> Site:
-        return self.ctx.sites.site(f"{self.ctx.short(name)}/{direction}")
+        super().__init__(model, plan, ctx)
+        self.group = ctx.emulator
 
     def embedding(self) -> EmulatedVocabParallelEmbedding:
         name = self.plan.embedding
@@ -141,18 +134,12 @@ class _EmulatedRewrite:
         self.swaps.append((name, new))
         return new
 
-    def apply(self) -> None:
+    def install(self) -> None:
         """Build everything first (an error leaves the model untouched), then swap and hook."""
         embedding = self.embedding()
         self.layers()
         head = self.lm_head(embedding)
-        for name, new in self.swaps:
-            parent, _, attr = name.rpartition(".")
-            setattr(self.model.get_submodule(parent) if parent else self.model, attr, new)
-        for module, hook in self.pre_hooks:
-            module.register_forward_pre_hook(hook, with_kwargs=True)
-        for module, hook in self.post_hooks:
-            module.register_forward_hook(hook)
+        self.apply()
         loss = EmulatedCausalLMLoss(head, Site("loss/lse", None, None), getattr(self.model, "_loss_function", None))
         try:
             self.model.loss_function = loss
