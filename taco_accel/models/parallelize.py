@@ -135,12 +135,34 @@ def parallelize(
         SequenceState(bool(sequence_parallel), tp),
     )
     _apply_plan(model, plan, context)
+    _sync_rng(group)
     model.taco = context
     logger.info(
         "tensor parallel %s: tp=%d, sequence_parallel=%s, %d communication sites (%d compressed)",
         plan.name, tp, context.sequence_parallel, len(context.sites), len(context.sites.group_sizes()),
     )
     return model
+
+
+def _sync_rng(group) -> None:
+    """Give the TP ranks the random state of the group's first rank.
+
+    The ranks run the same operations in the same order, so from here on they draw the same
+    random numbers: dropout on the replicated residual stream keeps the replicas identical
+    (different masks would make "replicated" activations and the gradients of replicated
+    weights differ between ranks). Dropout inside a sharded region draws the same mask
+    pattern on every shard, as without a separate per-rank generator (Megatron keeps one).
+    """
+    if group_size(group) == 1:
+        return
+    import torch
+
+    states = [torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None]
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(states, src=src, group=group)
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.cuda.set_rng_state(states[1])
 
 
 def _resolve_group(tp: int | None, device_mesh) -> tuple[object, int]:
