@@ -1,4 +1,5 @@
-"""FSDP2 over dp composed with TP and sequence parallelism (4 gloo ranks: dp=2 x tp=2).
+"""FSDP2 over dp composed with TP and sequence parallelism (4 gloo ranks: dp=2 x tp=2), and
+its export to a transformers checkpoint.
 
 FSDP2 replaces parameter objects, so the gradient-sum hooks `parallelize` puts on replicated
 parameters that see part of the data (norms on sequence shards) never fire under it; the
@@ -15,16 +16,21 @@ from test_pipeline import STEPS, TOL, reference
 
 
 def _fsdp_tp_sp(out: str, cache: str):
+    import os
+
     import torch
     import torch.distributed as dist
 
     from taco_accel.integrations import TrainConfig, Trainer
 
-    cfg = TrainConfig(family="qwen2", preset="nano", seq_len=32, micro_batch_size=2, micro_batches=2, steps=STEPS,
-                      lr=1e-2, warmup_steps=1, eval_every=0, trackers=(), progress=False, export=False, plot=False,
-                      compression=None, output_dir=out, cache_dir=cache, device="cpu", pp=1, dp=2, tp=2,
-                      dp_mode="fsdp", sequence_parallel=True)
-    trainer = Trainer(cfg)
+    def config(mode: str) -> TrainConfig:
+        return TrainConfig(family="qwen2", preset="nano", seq_len=32, micro_batch_size=2, micro_batches=2,
+                           steps=STEPS, lr=1e-2, warmup_steps=1, eval_every=0, trackers=(), progress=False,
+                           export=True, plot=False, compression=None, output_dir=os.path.join(out, mode),
+                           cache_dir=cache, device="cpu", pp=1, dp=2, tp=2, dp_mode=mode, sequence_parallel=True)
+
+    Trainer(config("ddp")).train()  # the same run with DDP, for its exported checkpoint
+    trainer = Trainer(config("fsdp"))
     losses = [row["loss"] for row in trainer.train()]
     worst = 0.0  # replicated norm weights must stay identical on the TP ranks
     for stage in trainer.plan.modules:
@@ -34,7 +40,14 @@ def _fsdp_tp_sp(out: str, cache: str):
                 both = [torch.empty_like(local) for _ in range(2)]
                 dist.all_gather(both, local, group=trainer.mesh["tp"].get_group())
                 worst = max(worst, (both[0] - both[1]).abs().max().item())
-    return losses, worst
+    export_diff = None
+    if dist.get_rank() == 0:  # the FSDP x TP export equals the DDP x TP one
+        from safetensors.torch import load_file
+
+        ddp, fsdp = (load_file(os.path.join(out, m, "final", "model.safetensors")) for m in ("ddp", "fsdp"))
+        assert ddp.keys() == fsdp.keys() and all(ddp[k].shape == fsdp[k].shape for k in ddp)
+        export_diff = max((ddp[k] - fsdp[k]).abs().max().item() for k in ddp)
+    return losses, worst, export_diff
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +58,12 @@ def fsdp_tp(tmp_path_factory):
 
 def test_replicated_norms_stay_identical_across_tp_ranks(fsdp_tp):
     ranks, _ = fsdp_tp
-    assert max(worst for _, worst in ranks) == 0.0
+    assert max(worst for _, worst, _ in ranks) == 0.0
+
+
+def test_fsdp_tp_export_equals_the_ddp_export(fsdp_tp):
+    ranks, _ = fsdp_tp
+    assert ranks[0][2] < 1e-5  # the runs differ only in the order of fp32 sums
 
 
 def test_fsdp_tp_sequence_parallel_matches_single_process(fsdp_tp):

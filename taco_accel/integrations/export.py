@@ -25,10 +25,7 @@ def _stage_state_dict(stage, mesh: DeviceMesh) -> dict:
     """Full (unsharded) tensors of one stage, HF keys; a collective over tp and dp."""
     model = stage.model
     if mesh["tp"].size() > 1:
-        if mesh["dp"].size() > 1 and any(hasattr(p, "full_tensor") for p in model.parameters()):
-            raise NotImplementedError("export of an FSDP x TP run: gather_state_dict does not take DTensor "
-                                      "shards yet; export from a DDP run or from a checkpoint")
-        from ..models import gather_state_dict  # gathers TP shards (a collective over tp)
+        from ..models import gather_state_dict  # gathers FSDP shards over dp, then TP shards over tp
 
         state = gather_state_dict(model)
     else:

@@ -57,7 +57,8 @@ def gather_state_dict(
 ) -> dict[str, torch.Tensor]:
     """The full state dict with transformers' names and shapes, on every rank of the TP group.
 
-    A collective: every rank of the group calls it. Tied parameters map to one tensor.
+    A collective: every rank of the group calls it (and, for parameters that FSDP2 shards
+    over a dp group, every rank of that group too). Tied parameters map to one tensor.
     ``keys``: keep only the entries whose name it accepts (e.g. a LoRA adapter's).
     """
     ctx = context_of(model)
@@ -68,6 +69,8 @@ def gather_state_dict(
             continue
         if id(tensor) not in done:
             value = tensor.detach()
+            if hasattr(value, "full_tensor"):  # an FSDP2 shard over dp: a collective over dp first
+                value = value.full_tensor()
             if name in specs and ctx.tp > 1:
                 value = _gather(value, specs[name], ctx.group)
             done[id(tensor)] = value if device is None else value.to(device)
