@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 from types import SimpleNamespace
 
-from .cli import compression_from_args
+from .cli import (
+    add_compression_args, add_optimisation_args, compression_from_args, mixed_precision_from_args, setup_logging,
+    trackers_from_args,
+)
 from .finetune import DTYPES, METHODS, TINY, FinetuneConfig, Finetuner
-from .trainer import MIXED_PRECISION
 
 
 def build_parser(family: str, description: str, default_data: str | None = None) -> argparse.ArgumentParser:
@@ -29,11 +29,7 @@ def build_parser(family: str, description: str, default_data: str | None = None)
     par.add_argument("--tp", type=int, help="tensor-parallel size")
     par.add_argument("--dp", type=int, help="data-parallel replicas")
     par.add_argument("--sequence-parallel", action="store_true")
-    c = p.add_argument_group("TACO compression of the TP collectives")
-    c.add_argument("--compression", default="on", help="on, off, or a JSON settings file (see the pretraining recipes)")
-    c.add_argument("--group-size", type=int, help="codec group size G (default: 128, or the hidden size if smaller)")
-    c.add_argument("--compression-threshold", type=int, help="bytes below which a collective stays plain "
-                   "(default: TacoConfig's 8 MiB; 0 for the tiny model)")
+    add_compression_args(p, small="the tiny model")
     d = p.add_argument_group("data")
     d.add_argument("--data", default=default_data, help="a datasets name[:config], or local .jsonl/.json/.txt/.parquet")
     d.add_argument("--eval-data", help="held-out data (default: every 1/EVAL_FRACTION-th example of --data)")
@@ -52,15 +48,8 @@ def build_parser(family: str, description: str, default_data: str | None = None)
     d.add_argument("--max-eval-examples", type=int, default=256)
     d.add_argument("--micro-batch-size", type=int, default=4)
     d.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step (gradient accumulation)")
-    o = p.add_argument_group("optimisation")
-    o.add_argument("--steps", type=int, default=100)
-    o.add_argument("--lr", type=float, help="default: 2e-4 for LoRA, 2e-5 for full fine-tuning")
-    o.add_argument("--min-lr-ratio", type=float, default=0.1)
-    o.add_argument("--warmup", type=int, default=10)
-    o.add_argument("--weight-decay", type=float, default=0.0)
-    o.add_argument("--max-grad-norm", type=float, default=1.0)
-    o.add_argument("--mixed-precision", choices=MIXED_PRECISION, help="default: bf16 on GPUs, no on CPU")
-    o.add_argument("--seed", type=int, default=0)
+    add_optimisation_args(p, steps=100, lr=None, warmup=10, weight_decay=0.0,
+                          lr_help="default: 2e-4 for LoRA, 2e-5 for full fine-tuning")
     r = p.add_argument_group("evaluation, logging, output")
     r.add_argument("--eval-every", type=int, default=50)
     r.add_argument("--log-every", type=int, default=10)
@@ -88,13 +77,10 @@ def _hidden_size(model: str) -> int:
 
 
 def config_from_args(family: str, args) -> FinetuneConfig:
-    import torch
-
     tiny = args.model == TINY
     settings = SimpleNamespace(compression=args.compression, group_size=args.group_size,
                                compression_threshold=args.compression_threshold, preset="tiny" if tiny else None)
     targets = args.target_modules if args.target_modules == "all-linear" else args.target_modules.split(",")
-    gpu = torch.cuda.is_available() and args.device != "cpu"
     return FinetuneConfig(
         model=args.model, family=family, method=args.method, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
         lora_dropout=args.lora_dropout, target_modules=targets, tp=args.tp, dp=args.dp,
@@ -106,10 +92,10 @@ def config_from_args(family: str, args) -> FinetuneConfig:
         micro_batch_size=args.micro_batch_size, micro_batches=args.micro_batches, steps=args.steps,
         lr=args.lr or (2e-4 if args.method == "lora" else 2e-5), min_lr_ratio=args.min_lr_ratio,
         warmup_steps=args.warmup, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
-        mixed_precision=args.mixed_precision or ("bf16" if gpu else "no"), dtype=args.dtype,
+        mixed_precision=mixed_precision_from_args(args), dtype=args.dtype,
         gradient_checkpointing=args.gradient_checkpointing, seed=args.seed, eval_every=args.eval_every,
         log_every=args.log_every, output_dir=args.output_dir,
-        trackers=() if args.trackers == "none" else tuple(t for t in args.trackers.split(",") if t),
+        trackers=trackers_from_args(args),
         progress=not args.no_progress, export=not args.no_export, merge=not args.no_merge, plot=not args.no_plot,
         device=args.device,
     )
@@ -118,9 +104,7 @@ def config_from_args(family: str, args) -> FinetuneConfig:
 def main(family: str, description: str, argv=None, default_data: str | None = None) -> list[dict]:
     """Parse the command line, fine-tune, export; returns the history (on every rank)."""
     args = build_parser(family, description, default_data).parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    setup_logging()
     history = Finetuner(config_from_args(family, args)).train()
     import torch.distributed as dist
 
