@@ -58,11 +58,7 @@ def reduce_scatter(
     groups), exchanged all-to-all, summed with `sum_packed` and decoded by its rank.
     """
     world = _world(group)
-    if x.dim() == 0 or x.shape[0] % world:
-        raise ValueError(
-            f"reduce_scatter needs dim 0 of x (shape {list(x.shape)}) divisible by the group "
-            f"size {world}; pad or trim dim 0 to a multiple of {world}"
-        )
+    _check_rows(x, world)
     return _collective("reduce_scatter", x, (x.shape[0] // world, *x.shape[1:]), group, config, site)
 
 
@@ -73,12 +69,22 @@ def all_gather(
 
     Compressed: compress, all-gather the buffers, decode all; every rank gets the same bytes.
     """
-    if x.dim() == 0:
-        raise ValueError("all_gather needs x with at least one dimension (got a 0-d tensor); use x.view(1)")
+    _check_rows(x)
     return _collective("all_gather", x, (x.shape[0] * _world(group), *x.shape[1:]), group, config, site)
 
 
 # --- shared steps -----------------------------------------------------------------------------
+
+
+def _check_rows(x: torch.Tensor, world: int | None = None) -> None:
+    """reduce_scatter (``world`` given) needs dim 0 divisible by it; all_gather a dim 0."""
+    if world is None and x.dim() == 0:
+        raise ValueError("all_gather needs x with at least one dimension (got a 0-d tensor); use x.view(1)")
+    if world is not None and (x.dim() == 0 or x.shape[0] % world):
+        raise ValueError(
+            f"reduce_scatter needs dim 0 of x (shape {list(x.shape)}) divisible by the group "
+            f"size {world}; pad or trim dim 0 to a multiple of {world}"
+        )
 
 
 def _world(group) -> int:
@@ -98,7 +104,7 @@ def _collective(kind: str, x: torch.Tensor, out_shape, group, config: TacoConfig
     out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
     nbytes = x.numel() * x.element_size()
     plain = stats.plain_bytes(kind, nbytes, world)
-    if config is None or world == 1 or nbytes == 0 or nbytes < config.threshold_bytes:
+    if _plain_path(config, nbytes, world):
         _plain(kind, _zero_policy(x, config).contiguous(), out, group, world)
         stats.record(site, sent=plain, uncompressed=plain, compressed=False)
         if config is not None and config.nonfinite == "raise" and out.is_floating_point():
@@ -112,6 +118,11 @@ def _collective(kind: str, x: torch.Tensor, out_shape, group, config: TacoConfig
     if tally.check_nonfinite:
         _raise_if_flag(tally.any_nonfinite(), group, site, agree=not _SAME_BYTES_EVERYWHERE[kind])
     return out
+
+
+def _plain_path(config: TacoConfig | None, nbytes: int, world: int) -> bool:
+    """Whether a message of ``nbytes`` (input bytes) goes through the plain collective."""
+    return config is None or world == 1 or nbytes == 0 or nbytes < config.threshold_bytes
 
 
 def _plain(kind: str, src: torch.Tensor, out: torch.Tensor, group, world: int) -> None:
@@ -148,10 +159,14 @@ def _raise_if_flag(flag: torch.Tensor, group, site: str, *, agree: bool) -> None
         flag = flag.to(torch.int32).view(1)
         all_reduce_(flag, group, op=dist.ReduceOp.MAX)
     if bool(flag.any()):  # the host sync that "raise" costs
-        raise NonFiniteError(
-            f"{site}: a rank's input (or the sum) holds NaN or Inf under TacoConfig.nonfinite='raise'; "
-            "find where the run diverges, or choose nonfinite='propagate' (decode to NaN) or 'zero'"
-        )
+        raise _nonfinite_error(site)
+
+
+def _nonfinite_error(site: str) -> NonFiniteError:
+    return NonFiniteError(
+        f"{site}: a rank's input (or the sum) holds NaN or Inf under TacoConfig.nonfinite='raise'; "
+        "find where the run diverges, or choose nonfinite='propagate' (decode to NaN) or 'zero'"
+    )
 
 
 def _exact(kind: str, x: torch.Tensor, out_shape, group) -> torch.Tensor:

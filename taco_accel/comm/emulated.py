@@ -29,9 +29,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..codec import NonFiniteError, Packed, TacoConfig, WireLayout, compress, decompress, sum_packed
+from ..codec import Packed, TacoConfig, WireLayout, compress, decompress, sum_packed
 from . import stats
-from .collectives import _codec_config, _relative_error, _zero_policy
+from .collectives import _check_rows, _codec_config, _nonfinite_error, _plain_path, _relative_error, _zero_policy
 from .compressed import pad_to_groups
 from .pipeline import piece_bounds, piece_length
 
@@ -122,11 +122,7 @@ class EmulatedGroup:
     ) -> list[torch.Tensor]:
         """Each tensor has P*m rows along dim 0; returns ``[rank r's m rows of the sum]``."""
         xs = self._check("reduce_scatter", partials)
-        if xs[0].dim() == 0 or xs[0].shape[0] % self.size:
-            raise ValueError(
-                f"reduce_scatter needs dim 0 of x (shape {list(xs[0].shape)}) divisible by the group "
-                f"size {self.size}; pad or trim dim 0 to a multiple of {self.size}"
-            )
+        _check_rows(xs[0], self.size)
         summed = self._run("reduce_scatter", xs, config, site or "reduce_scatter")
         return list(summed.chunk(self.size))
 
@@ -135,8 +131,7 @@ class EmulatedGroup:
     ) -> torch.Tensor:
         """Concatenation of every rank's tensor along dim 0, in rank order."""
         xs = self._check("all_gather", shards)
-        if xs[0].dim() == 0:
-            raise ValueError("all_gather needs x with at least one dimension (got a 0-d tensor); use x.view(1)")
+        _check_rows(xs[0])
         return self._run("all_gather", xs, config, site or "all_gather")
 
     # -- shared steps -----------------------------------------------------------------------
@@ -156,7 +151,7 @@ class EmulatedGroup:
         rows stacked in rank order); records the site's statistics like one rank would."""
         nbytes = xs[0].numel() * xs[0].element_size()
         plain = stats.plain_bytes(kind, nbytes, self.size)
-        if config is None or self.size == 1 or nbytes == 0 or nbytes < config.threshold_bytes:
+        if _plain_path(config, nbytes, self.size):
             out = _plain(kind, [_zero_policy(x, config) for x in xs])
             stats.record(site, sent=plain, uncompressed=plain, compressed=False)
         else:
@@ -165,10 +160,7 @@ class EmulatedGroup:
             if stats.should_sample(site):
                 stats.record_error(site, _relative_error(out, _plain(kind, [x.double() for x in xs])))
         if config is not None and config.nonfinite == "raise" and not bool(torch.isfinite(out).all()):
-            raise NonFiniteError(
-                f"{site}: a rank's input (or the sum) holds NaN or Inf under TacoConfig.nonfinite='raise'; "
-                "find where the run diverges, or choose nonfinite='propagate' (decode to NaN) or 'zero'"
-            )
+            raise _nonfinite_error(site)
         return out
 
     def _compressed(self, kind: str, xs: list[torch.Tensor], cfg: TacoConfig) -> tuple[torch.Tensor, int]:
