@@ -123,15 +123,16 @@ def grad_norm_sq(stages: list[StageModule], mesh: DeviceMesh, dp_mode: str) -> t
     once): a parameter held by r tp ranks counts 1/r (``stage.tp_replicas``, tp when unknown),
     DDP replicas 1/dp, the tied head copy (``stage.norm_skip_names``) 0."""
     tp, dp = mesh["tp"].size(), mesh["dp"].size()
-    total = torch.zeros((), dtype=torch.float64)
+    parts = []  # on the gradients' device: no host sync per parameter
     for stage in stages:
         skip = getattr(stage, "norm_skip_names", set())
         replicas = getattr(stage, "tp_replicas", {})
         for name, p in stage.named_parameters():
             if p.grad is None or name in skip:
                 continue
-            sq = _local(p.grad).detach().double().pow(2).sum().cpu()
-            total += sq / replicas.get(name, tp)
+            norm = torch.linalg.vector_norm(_local(p.grad).detach(), dtype=torch.float64)
+            parts.append(norm.square() / replicas.get(name, tp))
+    total = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64)
     return total / (dp if dp_mode == "ddp" else 1)
 
 
