@@ -293,12 +293,13 @@ class Finetuner:
         # mean over the global batch's scored tokens, after DataParallelGradSync averages over dp
         num_items = torch.tensor(max(global_tokens, 1.0) / self.dims.dp, device=self.device)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = 0.0
+        losses = []
         for mb in micro:
             with self.accelerator.autocast():
                 out = self.model(**self._to_device(mb), num_items_in_batch=num_items)
             out.loss.backward()
-            loss += out.loss.item()
+            losses.append(out.loss.detach())
+        loss = torch.stack(losses).double().sum().item()  # read once, after every micro-batch is queued
         if self.dp_sync is not None:
             self.dp_sync()
         grad_norm = clip_grad_norm_([self.model], self.mesh, self.cfg.max_grad_norm, "ddp")

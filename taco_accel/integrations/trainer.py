@@ -270,7 +270,7 @@ class Trainer:
                     self.schedule.eval(*args, target=target, losses=losses)
         if not self.has_last:
             return torch.zeros((), dtype=torch.float64)
-        return torch.stack([l.detach().double().cpu() for l in losses]).mean()
+        return torch.stack([l.detach().double() for l in losses]).mean().cpu()  # one transfer
 
     def _reduce(self, loss: torch.Tensor, *extra: float) -> list[float]:
         """Global mean loss and summed extras, on every rank, in one all-reduce."""
