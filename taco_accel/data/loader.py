@@ -23,44 +23,52 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def _read_local(path: str, text_field: str) -> list[str]:
-    if path.endswith((".jsonl", ".json")):
+def read_records(path: str, columns: list[str] | None = None) -> list[dict]:
+    """The records of one local file: .jsonl / .json (a list or one object) / .parquet (only
+    ``columns`` if given); any other file is one ``{"text": contents}`` record."""
+    if path.endswith(".jsonl"):
         with open(path, encoding="utf-8") as f:
-            if path.endswith(".json"):
-                rows = json.load(f)
-                rows = rows if isinstance(rows, list) else [rows]
-            else:
-                rows = [json.loads(line) for line in f if line.strip()]
-        return [r[text_field] for r in rows]
+            return [json.loads(line) for line in f if line.strip()]
+    if path.endswith(".json"):
+        with open(path, encoding="utf-8") as f:
+            rows = json.load(f)
+        return rows if isinstance(rows, list) else [rows]
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        return pq.read_table(path, columns=[text_field]).column(text_field).to_pylist()
+        return pq.read_table(path, columns=columns).to_pylist()
     with open(path, encoding="utf-8", errors="replace") as f:
-        return [f.read()]
+        return [{"text": f.read()}]
 
 
-def load_texts(source: str | None = None, *, split: str = "train", text_field: str = "text") -> list[str]:
-    """Documents from ``source``: None or ``"stdlib"`` (the shipped corpus), local files (a
-    path, a folder or a glob of .txt / .jsonl / .json / .parquet), or a datasets name,
-    ``"name"`` or ``"name:config"``, loaded from the local datasets cache."""
-    if source in (None, "", "stdlib"):
-        from .corpus import load_documents
-
-        return load_documents()
+def load_records(source: str, *, split: str = "train", columns: list[str] | None = None) -> list[dict]:
+    """Records from local files (a path, a folder or a glob of .jsonl / .json / .parquet /
+    text) or a datasets name ``"name"`` / ``"name:config"`` (from the local datasets cache)."""
     files = sorted(glob.glob(os.path.join(source, "*"))) if os.path.isdir(source) else sorted(glob.glob(source))
     if files:
-        return [t for f in files if os.path.isfile(f) for t in _read_local(f, text_field)]
+        return [r for f in files if os.path.isfile(f) for r in read_records(f, columns)]
     try:
         import datasets
     except ImportError:
         raise ValueError(
             f"data source {source!r} is not a local file and the datasets package is not installed; "
-            "pass local .txt/.jsonl/.parquet files or pip install datasets"
+            "pass local .txt/.jsonl/.json/.parquet files or pip install datasets"
         ) from None
     name, _, config = source.partition(":")
     ds = datasets.load_dataset(name, config or None, split=split)
-    return [t for t in ds[text_field] if t]
+    return list(ds.select_columns(columns) if columns else ds)
+
+
+def load_texts(source: str | None = None, *, split: str = "train", text_field: str = "text") -> list[str]:
+    """Documents from ``source``: None or ``"stdlib"`` (the shipped corpus), or what
+    `load_records` reads (a text file is one document; other records give ``text_field``).
+    Empty documents are dropped."""
+    if source in (None, "", "stdlib"):
+        from .corpus import load_documents
+
+        return load_documents()
+    records = load_records(source, split=split, columns=[text_field])
+    return [t for t in (r[text_field] if text_field in r else r["text"] for r in records) if t]
 
 
 def split_documents(docs: list[str], val_every: int = 20) -> tuple[list[str], list[str]]:

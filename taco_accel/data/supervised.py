@@ -20,10 +20,7 @@ micro-batches padded to their longest example. Every tp rank of a replica gets t
 
 from __future__ import annotations
 
-import glob
-import json
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -40,37 +37,6 @@ CHATML = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 FORMATS = ("auto", "chat", "plain")
-
-
-def _read_file(path: str) -> list[dict]:
-    if path.endswith(".jsonl"):
-        with open(path, encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
-    if path.endswith(".json"):
-        with open(path, encoding="utf-8") as f:
-            rows = json.load(f)
-        return rows if isinstance(rows, list) else [rows]
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return [{"text": f.read()}]
-
-
-def load_records(source: str, *, split: str = "train") -> list[dict]:
-    """Records from local files (a path, a folder or a glob of .jsonl / .json / .parquet / text)
-    or a datasets name ``"name"`` / ``"name:config"`` (from the local datasets cache or the hub)."""
-    files = sorted(glob.glob(os.path.join(source, "*"))) if os.path.isdir(source) else sorted(glob.glob(source))
-    if files:
-        return [r for f in files if os.path.isfile(f) for r in _read_file(f)]
-    try:
-        import datasets
-    except ImportError:
-        raise ValueError(f"data source {source!r} is not a local file and the datasets package is not "
-                         "installed; pass local .jsonl/.json/.txt files or pip install datasets") from None
-    name, _, config = source.partition(":")
-    return list(datasets.load_dataset(name, config or None, split=split))
 
 
 @dataclass(frozen=True)

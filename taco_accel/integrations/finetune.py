@@ -33,7 +33,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..codec import TacoConfig
-from ..data.supervised import IGNORE, RecordFields, SFTBatches, eval_micro_batches, load_records, split_examples, \
+from ..data.loader import load_records
+from ..data.supervised import IGNORE, RecordFields, SFTBatches, eval_micro_batches, split_examples, \
     tokenize_records
 from ..models import from_pretrained, save_pretrained
 from ..models.checkpoint import shard_specs
