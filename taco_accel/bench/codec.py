@@ -139,27 +139,40 @@ def check_kernels(device: torch.device) -> bool:
 
 
 def sweep(device: torch.device, numel: int, copy_bw: float) -> None:
-    """Time launch variants at one size, G=128: block size and warps on bf16 input, then the
-    product precision (tf32 against two bf16 products) on fp32 input."""
+    """Time launch variants at one size, G=128, against the defaults in TUNING: pipeline stages,
+    resident programs per SM (all that fit, 2, or one program per tile instead of a persistent
+    grid), decoding with bf16 instead of fp8 products, and on fp32 input tf32 against two bf16
+    products."""
     from ..codec import triton_kernels as tk
 
-    base = dict(tk.TUNING)
+    base = {k: dict(v) if isinstance(v, dict) else v for k, v in tk.TUNING.items()}
     cfg = TacoConfig(backend="triton")
-    print(f"\nsweep at {numel / 2**20:.0f}M elements, G=128 (fraction of copy bandwidth)")
-    print(f"{'input':>5s} {'dot':>6s} {'block':>6s} {'warps':>5s} {'compress':>9s} {'decomp':>7s} {'sum P=4':>8s}")
-    names = {tk.DOT_TF32: "tf32", tk.DOT_BF16X2: "bf16x2"}
-    variants = [("bf16", tk.DOT_BF16X2, b, w) for b in (4096, 8192, 16384) for w in (4, 8)]
-    variants += [("fp32", d, 8192, 4) for d in names]
-    for dname, dot, block, warps in variants:
-        tk.TUNING.update(dot_mode=dot, block_elems=block, num_warps=warps)
+
+    def override(stages=None, per_sm=..., **kw):
+        stages = base["num_stages"] if stages is None else dict(base["num_stages"], compress=stages, decompress=stages)
+        programs = base["programs_per_sm"] if per_sm is ... else dict.fromkeys(base["programs_per_sm"], per_sm)
+        return dict(num_stages=stages, programs_per_sm=programs, **kw)
+
+    variants = [("defaults", "bf16", {})]
+    variants += [(f"{n} stages", "bf16", override(stages=n)) for n in (2, 4)]
+    variants += [("all resident", "bf16", override(per_sm=None)), ("2 per SM", "bf16", override(per_sm=2)),
+                 ("one per tile", "bf16", override(per_sm=0)), ("bf16 decode", "bf16", override(payload_dot=False))]
+    variants += [(f"fp32 {name}", "fp32", override(dot_mode=mode)) for name, mode in (("tf32", tk.DOT_TF32),
+                                                                                      ("bf16x2", tk.DOT_BF16X2))]
+    print(f"\nsweep at {numel / 2**20:.0f}M elements, G=128 (fraction of copy bandwidth); defaults: {base}")
+    print(f"{'variant':>14s} {'compress':>9s} {'decomp':>7s} {'sum P=2':>8s} {'sum P=8':>8s}")
+    for name, dname, change in variants:
+        tk.TUNING.update(change)
         try:
-            rows = bench_case(numel, cfg, DTYPES[dname], device, (4,), backends=("triton",))
+            rows = bench_case(numel, cfg, DTYPES[dname], device, (2, 8), backends=("triton",))
         except Exception as e:  # a variant that does not compile is a result too
-            print(f"{dname:>5s} {names[dot]:>6s} {block:6d} {warps:5d}  failed: {type(e).__name__}: {str(e)[:80]}")
+            print(f"{name:>14s}  failed: {type(e).__name__}: {str(e)[:80]}")
             continue
+        finally:
+            tk.TUNING.update(base)
         frac = {r["step"]: r["bytes"] / r["seconds"] / copy_bw for r in rows}
-        print(f"{dname:>5s} {names[dot]:>6s} {block:6d} {warps:5d} {frac['compress']:9.2f} {frac['decompress']:7.2f} {frac['sum P=4']:8.2f}")
-    tk.TUNING.update(base)
+        print(f"{name:>14s} {frac['compress']:9.2f} {frac['decompress']:7.2f} {frac['sum P=2']:8.2f} "
+              f"{frac['sum P=8']:8.2f}", flush=True)
 
 
 def main(argv=None) -> None:

@@ -1,6 +1,9 @@
 """Fused Triton kernels of the TACO codec: compress, decompress, dequant-sum-requant.
 
-Each kernel makes one pass over its input; a program owns BG consecutive groups.
+Each kernel makes one pass over its input. The grid is persistent: a few programs per SM
+walk over tiles of BG consecutive groups, so the compiler's software pipeline fetches the
+next tile while the current one is transformed, and the Hadamard matrix is read once per
+program instead of once per tile.
 
 The Hadamard transform runs on the tensor cores as one dense product with H_SUB,
 SUB = min(G, 64), per sub-block of SUB values: a tile [BG, SUB] @ [SUB, SUB]. Larger groups
@@ -9,17 +12,22 @@ are 2, 4 or 8 sub-blocks combined by butterflies (adds and subtracts of whole ti
 puts on the wire, and each tile's rows are groups, so the per-group reductions work on the
 product's own layout. Measured on an H200 (benchmarks/RESULTS.md): a Kronecker
 H_m (x) H_16 form with a transpose between two 16-wide products spent its time moving tiles
-through shared memory (35-48% of copy bandwidth), and one dense H_128 product is bound by
-the tensor cores (54% at G=128, against 70% for H_64).
+through shared memory, and one dense H_128 product is bound by the tensor cores.
 
-The +-1 matrix is exact in bf16. bf16 inputs and fp8 / int8 payloads are exact in bf16
-too, so they need one bf16 product; fp32 and fp16 operands go through two (high and low
-bf16 halves, about 16 mantissa bits) or one tf32 product (DOT_MODE). The interpreter on the
-CPU gets fp32 products.
+Per value the kernels do as little as the format allows (an H200 moves a value of compress
+in about 0.7 ns): the 1/sqrt(G) of the transform is folded into the per-group multiplier,
+the fp8 conversion saturates in hardware (no clamp), and offsets inside a tile are 32-bit.
+
+The +-1 matrix is exact in bf16 and in fp8. bf16 inputs are exact in bf16, so they need one
+bf16 product; fp32 and fp16 operands go through two (high and low bf16 halves, about 16
+mantissa bits) or one tf32 product (DOT_MODE). Decoding multiplies the payload bytes as they
+are (fp8 or int8 tensor-core products, DOT_PAYLOAD). The interpreter on the CPU gets fp32
+products.
 
 Under TRITON_INTERPRET=1 the fp8 cast rounds wrongly where the mantissa carries into the
-exponent, so the interpreter rounds to the fp8 grid first with exact power-of-two arithmetic
-(EMULATE_ROUND); the GPU uses the hardware conversion (round to nearest even, saturating).
+exponent and does not saturate, so the interpreter clamps and rounds to the fp8 grid first
+with exact power-of-two arithmetic (EMULATE_ROUND); the GPU uses the hardware conversion
+(round to nearest even, saturating).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from .config import TacoConfig
 from .hadamard import hadamard_matrix, sign_vector
@@ -38,8 +47,8 @@ from .reference import ADAPTIVE_EPS, ADAPTIVE_MAX, ADAPTIVE_MIN, TINY_AMAX
 
 FMT_CODE = {"e4m3": 0, "e5m2": 1, "int8": 2}
 # DOT_MODE: 0 = fp32 (interpreter), 1 = tf32, 2 = two bf16 products (hi + lo), 3 = one bf16
-# product (operand already exact in bf16).
-DOT_FP32, DOT_TF32, DOT_BF16X2, DOT_BF16 = 0, 1, 2, 3
+# product (operand already exact in bf16), 4 = the payload's own type (fp8 or int8; decoding).
+DOT_FP32, DOT_TF32, DOT_BF16X2, DOT_BF16, DOT_PAYLOAD = 0, 1, 2, 3, 4
 # the reference's constants, as compile-time values the kernels may read
 _EPS = tl.constexpr(ADAPTIVE_EPS)
 _A_MIN = tl.constexpr(ADAPTIVE_MIN)
@@ -48,7 +57,12 @@ _TINY = tl.constexpr(TINY_AMAX)
 SUB_MAX = 64  # largest dense Hadamard block (128 costs twice the tensor-core work per value)
 
 # Launch settings (benchmarks/RESULTS.md has the sweep); the benchmark overrides them.
-TUNING = {"block_elems": 8192, "num_warps": 4, "dot_mode": DOT_BF16X2}
+# block_elems: values per tile; programs_per_sm: persistent programs per SM, per kernel (None:
+# as many as fit at once, 0: one program per tile); num_stages: tiles in flight per program
+# ("sum_many": the sum of more than 4 inputs); payload_dot: decode with fp8 / int8 products.
+TUNING = {"block_elems": 8192, "num_warps": 4, "dot_mode": DOT_BF16X2,
+          "programs_per_sm": {"compress": None, "decompress": 2, "sum": None},
+          "num_stages": {"compress": 3, "decompress": 3, "sum": 1, "sum_many": 2}, "payload_dot": True}
 
 
 def _interpreting() -> bool:
@@ -60,26 +74,34 @@ def _interpreting() -> bool:
 
 @triton.jit
 def _dot(a, b, DOT_MODE: tl.constexpr):
-    """a [R, K] fp32 @ b [K, K] (+-1 entries) -> fp32, in the requested precision."""
+    """a [R, K] @ b [K, K] (+-1 entries, already in the mode's operand type) -> fp32."""
     if DOT_MODE == 0:
-        out = tl.dot(a, b, input_precision="ieee")
+        out = tl.dot(a.to(tl.float32), b, input_precision="ieee")
     elif DOT_MODE == 1:
-        out = tl.dot(a, b, input_precision="tf32")
+        out = tl.dot(a.to(tl.float32), b, input_precision="tf32")
     elif DOT_MODE == 2:
-        bh = b.to(tl.bfloat16)
+        a = a.to(tl.float32)
         hi = a.to(tl.bfloat16)
         lo = (a - hi.to(tl.float32)).to(tl.bfloat16)
-        out = tl.dot(hi, bh) + tl.dot(lo, bh)
+        out = tl.dot(hi, b) + tl.dot(lo, b)
+    elif DOT_MODE == 3:
+        out = tl.dot(a.to(tl.bfloat16), b)
     else:
-        out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+        out = tl.dot(a, b).to(tl.float32)  # fp8 x fp8 -> fp32, int8 x int8 -> int32 (exact)
     return out
 
 
 @triton.jit
-def _load_square(ptr, N: tl.constexpr):
+def _hadamard(h_ptr, N: tl.constexpr, DOT_MODE: tl.constexpr, payload_ty):
+    """H_N from memory (fp32) in the operand type of DOT_MODE."""
     rows = tl.arange(0, N)[:, None]
     cols = tl.arange(0, N)[None, :]
-    return tl.load(ptr + rows * N + cols)
+    h = tl.load(h_ptr + rows * N + cols)
+    if DOT_MODE == 2 or DOT_MODE == 3:
+        h = h.to(tl.bfloat16)
+    elif DOT_MODE == 4:
+        h = h.to(payload_ty)
+    return h
 
 
 @triton.jit
@@ -135,8 +157,8 @@ def _round_to_grid(v, FMT: tl.constexpr):
 
 
 @triton.jit
-def _group_ids(BG: tl.constexpr, num_groups):
-    g = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
+def _tile_groups(tile, BG: tl.constexpr, num_groups):
+    g = tl.cast(tile, tl.int64) * BG + tl.arange(0, BG)
     return g, g < num_groups
 
 
@@ -167,11 +189,16 @@ def _row_stats(y, amax, sumsq, SUMSQ: tl.constexpr):
 
 
 @triton.jit
-def _scales(amax, sumsq, bad_in, G: tl.constexpr, QMAX: tl.constexpr,
+def _scales(amax, sumsq, bad_in, NORM: tl.constexpr, G: tl.constexpr, QMAX: tl.constexpr,
             DUAL: tl.constexpr, ADAPTIVE: tl.constexpr):
-    """Per-group (a, s, inv, bad) from the row statistics; payload = clamp(y * a * inv)."""
+    """Per-group (a, s, mult, bad) from the statistics of the unnormalised coefficients y.
+
+    The transform's coefficients are y * NORM; the wire carries s (and a), and the payload is
+    y * mult = clamp(y * NORM * a / s), the reference's formula with NORM folded into mult.
+    """
+    amax = amax * NORM
     if DUAL and ADAPTIVE:
-        a = tl.div_rn(QMAX, tl.sqrt_rn(sumsq / G + _EPS))
+        a = tl.div_rn(QMAX, tl.sqrt_rn(sumsq * (NORM * NORM) / G + _EPS))
         a = tl.minimum(tl.maximum(a, _A_MIN), _A_MAX)
         amax = amax * a  # == max |a * y|: scaling by a > 0 commutes with rounding and max
     else:
@@ -181,22 +208,24 @@ def _scales(amax, sumsq, bad_in, G: tl.constexpr, QMAX: tl.constexpr,
     s = tl.where(bad, float("nan"), tl.where(big, tl.div_rn(amax, QMAX), 0.0))
     inv = tl.where(big & (~bad), tl.div_rn(QMAX, tl.where(big, amax, 1.0)), 0.0)
     a = tl.where(bad, 1.0, a)
-    return a, s, inv, bad
+    return a, s, inv * a * NORM, bad
 
 
 @triton.jit
-def _store_payload(q_ptr, offs, y, a, inv, bad, mask, FMT: tl.constexpr, QMAX: tl.constexpr,
-                   DUAL: tl.constexpr, EMULATE_ROUND: tl.constexpr):
-    """Quantise one tile y [BG, W] of transformed values and store it at ``offs``."""
-    if DUAL:
-        y = y * a[:, None]
-    q = tl.minimum(tl.maximum(y * inv[:, None], -QMAX), QMAX)
-    q = tl.where(bad[:, None], 0.0, q)
+def _store_payload(q_ptr, offs, y, mult, bad, mask, FMT: tl.constexpr, QMAX: tl.constexpr,
+                   EMULATE_ROUND: tl.constexpr):
+    """Quantise one tile y [BG, W] of coefficients (y * mult per group) and store it at ``offs``."""
+    q = tl.where(bad[:, None], 0.0, y * mult[:, None])  # a group with NaN or Inf: zeros, NaN scale
     if FMT == 2:
-        tl.store(q_ptr + offs, _round_half_even(q).to(tl.int8), mask=mask)
-    else:
+        q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
         if EMULATE_ROUND:
-            q = _round_to_grid(q, FMT)
+            q = _round_half_even(q)
+        else:
+            q = libdevice.rint(q)
+        tl.store(q_ptr + offs, q.to(tl.int8), mask=mask)
+    else:
+        if EMULATE_ROUND:  # the GPU's conversion saturates by itself
+            q = _round_to_grid(tl.minimum(tl.maximum(q, -QMAX), QMAX), FMT)
         tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -209,128 +238,143 @@ def _store_scales(s_ptr, g, g_mask, s, a, gpc, chunk_bytes, G: tl.constexpr, DUA
 
 
 @triton.jit
-def _t1(x_ptr, base, numel, sign_ptr, h, j: tl.constexpr, SUB: tl.constexpr, HADAMARD: tl.constexpr,
+def _store_padding(q_ptr, g, g_mask, gpc, chunk_bytes, PAD: tl.constexpr):
+    """Zero the PAD (0, 4, 8 or 12) padding bytes at the end of each chunk, from its last group."""
+    if PAD > 0:
+        last = g_mask & ((g % gpc) == gpc - 1)
+        end = (g // gpc + 1) * chunk_bytes
+        zero = tl.zeros(g.shape, tl.float32).to(q_ptr.dtype.element_ty)
+        for k in tl.static_range(PAD):
+            tl.store(q_ptr + end - PAD + k, zero, mask=last)
+
+
+@triton.jit
+def _t1(x_blk, offs, left, sign_ptr, h, j: tl.constexpr, SUB: tl.constexpr, HADAMARD: tl.constexpr,
         SIGNS: tl.constexpr, ZERO_NONFINITE: tl.constexpr, DOT_MODE: tl.constexpr):
-    """Input sub-block j of BG groups, [BG, SUB] fp32, times H_SUB (after the signs)."""
-    cols = tl.arange(0, SUB)[None, :]
-    idx = base + j * SUB + cols
-    x = tl.load(x_ptr + idx, mask=idx < numel, other=0.0).to(tl.float32)
+    """Input sub-block j of a tile, [BG, SUB], times H_SUB (after the signs), fp32; values at
+    ``left`` and after (past the input's end) read as zeros."""
+    offs = offs + j * SUB
+    x = tl.load(x_blk + offs, mask=offs < left, other=0.0)
     if ZERO_NONFINITE:
         x = tl.where((x == x) & (tl.abs(x) < float("inf")), x, 0.0)
     if HADAMARD:
         if SIGNS:
-            x = x * tl.load(sign_ptr + j * SUB + cols)
-        x = _dot(x, h, DOT_MODE)
-    return x
+            x = x.to(tl.float32) * tl.load(sign_ptr + j * SUB + tl.arange(0, SUB)[None, :])
+        y = _dot(x, h, DOT_MODE)
+    else:
+        y = x.to(tl.float32)
+    return y
 
 
 @triton.jit
-def _t2(x_ptr, base, numel, sign_ptr, h, j: tl.constexpr, SUB: tl.constexpr, HADAMARD: tl.constexpr,
+def _t2(x_blk, offs, left, sign_ptr, h, j: tl.constexpr, SUB: tl.constexpr, HADAMARD: tl.constexpr,
         SIGNS: tl.constexpr, ZERO_NONFINITE: tl.constexpr, DOT_MODE: tl.constexpr):
-    a = _t1(x_ptr, base, numel, sign_ptr, h, j, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
-    b = _t1(x_ptr, base, numel, sign_ptr, h, j + 1, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
+    a = _t1(x_blk, offs, left, sign_ptr, h, j, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
+    b = _t1(x_blk, offs, left, sign_ptr, h, j + 1, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
     if HADAMARD:
         a, b = _butterfly2(a, b)
     return a, b
 
 
 @triton.jit
-def _t4(x_ptr, base, numel, sign_ptr, h, j: tl.constexpr, SUB: tl.constexpr, HADAMARD: tl.constexpr,
+def _t4(x_blk, offs, left, sign_ptr, h, j: tl.constexpr, SUB: tl.constexpr, HADAMARD: tl.constexpr,
         SIGNS: tl.constexpr, ZERO_NONFINITE: tl.constexpr, DOT_MODE: tl.constexpr):
-    a0, a1 = _t2(x_ptr, base, numel, sign_ptr, h, j, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
-    b0, b1 = _t2(x_ptr, base, numel, sign_ptr, h, j + 2, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
+    a0, a1 = _t2(x_blk, offs, left, sign_ptr, h, j, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
+    b0, b1 = _t2(x_blk, offs, left, sign_ptr, h, j + 2, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
     return _merge2(a0, a1, b0, b1, HADAMARD)
 
 
 @triton.jit
-def _t8(x_ptr, base, numel, sign_ptr, h, SUB: tl.constexpr, HADAMARD: tl.constexpr,
+def _t8(x_blk, offs, left, sign_ptr, h, SUB: tl.constexpr, HADAMARD: tl.constexpr,
         SIGNS: tl.constexpr, ZERO_NONFINITE: tl.constexpr, DOT_MODE: tl.constexpr):
-    a0, a1, a2, a3 = _t4(x_ptr, base, numel, sign_ptr, h, 0, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
-    b0, b1, b2, b3 = _t4(x_ptr, base, numel, sign_ptr, h, 4, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
+    a0, a1, a2, a3 = _t4(x_blk, offs, left, sign_ptr, h, 0, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
+    b0, b1, b2, b3 = _t4(x_blk, offs, left, sign_ptr, h, 4, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
     return _merge4(a0, a1, a2, a3, b0, b1, b2, b3, HADAMARD)
 
 
 @triton.jit
-def _store_padding(q_ptr, g, g_mask, gpc, chunk_bytes, used_bytes):
-    """Zero the (at most 12) padding bytes of each chunk, from the chunk's last group."""
-    last = g_mask & ((g % gpc) == gpc - 1)
-    start = (g // gpc) * chunk_bytes + used_bytes
-    for k in tl.static_range(12):
-        zero = tl.zeros(g.shape, tl.float32).to(q_ptr.dtype.element_ty)
-        tl.store(q_ptr + start + k, zero, mask=last & (g * 0 + used_bytes + k < chunk_bytes))
+def _compress_tile(
+    tile, x_ptr, q_ptr, s_ptr, sign_ptr, h, numel, num_groups, gpc, chunk_bytes,
+    G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr, FMT: tl.constexpr, QMAX: tl.constexpr,
+    HADAMARD: tl.constexpr, SIGNS: tl.constexpr, DUAL: tl.constexpr, ADAPTIVE: tl.constexpr,
+    ZERO_NONFINITE: tl.constexpr, DOT_MODE: tl.constexpr, EMULATE_ROUND: tl.constexpr, PAD: tl.constexpr,
+):
+    NSUB: tl.constexpr = G // SUB
+    g, g_mask = _tile_groups(tile, BG, num_groups)
+    start = tl.cast(tile, tl.int64) * (BG * G)
+    # 32-bit offsets inside the tile; inputs past numel (padding groups) read as zeros
+    offs = tl.arange(0, BG)[:, None] * G + tl.arange(0, SUB)[None, :]
+    left = tl.minimum(tl.maximum(numel - start, 0), BG * G).to(tl.int32)
+    x_blk = x_ptr + start
+    # y_j: sub-block j of H_G x (H_NSUB (x) H_SUB as dense products plus butterflies), unnormalised
+    if NSUB == 1:
+        y0 = _t1(x_blk, offs, left, sign_ptr, h, 0, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
+    elif NSUB == 2:
+        y0, y1 = _t2(x_blk, offs, left, sign_ptr, h, 0, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
+    elif NSUB == 4:
+        y0, y1, y2, y3 = _t4(x_blk, offs, left, sign_ptr, h, 0, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
+    else:
+        y0, y1, y2, y3, y4, y5, y6, y7 = _t8(x_blk, offs, left, sign_ptr, h, SUB, HADAMARD, SIGNS,
+                                             ZERO_NONFINITE, DOT_MODE)
+    STATS: tl.constexpr = DUAL and ADAPTIVE
+    amax = tl.zeros((BG,), tl.float32)
+    sumsq = tl.zeros((BG,), tl.float32)
+    amax, sumsq = _row_stats(y0, amax, sumsq, STATS)
+    if NSUB >= 2:
+        amax, sumsq = _row_stats(y1, amax, sumsq, STATS)
+    if NSUB >= 4:
+        amax, sumsq = _row_stats(y2, amax, sumsq, STATS)
+        amax, sumsq = _row_stats(y3, amax, sumsq, STATS)
+    if NSUB >= 8:
+        amax, sumsq = _row_stats(y4, amax, sumsq, STATS)
+        amax, sumsq = _row_stats(y5, amax, sumsq, STATS)
+        amax, sumsq = _row_stats(y6, amax, sumsq, STATS)
+        amax, sumsq = _row_stats(y7, amax, sumsq, STATS)
+    NORM: tl.constexpr = G**-0.5 if HADAMARD else 1.0
+    a, s, mult, bad = _scales(amax, sumsq, tl.zeros((BG,), tl.int1), NORM, G, QMAX, DUAL, ADAPTIVE)
+    qo = _payload_offsets(g, gpc, chunk_bytes, G)[:, None] + tl.arange(0, SUB)[None, :]
+    m = g_mask[:, None]
+    _store_payload(q_ptr, qo, y0, mult, bad, m, FMT, QMAX, EMULATE_ROUND)
+    if NSUB >= 2:
+        _store_payload(q_ptr, qo + SUB, y1, mult, bad, m, FMT, QMAX, EMULATE_ROUND)
+    if NSUB >= 4:
+        _store_payload(q_ptr, qo + 2 * SUB, y2, mult, bad, m, FMT, QMAX, EMULATE_ROUND)
+        _store_payload(q_ptr, qo + 3 * SUB, y3, mult, bad, m, FMT, QMAX, EMULATE_ROUND)
+    if NSUB >= 8:
+        _store_payload(q_ptr, qo + 4 * SUB, y4, mult, bad, m, FMT, QMAX, EMULATE_ROUND)
+        _store_payload(q_ptr, qo + 5 * SUB, y5, mult, bad, m, FMT, QMAX, EMULATE_ROUND)
+        _store_payload(q_ptr, qo + 6 * SUB, y6, mult, bad, m, FMT, QMAX, EMULATE_ROUND)
+        _store_payload(q_ptr, qo + 7 * SUB, y7, mult, bad, m, FMT, QMAX, EMULATE_ROUND)
+    _store_scales(s_ptr, g, g_mask, s, a, gpc, chunk_bytes, G, DUAL)
+    _store_padding(q_ptr, g, g_mask, gpc, chunk_bytes, PAD)
 
 
 @triton.jit
 def _compress_kernel(
     x_ptr, q_ptr, s_ptr, h_ptr, sign_ptr,
-    numel, num_groups, gpc, chunk_bytes, used_bytes,
+    numel, num_groups, gpc, chunk_bytes,
     G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr, FMT: tl.constexpr, QMAX: tl.constexpr,
     HADAMARD: tl.constexpr, SIGNS: tl.constexpr, DUAL: tl.constexpr, ADAPTIVE: tl.constexpr,
-    ZERO_NONFINITE: tl.constexpr, DOT_MODE: tl.constexpr, EMULATE_ROUND: tl.constexpr,
+    ZERO_NONFINITE: tl.constexpr, DOT_MODE: tl.constexpr, EMULATE_ROUND: tl.constexpr, PAD: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
-    NSUB: tl.constexpr = G // SUB
-    g, g_mask = _group_ids(BG, num_groups)
-    base = g[:, None] * G  # first input index of each group, [BG, 1]
-    h = _load_square(h_ptr, SUB)
-    # y_j: sub-block j of H_G x (H_NSUB (x) H_SUB as dense products plus butterflies)
-    if NSUB == 1:
-        y0 = _t1(x_ptr, base, numel, sign_ptr, h, 0, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
-    elif NSUB == 2:
-        y0, y1 = _t2(x_ptr, base, numel, sign_ptr, h, 0, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
-    elif NSUB == 4:
-        y0, y1, y2, y3 = _t4(x_ptr, base, numel, sign_ptr, h, 0, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
-    else:
-        y0, y1, y2, y3, y4, y5, y6, y7 = _t8(x_ptr, base, numel, sign_ptr, h, SUB, HADAMARD, SIGNS,
-                                             ZERO_NONFINITE, DOT_MODE)
-    NORM: tl.constexpr = G**-0.5 if HADAMARD else 1.0
-    amax = tl.zeros((BG,), tl.float32)
-    sumsq = tl.zeros((BG,), tl.float32)
-    y0 = y0 * NORM
-    amax, sumsq = _row_stats(y0, amax, sumsq, DUAL and ADAPTIVE)
-    if NSUB >= 2:
-        y1 = y1 * NORM
-        amax, sumsq = _row_stats(y1, amax, sumsq, DUAL and ADAPTIVE)
-    if NSUB >= 4:
-        y2 = y2 * NORM
-        y3 = y3 * NORM
-        amax, sumsq = _row_stats(y2, amax, sumsq, DUAL and ADAPTIVE)
-        amax, sumsq = _row_stats(y3, amax, sumsq, DUAL and ADAPTIVE)
-    if NSUB >= 8:
-        y4 = y4 * NORM
-        y5 = y5 * NORM
-        y6 = y6 * NORM
-        y7 = y7 * NORM
-        amax, sumsq = _row_stats(y4, amax, sumsq, DUAL and ADAPTIVE)
-        amax, sumsq = _row_stats(y5, amax, sumsq, DUAL and ADAPTIVE)
-        amax, sumsq = _row_stats(y6, amax, sumsq, DUAL and ADAPTIVE)
-        amax, sumsq = _row_stats(y7, amax, sumsq, DUAL and ADAPTIVE)
-    bad = tl.zeros((BG,), tl.int1)
-    a, s, inv, bad = _scales(amax, sumsq, bad, G, QMAX, DUAL, ADAPTIVE)
-    offs = _payload_offsets(g, gpc, chunk_bytes, G)[:, None] + tl.arange(0, SUB)[None, :]
-    mask = g_mask[:, None]
-    _store_payload(q_ptr, offs, y0, a, inv, bad, mask, FMT, QMAX, DUAL, EMULATE_ROUND)
-    if NSUB >= 2:
-        _store_payload(q_ptr, offs + SUB, y1, a, inv, bad, mask, FMT, QMAX, DUAL, EMULATE_ROUND)
-    if NSUB >= 4:
-        _store_payload(q_ptr, offs + 2 * SUB, y2, a, inv, bad, mask, FMT, QMAX, DUAL, EMULATE_ROUND)
-        _store_payload(q_ptr, offs + 3 * SUB, y3, a, inv, bad, mask, FMT, QMAX, DUAL, EMULATE_ROUND)
-    if NSUB >= 8:
-        _store_payload(q_ptr, offs + 4 * SUB, y4, a, inv, bad, mask, FMT, QMAX, DUAL, EMULATE_ROUND)
-        _store_payload(q_ptr, offs + 5 * SUB, y5, a, inv, bad, mask, FMT, QMAX, DUAL, EMULATE_ROUND)
-        _store_payload(q_ptr, offs + 6 * SUB, y6, a, inv, bad, mask, FMT, QMAX, DUAL, EMULATE_ROUND)
-        _store_payload(q_ptr, offs + 7 * SUB, y7, a, inv, bad, mask, FMT, QMAX, DUAL, EMULATE_ROUND)
-    _store_scales(s_ptr, g, g_mask, s, a, gpc, chunk_bytes, G, DUAL)
-    _store_padding(q_ptr, g, g_mask, gpc, chunk_bytes, used_bytes)
+    h = _hadamard(h_ptr, SUB, DOT_MODE, q_ptr.dtype.element_ty)
+    for tile in tl.range(tl.program_id(0), tl.cdiv(num_groups, BG), tl.num_programs(0), num_stages=NUM_STAGES):
+        _compress_tile(tile, x_ptr, q_ptr, s_ptr, sign_ptr, h, numel, num_groups, gpc, chunk_bytes,
+                       G, SUB, BG, FMT, QMAX, HADAMARD, SIGNS, DUAL, ADAPTIVE, ZERO_NONFINITE, DOT_MODE,
+                       EMULATE_ROUND, PAD)
 
 
 @triton.jit
 def _d1(q_ptr, offs, g_mask, h, j: tl.constexpr, SUB: tl.constexpr, HADAMARD: tl.constexpr,
         DOT_MODE: tl.constexpr):
-    """Payload sub-block j as fp32 [BG, SUB], times H_SUB (one bf16 product: exact operands)."""
-    q = tl.load(q_ptr + offs + j * SUB, mask=g_mask[:, None]).to(tl.float32)
+    """Payload sub-block j as fp32 [BG, SUB], times H_SUB (exact operands)."""
+    q = tl.load(q_ptr + offs + j * SUB, mask=g_mask[:, None])
     if HADAMARD:
-        q = _dot(q, h, 0 if DOT_MODE == 0 else 3)
-    return q
+        y = _dot(q, h, DOT_MODE)
+    else:
+        y = q.to(tl.float32)
+    return y
 
 
 @triton.jit
@@ -359,14 +403,54 @@ def _d8(q_ptr, offs, g_mask, h, SUB: tl.constexpr, HADAMARD: tl.constexpr, DOT_M
 
 
 @triton.jit
-def _store_decoded(out_ptr, base, numel, x, scale, sign_ptr, j: tl.constexpr, SUB: tl.constexpr,
+def _store_decoded(out_blk, offs, left, x, scale, sign_ptr, j: tl.constexpr, SUB: tl.constexpr,
                    SIGNS: tl.constexpr):
-    cols = tl.arange(0, SUB)[None, :]
     x = x * scale[:, None]
     if SIGNS:
-        x = x * tl.load(sign_ptr + j * SUB + cols)
-    idx = base + j * SUB + cols
-    tl.store(out_ptr + idx, x.to(out_ptr.dtype.element_ty), mask=idx < numel)
+        x = x * tl.load(sign_ptr + j * SUB + tl.arange(0, SUB)[None, :])
+    offs = offs + j * SUB
+    tl.store(out_blk + offs, x.to(out_blk.dtype.element_ty), mask=offs < left)
+
+
+@triton.jit
+def _decompress_tile(
+    tile, q_ptr, s_ptr, out_ptr, sign_ptr, h, numel, num_groups, gpc, chunk_bytes,
+    G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr,
+    HADAMARD: tl.constexpr, SIGNS: tl.constexpr, DUAL: tl.constexpr, DOT_MODE: tl.constexpr,
+):
+    NSUB: tl.constexpr = G // SUB
+    g, g_mask = _tile_groups(tile, BG, num_groups)
+    so = _scale_offsets(g, gpc, chunk_bytes, G)
+    scale = tl.load(s_ptr + so, mask=g_mask, other=0.0)
+    if DUAL:
+        scale = scale / tl.load(s_ptr + so + gpc, mask=g_mask, other=1.0)
+    if HADAMARD:
+        scale = scale * (G**-0.5)
+    qo = _payload_offsets(g, gpc, chunk_bytes, G)[:, None] + tl.arange(0, SUB)[None, :]
+    # H_G = (H_NSUB (x) I)(I (x) H_SUB): the dense products first, on exact payload values
+    if NSUB == 1:
+        x0 = _d1(q_ptr, qo, g_mask, h, 0, SUB, HADAMARD, DOT_MODE)
+    elif NSUB == 2:
+        x0, x1 = _d2(q_ptr, qo, g_mask, h, 0, SUB, HADAMARD, DOT_MODE)
+    elif NSUB == 4:
+        x0, x1, x2, x3 = _d4(q_ptr, qo, g_mask, h, 0, SUB, HADAMARD, DOT_MODE)
+    else:
+        x0, x1, x2, x3, x4, x5, x6, x7 = _d8(q_ptr, qo, g_mask, h, SUB, HADAMARD, DOT_MODE)
+    start = tl.cast(tile, tl.int64) * (BG * G)
+    offs = tl.arange(0, BG)[:, None] * G + tl.arange(0, SUB)[None, :]
+    left = tl.minimum(tl.maximum(numel - start, 0), BG * G).to(tl.int32)
+    out_blk = out_ptr + start
+    _store_decoded(out_blk, offs, left, x0, scale, sign_ptr, 0, SUB, SIGNS)
+    if NSUB >= 2:
+        _store_decoded(out_blk, offs, left, x1, scale, sign_ptr, 1, SUB, SIGNS)
+    if NSUB >= 4:
+        _store_decoded(out_blk, offs, left, x2, scale, sign_ptr, 2, SUB, SIGNS)
+        _store_decoded(out_blk, offs, left, x3, scale, sign_ptr, 3, SUB, SIGNS)
+    if NSUB >= 8:
+        _store_decoded(out_blk, offs, left, x4, scale, sign_ptr, 4, SUB, SIGNS)
+        _store_decoded(out_blk, offs, left, x5, scale, sign_ptr, 5, SUB, SIGNS)
+        _store_decoded(out_blk, offs, left, x6, scale, sign_ptr, 6, SUB, SIGNS)
+        _store_decoded(out_blk, offs, left, x7, scale, sign_ptr, 7, SUB, SIGNS)
 
 
 @triton.jit
@@ -375,53 +459,25 @@ def _decompress_kernel(
     numel, num_groups, gpc, chunk_bytes,
     G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr,
     HADAMARD: tl.constexpr, SIGNS: tl.constexpr, DUAL: tl.constexpr, DOT_MODE: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
-    NSUB: tl.constexpr = G // SUB
-    g, g_mask = _group_ids(BG, num_groups)
-    so = _scale_offsets(g, gpc, chunk_bytes, G)
-    scale = tl.load(s_ptr + so, mask=g_mask, other=0.0)
-    if DUAL:
-        scale = scale / tl.load(s_ptr + so + gpc, mask=g_mask, other=1.0)
-    if HADAMARD:
-        scale = scale * (G**-0.5)
-    h = _load_square(h_ptr, SUB)
-    offs = _payload_offsets(g, gpc, chunk_bytes, G)[:, None] + tl.arange(0, SUB)[None, :]
-    base = g[:, None] * G
-    # H_G = (H_NSUB (x) I)(I (x) H_SUB): the dense products first, on exact payload values
-    if NSUB == 1:
-        x0 = _d1(q_ptr, offs, g_mask, h, 0, SUB, HADAMARD, DOT_MODE)
-    elif NSUB == 2:
-        x0, x1 = _d2(q_ptr, offs, g_mask, h, 0, SUB, HADAMARD, DOT_MODE)
-    elif NSUB == 4:
-        x0, x1, x2, x3 = _d4(q_ptr, offs, g_mask, h, 0, SUB, HADAMARD, DOT_MODE)
-    else:
-        x0, x1, x2, x3, x4, x5, x6, x7 = _d8(q_ptr, offs, g_mask, h, SUB, HADAMARD, DOT_MODE)
-    _store_decoded(out_ptr, base, numel, x0, scale, sign_ptr, 0, SUB, SIGNS)
-    if NSUB >= 2:
-        _store_decoded(out_ptr, base, numel, x1, scale, sign_ptr, 1, SUB, SIGNS)
-    if NSUB >= 4:
-        _store_decoded(out_ptr, base, numel, x2, scale, sign_ptr, 2, SUB, SIGNS)
-        _store_decoded(out_ptr, base, numel, x3, scale, sign_ptr, 3, SUB, SIGNS)
-    if NSUB >= 8:
-        _store_decoded(out_ptr, base, numel, x4, scale, sign_ptr, 4, SUB, SIGNS)
-        _store_decoded(out_ptr, base, numel, x5, scale, sign_ptr, 5, SUB, SIGNS)
-        _store_decoded(out_ptr, base, numel, x6, scale, sign_ptr, 6, SUB, SIGNS)
-        _store_decoded(out_ptr, base, numel, x7, scale, sign_ptr, 7, SUB, SIGNS)
+    h = _hadamard(h_ptr, SUB, DOT_MODE, q_ptr.dtype.element_ty)
+    for tile in tl.range(tl.program_id(0), tl.cdiv(num_groups, BG), tl.num_programs(0), num_stages=NUM_STAGES):
+        _decompress_tile(tile, q_ptr, s_ptr, out_ptr, sign_ptr, h, numel, num_groups, gpc, chunk_bytes,
+                         G, SUB, BG, HADAMARD, SIGNS, DUAL, DOT_MODE)
 
 
 @triton.jit
-def _sum_kernel(
-    q_ptr, s_ptr, out_q_ptr, out_s_ptr, input_stride,
-    num_groups, gpc, chunk_bytes, used_bytes,
+def _sum_tile(
+    tile, q_ptr, s_ptr, out_q_ptr, out_s_ptr, stride, num_groups, gpc, chunk_bytes,
     P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, FMT: tl.constexpr, QMAX: tl.constexpr,
-    DUAL: tl.constexpr, ADAPTIVE: tl.constexpr, EMULATE_ROUND: tl.constexpr,
+    DUAL: tl.constexpr, ADAPTIVE: tl.constexpr, EMULATE_ROUND: tl.constexpr, PAD: tl.constexpr,
 ):
-    g, g_mask = _group_ids(BG, num_groups)
+    g, g_mask = _tile_groups(tile, BG, num_groups)
     offs = _payload_offsets(g, gpc, chunk_bytes, G)[:, None] + tl.arange(0, G)[None, :]
     so = _scale_offsets(g, gpc, chunk_bytes, G)
     z = tl.zeros((BG, G), dtype=tl.float32)
     bad = tl.zeros((BG,), dtype=tl.int1)
-    stride = input_stride.to(tl.int64)  # bytes between inputs, a multiple of 4
     for p in tl.static_range(P):  # unrolled: all P loads in flight at once
         q = tl.load(q_ptr + p * stride + offs, mask=g_mask[:, None]).to(tl.float32)
         scale = tl.load(s_ptr + p * (stride // 4) + so, mask=g_mask, other=0.0)
@@ -432,10 +488,24 @@ def _sum_kernel(
     amax = tl.zeros((BG,), tl.float32)
     sumsq = tl.zeros((BG,), tl.float32)
     amax, sumsq = _row_stats(z, amax, sumsq, DUAL and ADAPTIVE)
-    a, s, inv, bad = _scales(amax, sumsq, bad, G, QMAX, DUAL, ADAPTIVE)
-    _store_payload(out_q_ptr, offs, z, a, inv, bad, g_mask[:, None], FMT, QMAX, DUAL, EMULATE_ROUND)
+    a, s, mult, bad = _scales(amax, sumsq, bad, 1.0, G, QMAX, DUAL, ADAPTIVE)
+    _store_payload(out_q_ptr, offs, z, mult, bad, g_mask[:, None], FMT, QMAX, EMULATE_ROUND)
     _store_scales(out_s_ptr, g, g_mask, s, a, gpc, chunk_bytes, G, DUAL)
-    _store_padding(out_q_ptr, g, g_mask, gpc, chunk_bytes, used_bytes)
+    _store_padding(out_q_ptr, g, g_mask, gpc, chunk_bytes, PAD)
+
+
+@triton.jit
+def _sum_kernel(
+    q_ptr, s_ptr, out_q_ptr, out_s_ptr, input_stride,
+    num_groups, gpc, chunk_bytes,
+    P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, FMT: tl.constexpr, QMAX: tl.constexpr,
+    DUAL: tl.constexpr, ADAPTIVE: tl.constexpr, EMULATE_ROUND: tl.constexpr, PAD: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    stride = input_stride.to(tl.int64)  # bytes between inputs, a multiple of 4
+    for tile in tl.range(tl.program_id(0), tl.cdiv(num_groups, BG), tl.num_programs(0), num_stages=NUM_STAGES):
+        _sum_tile(tile, q_ptr, s_ptr, out_q_ptr, out_s_ptr, stride, num_groups, gpc, chunk_bytes,
+                  P, G, BG, FMT, QMAX, DUAL, ADAPTIVE, EMULATE_ROUND, PAD)
 
 
 # --- host side ---------------------------------------------------------------------------------
@@ -460,12 +530,73 @@ def _matrices(config: TacoConfig, device: torch.device):
 
 
 @functools.lru_cache(maxsize=4096)
-def _launch(layout: WireLayout, group_size: int, block_elems: int) -> tuple[tuple, dict]:
-    """Grid and the launch arguments every kernel shares (cached: launches are on the hot path)."""
-    bg = max(16, min(block_elems // group_size, 256))
-    grid = (triton.cdiv(layout.num_groups, bg),)
-    return grid, dict(num_groups=layout.num_groups, gpc=layout.groups_per_chunk,
-                      chunk_bytes=layout.chunk_bytes, G=group_size, BG=bg)
+def _launch(layout: WireLayout, group_size: int, tuning: tuple, transform: bool) -> tuple[int, dict]:
+    """Tile count and the launch arguments every kernel shares (cached: launches are on the hot
+    path). Tiles of the transforming kernels keep at least 64 groups, the row count of one
+    Hopper warpgroup product; larger groups take more warps instead of more registers."""
+    block_elems, num_warps, stages = tuning
+    bg = max(64 if transform else 16, min(block_elems // group_size, 256))
+    warps = min(8, num_warps * max(1, bg * group_size // block_elems)) if transform else num_warps
+    args = dict(num_groups=layout.num_groups, gpc=layout.groups_per_chunk, chunk_bytes=layout.chunk_bytes,
+                G=group_size, BG=bg, NUM_STAGES=stages, num_warps=warps)
+    return triton.cdiv(layout.num_groups, bg), args
+
+
+def _common(layout: WireLayout, config: TacoConfig, step: str) -> tuple[int, dict]:
+    tuning = (TUNING["block_elems"], TUNING["num_warps"], TUNING["num_stages"][step])
+    return _launch(layout, config.group_size, tuning, not step.startswith("sum"))
+
+
+_resident: dict[tuple, tuple[int, int]] = {}
+
+
+def _resident_config(kernel, args: tuple, kwargs: dict, device: torch.device) -> tuple[int, int]:
+    """(programs per SM, pipeline stages) for this kernel specialisation, from the compiled
+    kernel's resources: as many programs as one SM holds at once (registers, shared memory,
+    threads), so that the persistent grid is all resident; stages lowered until the tiles in
+    flight fit in shared memory (fp32 input at G=512 needs 128 KiB per tile)."""
+    key = (kernel.fn.__name__, device, tuple(a.dtype for a in args),
+           tuple(sorted((k, v) for k, v in kwargs.items() if k.isupper() or k == "num_warps")))
+    if key in _resident:
+        return _resident[key]
+    stages = kwargs["NUM_STAGES"]
+    while True:
+        try:
+            compiled = kernel.warmup(*args, grid=(1,), **{**kwargs, "NUM_STAGES": stages})
+            compiled._init_handles()
+            break
+        except triton.runtime.errors.OutOfResources:
+            if stages == 1:
+                raise
+            stages -= 1
+    props = torch.cuda.get_device_properties(device)
+    warps = kwargs["num_warps"]
+    regs_per_warp = -(-compiled.n_regs * 32 // 256) * 256  # allocated per warp in units of 256
+    smem = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+    per_sm = max(1, min(65536 // (regs_per_warp * warps),
+                        smem // (compiled.metadata.shared + 1024),  # 1 KiB reserved per block
+                        props.max_threads_per_multi_processor // (32 * warps)))
+    _resident[key] = (per_sm, stages)
+    return per_sm, stages
+
+
+def _run(kernel, step: str, tiles: int, args: tuple, kwargs: dict) -> None:
+    """Launch a persistent kernel: programs step over the tiles (one program per tile in the
+    interpreter or with TUNING["programs_per_sm"][step] = 0)."""
+    if _interpreting():
+        kernel[(max(1, tiles),)](*args, **kwargs)
+        return
+    device = args[0].device
+    per_sm, stages = _resident_config(kernel, args, kwargs, device)
+    if TUNING["programs_per_sm"][step] is not None:
+        per_sm = TUNING["programs_per_sm"][step]
+    programs = tiles if per_sm == 0 else min(tiles, per_sm * _sm_count(device))
+    kernel[(max(1, programs),)](*args, **{**kwargs, "NUM_STAGES": stages})
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _dot_mode(exact_in_bf16: bool) -> int:
@@ -479,36 +610,40 @@ def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, con
     """Encode the flat tensor ``x`` into ``buffer``; same contract as the reference."""
     x = x.contiguous()
     h, signs = _matrices(config, x.device)
-    grid, common = _launch(layout, config.group_size, TUNING["block_elems"])
-    _compress_kernel[grid](
-        x, buffer.view(PAYLOAD_DTYPES[config.format]), buffer.view(torch.float32), h, signs,
-        layout.numel, **common, used_bytes=layout.used_bytes, SUB=min(config.group_size, SUB_MAX),
+    tiles, common = _common(layout, config, "compress")
+    args = (x, buffer.view(PAYLOAD_DTYPES[config.format]), buffer.view(torch.float32), h, signs)
+    _run(_compress_kernel, "compress", tiles, args, dict(
+        numel=layout.numel, **common, PAD=layout.chunk_bytes - layout.used_bytes, SUB=min(config.group_size, SUB_MAX),
         FMT=FMT_CODE[config.format], QMAX=config.qmax, HADAMARD=config.hadamard,
         SIGNS=config.random_signs, DUAL=config.scales == "dual", ADAPTIVE=config.adaptive_scale,
         ZERO_NONFINITE=config.nonfinite == "zero", DOT_MODE=_dot_mode(x.dtype == torch.bfloat16),
-        EMULATE_ROUND=_interpreting(), num_warps=TUNING["num_warps"],
-    )
+        EMULATE_ROUND=_interpreting(),
+    ))
 
 
 def decompress_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor) -> None:
     """Decode ``buffer`` into the flat contiguous tensor ``out``."""
     h, signs = _matrices(config, buffer.device)
-    grid, common = _launch(layout, config.group_size, TUNING["block_elems"])
-    _decompress_kernel[grid](
-        buffer.view(PAYLOAD_DTYPES[config.format]), buffer.view(torch.float32), out, h, signs,
-        layout.numel, **common, SUB=min(config.group_size, SUB_MAX),
+    tiles, common = _common(layout, config, "decompress")
+    mode = _dot_mode(True)
+    if mode != DOT_FP32 and TUNING["payload_dot"]:
+        mode = DOT_PAYLOAD
+    args = (buffer.view(PAYLOAD_DTYPES[config.format]), buffer.view(torch.float32), out, h, signs)
+    _run(_decompress_kernel, "decompress", tiles, args, dict(
+        numel=layout.numel, **common, SUB=min(config.group_size, SUB_MAX),
         HADAMARD=config.hadamard, SIGNS=config.random_signs, DUAL=config.scales == "dual",
-        DOT_MODE=_dot_mode(True), num_warps=TUNING["num_warps"],
-    )
+        DOT_MODE=mode,
+    ))
 
 
 def sum_into(stacked: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor) -> None:
     """Dequantise, sum and requantise the P buffers of ``stacked`` [P, total_bytes] into ``out``."""
-    grid, common = _launch(layout, config.group_size, TUNING["block_elems"])
+    step = "sum" if stacked.shape[0] <= 4 else "sum_many"  # measured: fewer inputs, fewer stages
+    tiles, common = _common(layout, config, step)
     fmt_dtype = PAYLOAD_DTYPES[config.format]
-    _sum_kernel[grid](
-        stacked.view(fmt_dtype), stacked.view(torch.float32), out.view(fmt_dtype), out.view(torch.float32),
-        stacked.stride(0), **common, used_bytes=layout.used_bytes, P=stacked.shape[0],
+    args = (stacked.view(fmt_dtype), stacked.view(torch.float32), out.view(fmt_dtype), out.view(torch.float32))
+    _run(_sum_kernel, "sum", tiles, args, dict(
+        input_stride=stacked.stride(0), **common, PAD=layout.chunk_bytes - layout.used_bytes, P=stacked.shape[0],
         FMT=FMT_CODE[config.format], QMAX=config.qmax, DUAL=config.scales == "dual",
-        ADAPTIVE=config.adaptive_scale, EMULATE_ROUND=_interpreting(), num_warps=TUNING["num_warps"],
-    )
+        ADAPTIVE=config.adaptive_scale, EMULATE_ROUND=_interpreting(),
+    ))
