@@ -57,3 +57,21 @@ def test_naive_per_tensor_reducer_is_a_pluggable_all_reduce():
     err = lambda x: float((x - total)[1:].norm() / total[1:].norm())  # noqa: E731  (rows without the outlier)
     assert err(taco) < 0.05 and err(naive) > 0.5  # per tensor, the small values flush to zero
     assert "naive_per_tensor_all_reduce" in repr(group)
+
+
+def test_time_budget_stops_at_a_validation_and_runs_are_compared_at_a_common_step(tmp_path):
+    argv = ["--preset", "nano", "--data", _small_text(tmp_path), "--out", str(tmp_path), "--variants", "none", "taco"]
+    stopped = convergence.main([*argv, "--time-budget", "0"])[0]
+    for key, record in stopped.items():  # nano validates at steps 2 and 4
+        saved = json.loads((tmp_path / "seed0" / f"{key}.json").read_text())
+        assert saved["complete"] is False and saved["steps"] == 2 and saved["history"][-1]["val_loss"] is not None
+        assert record["steps"] == 2 and record["final_val"] == saved["final_val"]
+    # an unfinished record is trained again, not reused
+    done = convergence.main(argv)[0]
+    assert all(r["complete"] and r["steps"] == 4 for r in done.values())
+    # a finished run next to an unfinished one: both cut at the last step both validated
+    partial = dict(stopped["taco"], history=stopped["taco"]["history"][:2])
+    records, step = convergence.align({"none": done["none"], "taco": partial})
+    assert step == 2 and records["none"]["steps"] == 2
+    assert records["none"]["final_val"] == done["none"]["history"][1]["val_loss"]
+    assert convergence.align({"none": done["none"], "taco": done["taco"]}) == ({"none": done["none"], "taco": done["taco"]}, None)

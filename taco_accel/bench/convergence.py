@@ -19,10 +19,12 @@ Variants (``--variants``, keys in brackets):
 - TACO [taco] (the default `TacoConfig`), TACO with the paper's dual scales [taco-dual], TACO
   with E5M2 [e5m2].
 
-Each run writes ``<out>/seed<n>/<key>.json`` (its loss history); an existing file is reused
-unless ``--force``, so variants and seeds can run as separate processes (one per GPU) into
-one folder, and ``--report`` rebuilds the table and ``<out>/convergence.png`` from what is
-there. The table gives the final training loss (mean of the last 10% of steps), the final
+Each run writes ``<out>/seed<n>/<key>.json`` (its loss history) at every validation; a
+finished record is reused unless ``--force``, so variants and seeds can run as separate
+processes (one per GPU, or several on one) into one folder, and ``--report`` rebuilds the
+table and ``<out>/convergence.png`` from what is there. ``--time-budget`` stops every run at
+its first validation past the budget; runs that did not finish are compared at the last step
+all runs of their seed validated. The table gives the final training loss (mean of the last 10% of steps), the final
 validation loss (fixed validation batches) and their relative deltas against ``none``: the
 mean over ``--seeds``, with the range over seeds when there are several. ``--fidelity``
 adds what chaos cannot blur: every variant's loss and gradient error at the same weights
@@ -242,10 +244,14 @@ def evaluate(model, batches, device, bf16: bool) -> float:
 
 
 def train_variant(key: str, data: Data, preset: Preset, *, seed: int, group_size: int, device: torch.device,
-                  progress: bool = False, on_step: Callable | None = None) -> dict:
-    """Train one variant; returns its record (loss history, finals, time).
+                  progress: bool = False, on_step: Callable | None = None, on_eval: Callable | None = None,
+                  deadline: float | None = None) -> dict:
+    """Train one variant; returns its record (loss history, finals, time, ``complete``).
 
-    ``on_step(step, model)`` is called before the first step (0) and after every optimizer step.
+    ``on_step(step, model)`` is called before the first step (0) and after every optimizer step;
+    ``on_eval(record)`` after every validation with the record so far. Past ``deadline`` (a
+    `time.perf_counter` value) the run stops at its next validation and is not ``complete``:
+    runs that share a deadline are then compared at a step they all validated (`align`).
     """
     from taco_accel.data import PackedBatches, eval_batches
 
@@ -267,21 +273,53 @@ def train_variant(key: str, data: Data, preset: Preset, *, seed: int, group_size
         if on_step is not None:
             on_step(step, model)
         row = {"step": step, "loss": loss.item()}
+        history.append(row)
+        if not math.isfinite(row["loss"]):
+            logger.warning("%s diverged at step %d", key, step)
+            break
         if step % preset.eval_every == 0 or step == preset.steps:
             row["val_loss"] = evaluate(model, val, device, preset.bf16)
             if progress:
                 logger.info("%s step %d: loss %.4f val %.4f", key, step, row["loss"], row["val_loss"])
-        if not math.isfinite(row["loss"]):
-            logger.warning("%s diverged at step %d", key, step)
-            history.append(row)
-            break
-        history.append(row)
-    tail = [h["loss"] for h in history[-max(1, len(history) // 10):]]
+            if on_eval is not None:
+                on_eval(_record(key, variant, seed, group_size, history, start, complete=step == preset.steps))
+            if deadline is not None and time.perf_counter() > deadline and step < preset.steps:
+                logger.warning("%s: time budget spent, stopping at step %d of %d", key, step, preset.steps)
+                return _record(key, variant, seed, group_size, history, start, complete=False)
+    return _record(key, variant, seed, group_size, history, start, complete=True)
+
+
+def _record(key: str, variant: Variant, seed: int, group_size: int, history: list[dict], start: float,
+            complete: bool) -> dict:
     return {
         "key": key, "label": variant.label, "codec": variant.describe(group_size), "seed": seed,
-        "steps": len(history), "final_train": sum(tail) / len(tail), "final_val": history[-1].get("val_loss"),
-        "seconds": time.perf_counter() - start, "history": history,
+        "steps": len(history), **_finals_of(history), "seconds": time.perf_counter() - start,
+        "complete": complete, "history": list(history),
     }
+
+
+def _finals_of(history: list[dict]) -> dict:
+    """Final training loss (mean of the last 10% of steps) and the last validation loss."""
+    tail = [h["loss"] for h in history[-max(1, len(history) // 10):]]
+    return {"final_train": sum(tail) / len(tail), "final_val": history[-1].get("val_loss")}
+
+
+def align(records: dict[str, dict]) -> tuple[dict[str, dict], int | None]:
+    """One seed's records cut at the last step that all of them validated, when any stopped
+    early (time budget); finals recomputed there. Returns the records and that step (None when
+    all are complete and nothing was cut)."""
+    if all(r.get("complete", True) for r in records.values()):
+        return records, None
+    validated = [{h["step"] for h in r["history"] if "val_loss" in h} for r in records.values()]
+    common = set.intersection(*validated) if validated else set()
+    if not common:
+        return {}, 0
+    step = max(common)
+    cut = {}
+    for key, record in records.items():
+        history = [h for h in record["history"] if h["step"] <= step]
+        cut[key] = {**record, **_finals_of(history), "steps": step, "history": history}
+    return cut, step
 
 
 # --- the codec's error at the same weights ----------------------------------------------------
@@ -441,13 +479,18 @@ def plot(records: Records, path: Path, title: str) -> bool:
     return True
 
 
-def load_records(out: Path, seeds: Sequence[int]) -> Records:
-    """What ``out/seed<n>/<key>.json`` holds for each seed."""
+def load_records(out: Path, seeds: Sequence[int], variants: Sequence[str] = tuple(VARIANTS)) -> Records:
+    """What ``out/seed<n>/<key>.json`` holds for each seed and variant; where a run stopped
+    early, each seed's records cut at a step all of them validated (`align`, logged)."""
     found = {}
     for seed in seeds:
         folder = out / f"seed{seed}"
-        paths = {k: folder / f"{k}.json" for k in VARIANTS}
-        found[seed] = {k: json.loads(path.read_text()) for k, path in paths.items() if path.exists()}
+        paths = {k: folder / f"{k}.json" for k in variants}
+        records = {k: json.loads(path.read_text()) for k, path in paths.items() if path.exists()}
+        found[seed], step = align(records)
+        if step is not None:
+            logger.warning("seed %d: not every run finished; compared at step %d, the last all of them validated",
+                           seed, step)
     return found
 
 
@@ -467,6 +510,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default="runs/convergence", help="folder of the per-variant JSON files and the PNG")
     parser.add_argument("--force", action="store_true", help="rerun variants whose JSON already exists")
     parser.add_argument("--report", action="store_true", help="only rebuild the table and PNG from --out")
+    parser.add_argument("--time-budget", type=float, metavar="MINUTES",
+                        help="stop each run at its first validation after this many minutes from the start "
+                             "(runs are then compared at a step all of them validated)")
     parser.add_argument("--fidelity", action="store_true",
                         help="also measure every variant's loss and gradient error at the uncompressed run's weights "
                              "(first seed; one more uncompressed run)")
@@ -484,26 +530,37 @@ def resolve_preset(args: argparse.Namespace) -> Preset:
     return replace(preset, **changes)
 
 
-def run_seed(args: argparse.Namespace, preset: Preset, data: Data, seed: int, params: int, device) -> None:
-    """Train every requested variant of one seed into ``out/seed<n>/`` (existing records kept)."""
+def run_seed(args: argparse.Namespace, preset: Preset, data: Data, seed: int, params: int, device,
+             deadline: float | None = None) -> None:
+    """Train every requested variant of one seed into ``out/seed<n>/`` (complete records kept).
+
+    The record is written at every validation, so a run that is killed leaves what it did."""
     folder = Path(args.out) / f"seed{seed}"
     folder.mkdir(parents=True, exist_ok=True)
     for key in args.variants:
         path = folder / f"{key}.json"
-        if path.exists() and not args.force:
+        if path.exists() and json.loads(path.read_text()).get("complete", True) and not args.force:
             logger.info("%s seed %d: reusing %s", key, seed, path)
             continue
-        record = train_variant(key, data, preset, seed=seed, group_size=args.group_size, device=device, progress=True)
-        record.update(preset=args.preset, tp=preset.tp, params=params, data=data.info, preset_fields=asdict(preset))
-        path.write_text(json.dumps(record))
-        logger.info("%s seed %d: train %.4f val %.4f in %.0f s", key, seed, record["final_train"], record["final_val"],
-                    record["seconds"])
+
+        def save(record: dict, path: Path = path) -> None:
+            record.update(preset=args.preset, tp=preset.tp, params=params, data=data.info,
+                          preset_fields=asdict(preset))
+            path.write_text(json.dumps(record))
+
+        record = train_variant(key, data, preset, seed=seed, group_size=args.group_size, device=device,
+                               progress=True, on_eval=save, deadline=deadline)
+        save(record)
+        logger.info("%s seed %d: train %.4f val %.4f in %.0f s (%d steps%s)", key, seed, record["final_train"],
+                    record["final_val"], record["seconds"], record["steps"],
+                    "" if record["complete"] else ", stopped by the time budget")
 
 
 def main(argv: Sequence[str] | None = None) -> Records:
     """Run (or with ``--report`` only report) the study; prints the table, writes the PNG."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse_args(argv)
+    start = time.perf_counter()
     preset, out, device = resolve_preset(args), Path(args.out), torch.device(args.device)
     out.mkdir(parents=True, exist_ok=True)
     if not args.report:
@@ -512,14 +569,15 @@ def main(argv: Sequence[str] | None = None) -> Records:
         params = sum(p.numel() for p in model.parameters())
         del model
         logger.info("%s: %.2fM parameters, %s, emulated tp=%d", args.preset, params / 1e6, data.info, preset.tp)
+        deadline = None if args.time_budget is None else start + 60 * args.time_budget
         for seed in args.seeds:
-            run_seed(args, preset, data, seed, params, device)
+            run_seed(args, preset, data, seed, params, device, deadline)
         if args.fidelity:
             keys = [k for k in args.variants if k != BASELINE]
             result = same_weights_fidelity(data, preset, keys, seed=args.seeds[0], group_size=args.group_size,
                                            device=device)
             (out / f"seed{args.seeds[0]}" / "fidelity.json").write_text(json.dumps(result))
-    records = load_records(out, args.seeds)
+    records = load_records(out, args.seeds, args.variants)
     print(f"{args.preset}, emulated tp={preset.tp}, {preset.steps} steps, seeds {', '.join(map(str, args.seeds))} "
           f"(deltas: mean over seeds, range in brackets)\n")
     print(table(records))
