@@ -90,7 +90,7 @@ def project(hidden: int, layers: int, params_b: float, tp: int, tokens: int, seq
     )
 
 
-def h200_codec(copy_gbs: float = 4222.0, fractions=(0.61, 0.81, 0.64)) -> Codec:
+def h200_codec(copy_gbs: float = 4244.0, fractions=(0.90, 0.91, 0.83)) -> Codec:
     """Codec throughputs as fractions of the copy bandwidth: compress, sum (P=4), decompress,
     measured on an H200 at 256M elements, G=128 (benchmarks/RESULTS.md)."""
     return Codec(*(f * copy_gbs for f in fractions))
@@ -189,7 +189,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--tflops", type=float, default=400.0, help="achieved dense TFLOP/s per GPU")
     parser.add_argument("--link-gbs", type=float, nargs="+", default=[450.0, 150.0, 50.0, 25.0])
-    parser.add_argument("--copy-gbs", type=float, default=4222.0)
+    parser.add_argument("--copy-gbs", type=float, default=4244.0)
     parser.add_argument("--codec-gbs", type=float, nargs=3, metavar=("COMPRESS", "SUM", "DECOMPRESS"))
     parser.add_argument("--validate-gloo", action="store_true")
     parser.add_argument("--world-size", type=int, default=2)
