@@ -141,8 +141,8 @@ def check_kernels(device: torch.device) -> bool:
 def sweep(device: torch.device, numel: int, copy_bw: float) -> None:
     """Time launch variants at one size, G=128, against the defaults in TUNING: pipeline stages,
     resident programs per SM (all that fit, 2, or one program per tile instead of a persistent
-    grid), decoding with bf16 instead of fp8 products, and on fp32 input tf32 against two bf16
-    products."""
+    grid), decoding with bf16 instead of fp8 products, twice the values per tile, twice the
+    warps, and on fp32 input tf32 against two bf16 products."""
     from ..codec import triton_kernels as tk
 
     base = {k: dict(v) if isinstance(v, dict) else v for k, v in tk.TUNING.items()}
@@ -156,7 +156,8 @@ def sweep(device: torch.device, numel: int, copy_bw: float) -> None:
     variants = [("defaults", "bf16", {})]
     variants += [(f"{n} stages", "bf16", override(stages=n)) for n in (2, 4)]
     variants += [("all resident", "bf16", override(per_sm=None)), ("2 per SM", "bf16", override(per_sm=2)),
-                 ("one per tile", "bf16", override(per_sm=0)), ("bf16 decode", "bf16", override(payload_dot=False))]
+                 ("one per tile", "bf16", override(per_sm=0)), ("bf16 decode", "bf16", override(payload_dot=False)),
+                 ("16K per tile", "bf16", override(block_elems=16384)), ("8 warps", "bf16", override(num_warps=8))]
     variants += [(f"fp32 {name}", "fp32", override(dot_mode=mode)) for name, mode in (("tf32", tk.DOT_TF32),
                                                                                       ("bf16x2", tk.DOT_BF16X2))]
     print(f"\nsweep at {numel / 2**20:.0f}M elements, G=128 (fraction of copy bandwidth); defaults: {base}")
