@@ -1,9 +1,11 @@
 """Fused Triton kernels of the TACO codec: compress, decompress, dequant-sum-requant.
 
-Each kernel makes one pass over its input. The grid is persistent: a few programs per SM
-walk over tiles of BG consecutive groups, so the compiler's software pipeline fetches the
-next tile while the current one is transformed, and the Hadamard matrix is read once per
-program instead of once per tile.
+Each kernel makes one pass over its input. The grid is persistent: as many programs as one SM
+holds at once (read from the compiled kernel's registers and shared memory; fewer where the
+sweep measured better) walk over tiles of BG consecutive groups, so the compiler's software
+pipeline fetches the next tiles while one is transformed, and the Hadamard matrix is read once
+per program. On an H200 the kernels had been waiting on their loads, one tile per program at a
+time (59-62% of copy bandwidth); pipelined they reach 80-91% (benchmarks/RESULTS.md).
 
 The Hadamard transform runs on the tensor cores as one dense product with H_SUB,
 SUB = min(G, 64), per sub-block of SUB values: a tile [BG, SUB] @ [SUB, SUB]. Larger groups
@@ -21,8 +23,8 @@ the fp8 conversion saturates in hardware (no clamp), and offsets inside a tile a
 The +-1 matrix is exact in bf16 and in fp8. bf16 inputs are exact in bf16, so they need one
 bf16 product; fp32 and fp16 operands go through two (high and low bf16 halves, about 16
 mantissa bits) or one tf32 product (DOT_MODE). Decoding multiplies the payload bytes as they
-are (fp8 or int8 tensor-core products, DOT_PAYLOAD). The interpreter on the CPU gets fp32
-products.
+are (fp8 or int8 tensor-core products, DOT_PAYLOAD: exact up to the fp32 accumulation, and no
+conversion pass before the product). The interpreter on the CPU gets fp32 products.
 
 Under TRITON_INTERPRET=1 the fp8 cast rounds wrongly where the mantissa carries into the
 exponent and does not saturate, so the interpreter clamps and rounds to the fp8 grid first
