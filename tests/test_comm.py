@@ -15,7 +15,7 @@ import torch.distributed as dist
 from harness import run_ranks
 from taco_accel import comm
 from taco_accel.codec import NonFiniteError, TacoConfig, WireLayout
-from taco_accel.comm import compressed, dist_ops
+from taco_accel.comm import EmulatedGroup, compressed, dist_ops
 from taco_accel.comm.pipeline import piece_bounds, piece_length, run_pipelined
 
 CFG = TacoConfig(threshold_bytes=0)  # compress even tiny messages
@@ -76,7 +76,7 @@ def _accuracy(group, members: list[int]) -> list[dict]:
                 out, exact = _run_op(op, 10 + i, shape, dtype, group, members)
                 assert out.dtype == dtype and out.shape == exact.shape, (op, out.dtype, out.shape)
                 records.append(
-                    dict(op=op, dtype=str(dtype), shape=shape, err=_rel(out, exact), digest=_digest(out))
+                    dict(op=op, dtype=str(dtype), shape=shape, case=10 + i, err=_rel(out, exact), digest=_digest(out))
                 )
     return records
 
@@ -309,6 +309,21 @@ def test_accuracy_within_codec_bound(ranks):
     for per_rank in ranks:
         for rec in per_rank["accuracy"]:
             assert rec["err"] < BOUND[rec["op"]], rec
+
+
+def test_emulated_group_gives_the_real_collectives_bytes(ranks):
+    """`EmulatedGroup` on one process, fed every rank's input, returns what each real rank got."""
+    world = len(ranks)
+    group = EmulatedGroup(world)
+    for rank, per_rank in enumerate(ranks):
+        for rec in per_rank["accuracy"]:
+            if rank > 0 and rec["op"] != "reduce_scatter":
+                continue  # the same bytes on every rank (checked below)
+            dtype = getattr(torch, rec["dtype"].removeprefix("torch."))
+            xs = [_input(rec["case"], r, rec["shape"], dtype) for r in range(world)]
+            out = getattr(group, rec["op"])(xs, CFG)
+            out = out[rank] if rec["op"] == "reduce_scatter" else out
+            assert _digest(out) == rec["digest"], rec
 
 
 def test_all_reduce_and_all_gather_identical_on_every_rank(ranks):

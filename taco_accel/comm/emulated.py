@@ -8,11 +8,13 @@ returns what the collectives of `collectives` return on a real group of P ranks:
     all_gather(shards, config, site=)        -> the dim-0 concatenation (the same on every rank)
 
 It takes the same decisions (plain below ``config.threshold_bytes``, pieces of
-``config.piece_bytes``) and makes the same codec calls on the same inputs in the same order:
-rank p's ``compress(x_p, chunks=P)``, then for each destination rank r `sum_packed` over the
-chunks r of ranks 0..P-1 (what the all-to-all delivers to r), then one decode of the gathered
-chunks. Given bit-identical inputs, the outputs are bit-identical to a real group's, so a
-model emulated on one device or a laptop trains with the numerics of real compressed TP.
+``config.piece_bytes``) and computes the same codec steps on the same inputs in the same order:
+rank p's ``compress(x_p, chunks=P)``, then the sum over ranks 0..P-1 of every chunk r (what
+the all-to-all delivers to rank r; one `sum_packed` over the whole buffers does all P at once,
+group by group), then one decode of the gathered chunks. Given bit-identical inputs, the
+outputs are bit-identical to a real group's (tests/test_comm.py checks every collective,
+dtype and odd size for P = 2, 3, 4), so a model emulated on one device or a laptop trains with
+the numerics of real compressed TP.
 
 Statistics go to the same per-site counters (`stats`) with the figures one rank of a real
 group would record: bytes that rank sends, and the ring bytes of the plain collective. The
@@ -54,14 +56,15 @@ def two_shot_all_reduce(partials: Sequence[torch.Tensor], config: TacoConfig) ->
 
 
 def _all_reduce_piece(srcs: list[torch.Tensor], out: torch.Tensor, cfg: TacoConfig) -> int:
-    """out [n] <- compressed sum of srcs (P flat [n] pieces); returns the bytes one rank sends."""
+    """out [n] <- compressed sum of srcs (P flat [n] pieces); returns the bytes one rank sends.
+
+    Rank r sums chunk r of every peer's buffer; the sum is computed group by group, so one
+    `sum_packed` over the P whole buffers yields every rank's summed chunk at once, already in
+    the order the all-gather assembles (the same bytes as P sums over the single chunks)."""
     world = len(srcs)
     packed = [compress(src, cfg, chunks=world) for src in srcs]
     layout = packed[0].layout
-    sent = torch.stack([p.buffer for p in packed]).view(world, world, layout.chunk_bytes)  # [peer, chunk, cb]
-    received = sent.transpose(0, 1).contiguous()  # [rank r, peer p, cb]: chunk r of every peer
-    chunk = layout.chunk_layout()
-    full = torch.stack([sum_packed(received[r], chunk, cfg) for r in range(world)]).view(-1)  # the all-gather
+    full = sum_packed(torch.stack([p.buffer for p in packed]), layout, cfg)  # [P * cb]: the all-gather
     decompress(Packed(full, srcs[0].shape, srcs[0].dtype, cfg, layout), out=out)
     return 2 * (world - 1) * layout.chunk_bytes
 
@@ -71,11 +74,9 @@ def _reduce_scatter_piece(blocks: list[torch.Tensor], outs: list[torch.Tensor], 
     world = len(blocks)
     packed = [compress(pad_to_groups(b, cfg.group_size), cfg, chunks=world) for b in blocks]  # chunk r = block r
     layout = packed[0].layout
-    sent = torch.stack([p.buffer for p in packed]).view(world, world, layout.chunk_bytes)
-    received = sent.transpose(0, 1).contiguous()  # [rank r, peer p, cb]
+    summed = sum_packed(torch.stack([p.buffer for p in packed]), layout, cfg)  # chunk r: rank r's sum
     own = WireLayout.for_tensor(outs[0].numel(), cfg)
-    for r, out in enumerate(outs):
-        mine = sum_packed(received[r], layout.chunk_layout(), cfg)
+    for mine, out in zip(summed.view(world, layout.chunk_bytes), outs):
         decompress(Packed(mine, out.shape, out.dtype, cfg, own), out=out)
     return (world - 1) * layout.chunk_bytes
 
