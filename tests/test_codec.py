@@ -693,3 +693,15 @@ def test_decompress_refuses_a_buffer_of_another_layout():
         decompress(wrong)
     with pytest.raises(ValueError, match="contiguous tensor of 1000"):
         decompress(packed, out=torch.empty(999))
+
+
+def test_codec_benchmark_runs_on_the_cpu(capsys):
+    """`python -m taco_accel.bench.codec` on a machine without CUDA: the reference's figures."""
+    from taco_accel.bench import codec as bench
+
+    bench.main(["--sizes", "64K", "--group-sizes", "128", "--peers", "2"])
+    out = capsys.readouterr().out
+    assert "copy bandwidth" in out and "plain cast bfloat16 -> float8_e4m3fn" in out
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith("0.06M")]
+    assert [r[2:4] if r[2] != "sum" else r[2:5] for r in rows] == [
+        ["compress", "torch"], ["decompress", "torch"], ["sum", "P=2", "torch"]]

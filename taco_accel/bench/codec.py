@@ -64,6 +64,17 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() * 4 / timer(lambda: dst.copy_(src), device, graph=False)
 
 
+def cast_bandwidth(device: torch.device, src: torch.dtype, dst: torch.dtype) -> float:
+    """Bytes/s (read + written) of a plain elementwise cast ``src -> dst``: the traffic pattern
+    of compress (bf16 -> fp8: read 2, write 1 byte per value) or decompress (fp8 -> bf16: read
+    1, write 2) with no arithmetic, a ceiling closer to the kernels than the symmetric copy."""
+    n = 2**28 if device.type == "cuda" else 2**22
+    x = torch.randn(n, device=device).to(src)
+    out = torch.empty(n, device=device, dtype=dst)
+    per_value = torch.finfo(src).bits // 8 + torch.finfo(dst).bits // 8
+    return n * per_value / timer(lambda: out.copy_(x), device, graph=False)
+
+
 class Rotating:
     """Several input sets used in turn, so repeated timings do not run out of the L2 cache."""
 
@@ -196,6 +207,11 @@ def main(argv=None) -> None:
             raise SystemExit("kernel check failed")
     copy_bw = copy_bandwidth(device)
     print(f"\ncopy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write)")
+    for name, src, dst in (("compress", torch.bfloat16, torch.float8_e4m3fn),
+                           ("decompress", torch.float8_e4m3fn, torch.bfloat16)):
+        cast = cast_bandwidth(device, src, dst)
+        print(f"plain cast {str(src)[6:]} -> {str(dst)[6:]} ({name}'s traffic, no arithmetic): "
+              f"{cast / 1e9:.0f} GB/s = {cast / copy_bw:.2f} of copy")
     if cuda and not args.no_sweep:
         sweep(device, parse_size("64M"), copy_bw)
     print(f"\n{args.dtype} input; us = median device time (CUDA graph replays); GB/s = (bytes read +"
