@@ -56,22 +56,17 @@ def timer(fn, device: torch.device, warmup: int = 3, reps: int = 20, graph: bool
     return statistics.median(times)
 
 
-def copy_bandwidth(device: torch.device) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
-    n = 2**30 if device.type == "cuda" else 2**26
-    src = torch.randn(n // 4, device=device)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / timer(lambda: dst.copy_(src), device, graph=False)
+def copy_bandwidth(device: torch.device, src: torch.dtype = torch.float32, dst: torch.dtype | None = None) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written.
 
-
-def cast_bandwidth(device: torch.device, src: torch.dtype, dst: torch.dtype) -> float:
-    """Bytes/s (read + written) of a plain elementwise cast ``src -> dst``: the traffic pattern
-    of compress (bf16 -> fp8: read 2, write 1 byte per value) or decompress (fp8 -> bf16: read
-    1, write 2) with no arithmetic, a ceiling closer to the kernels than the symmetric copy."""
-    n = 2**28 if device.type == "cuda" else 2**22
+    With ``dst`` another dtype it is a plain elementwise cast: bf16 -> fp8 is compress's traffic
+    (read 2, write 1 byte per value), fp8 -> bf16 decompress's (read 1, write 2), with no
+    arithmetic, a ceiling closer to the kernels than the symmetric copy."""
+    dst = dst or src
+    n = 2**28 if device.type == "cuda" else 2**24
     x = torch.randn(n, device=device).to(src)
     out = torch.empty(n, device=device, dtype=dst)
-    per_value = torch.finfo(src).bits // 8 + torch.finfo(dst).bits // 8
+    per_value = x.element_size() + out.element_size()
     return n * per_value / timer(lambda: out.copy_(x), device, graph=False)
 
 
@@ -209,7 +204,7 @@ def main(argv=None) -> None:
     print(f"\ncopy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write)")
     for name, src, dst in (("compress", torch.bfloat16, torch.float8_e4m3fn),
                            ("decompress", torch.float8_e4m3fn, torch.bfloat16)):
-        cast = cast_bandwidth(device, src, dst)
+        cast = copy_bandwidth(device, src, dst)
         print(f"plain cast {str(src)[6:]} -> {str(dst)[6:]} ({name}'s traffic, no arithmetic): "
               f"{cast / 1e9:.0f} GB/s = {cast / copy_bw:.2f} of copy")
     if cuda and not args.no_sweep:
