@@ -11,7 +11,7 @@ from torch import nn
 
 from ..codec import TacoConfig
 from ..codec.config import GROUP_SIZES
-from ..tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from ..tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, _weight_and_layout
 from ..tp.mappings import register_grad_sum
 from ..tp.regions import EnterRegionHook, RegionEntry, RegionExit, SequenceGather, SequenceSplit, SequenceState
 from ..tp.sites import Compression, Site, SiteTable
@@ -214,8 +214,7 @@ def _check_tp(model: nn.Module, plan: TPPlan, tp: int) -> None:
 
 def _shard(style, module: nn.Module, dims: AttentionDims, tp: int, name: str) -> ShardSpec:
     """The output (Colwise) or input (Rowwise) split of one linear."""
-    conv1d = not isinstance(module, nn.Linear)
-    in_features, out_features = module.weight.shape[::-1] if not conv1d else module.weight.shape
+    in_features, out_features, _ = _weight_and_layout(module)
     if isinstance(style, Rowwise):
         return ShardSpec.even(in_features, tp, what=f"{name}.in_features")
     if style.heads is None:

@@ -115,7 +115,7 @@ class _ReduceScatterSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        whole = _all_gather_seq(ctx.group, grad.contiguous(), ctx.bwd, ctx.dim)
+        whole = _all_gather_seq(ctx.group, grad, ctx.bwd, ctx.dim)
         return (None, None, None, None, *([whole] * ctx.n))
 
 
@@ -130,7 +130,7 @@ class _SplitSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_seq(ctx.group, grad.contiguous(), ctx.bwd, ctx.dim), None, None, None
+        return _all_gather_seq(ctx.group, grad, ctx.bwd, ctx.dim), None, None, None
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -304,6 +304,7 @@ class EmulatedColumnParallelLinear(_EmulatedLinear):
         conv1d = _weight_and_layout(module)[2]
         super().__init__(module, split.on_dim(1 if conv1d else 0), group)
         self.entry, self.region = entry, region
+        self.bias_split = self.split.on_dim(0)
         if region is not None:
             region.consumers += 1
 
@@ -314,11 +315,10 @@ class EmulatedColumnParallelLinear(_EmulatedLinear):
             xs = self.region.inputs(x)
         else:
             xs = [x] * self.tp
-        bias_split = self.split.on_dim(0)
         outs = [
             self._local_linear(
                 xs[p], _rank_slice(self.weight, self.split, p),
-                None if self.bias is None else _rank_slice(self.bias, bias_split, p),
+                None if self.bias is None else _rank_slice(self.bias, self.bias_split, p),
             )
             for p in range(self.tp)
         ]  # tp x (b, s, out/tp)

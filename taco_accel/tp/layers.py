@@ -102,6 +102,7 @@ class ColumnParallelLinear(_ParallelLinear):
         super().__init__(in_features, out_features, bias, group, shard, conv1d, device, dtype)
         self.shards = {"weight": shard, "bias": shard.on_dim(0)}
         self.entry, self.gather, self.gather_output = entry, gather, False
+        self.gather_sizes = [shard.size(r) for r in range(self.tp)]  # every rank's output width
         if shard.replicas > 1 and replica_site is None:
             raise ValueError("a shard with replicated blocks needs replica_site to sum their gradients")
         self.replica_site = replica_site
@@ -115,8 +116,7 @@ class ColumnParallelLinear(_ParallelLinear):
             bias = None if bias is None else sum_replica_grads(bias, self.shards["bias"], self.replica_site)
         out = self._local_linear(x, weight, bias)  # (b, s, out/tp)
         if self.gather_output:
-            sizes = [self.shard.size(r) for r in range(self.tp)]
-            out = gather_from_tp_region(out, self.gather, -1, sizes)  # (b, s, out), rank order
+            out = gather_from_tp_region(out, self.gather, -1, self.gather_sizes)  # (b, s, out), rank order
         return out
 
 

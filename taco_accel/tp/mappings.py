@@ -93,8 +93,11 @@ class _GatherFromTPRegion(torch.autograd.Function):
         pad = max(sizes) - x.shape[dim]
         if pad:  # uneven parts (a vocabulary of any size): pad to the largest, cut after
             x = torch.cat([x, x.new_zeros(*x.shape[:dim], pad, *x.shape[dim + 1 :])], dim=dim)
-        gathered = _all_gather(x, fwd, dim).split(max(sizes), dim=dim)
-        return torch.cat([part.narrow(dim, 0, n) for part, n in zip(gathered, sizes)], dim=dim)
+        gathered = _all_gather(x, fwd, dim)
+        if not pad and len(set(sizes)) == 1:
+            return gathered  # even parts: nothing to cut
+        parts = gathered.split(max(sizes), dim=dim)
+        return torch.cat([part.narrow(dim, 0, n) for part, n in zip(parts, sizes)], dim=dim)
 
     @staticmethod
     def backward(ctx, grad):
