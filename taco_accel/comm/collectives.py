@@ -108,7 +108,7 @@ def _collective(kind: str, x: torch.Tensor, out_shape, group, config: TacoConfig
         _plain(kind, _zero_policy(x, config).contiguous(), out, group, world)
         stats.record(site, sent=plain, uncompressed=plain, compressed=False)
         if config is not None and config.nonfinite == "raise" and out.is_floating_point():
-            _raise_if_flag(~torch.isfinite(out).all(), group, site, agree=True)
+            _raise_if_flag(~torch.isfinite(out).all(), group, world, site, agree=not _SAME_BYTES_EVERYWHERE[kind])
         return out
     tally = Tally(check_nonfinite=config.nonfinite == "raise")
     run_pipelined(_PIECES[kind](x.contiguous(), out, _codec_config(config), group, world, tally))
@@ -116,7 +116,7 @@ def _collective(kind: str, x: torch.Tensor, out_shape, group, config: TacoConfig
     if stats.should_sample(site):
         stats.record_error(site, _relative_error(out, _exact(kind, x, out_shape, group)))
     if tally.check_nonfinite:
-        _raise_if_flag(tally.any_nonfinite(), group, site, agree=not _SAME_BYTES_EVERYWHERE[kind])
+        _raise_if_flag(tally.any_nonfinite(), group, world, site, agree=not _SAME_BYTES_EVERYWHERE[kind])
     return out
 
 
@@ -150,12 +150,13 @@ def _zero_policy(x: torch.Tensor, config: TacoConfig | None) -> torch.Tensor:
     return x
 
 
-def _raise_if_flag(flag: torch.Tensor, group, site: str, *, agree: bool) -> None:
+def _raise_if_flag(flag: torch.Tensor, group, world: int, site: str, *, agree: bool) -> None:
     """Raise NonFiniteError on every rank if ``flag`` (0-d bool) is set on any rank of ``group``.
 
-    ``agree=False`` when the flag is known to be identical on every rank (no exchange).
+    ``agree=False`` when the flag is known to be identical on every rank (every rank holds the
+    same bytes: all-reduce and all-gather, plain or compressed): no exchange.
     """
-    if agree and dist.get_world_size(group) > 1:
+    if agree and world > 1:
         flag = flag.to(torch.int32).view(1)
         all_reduce_(flag, group, op=dist.ReduceOp.MAX)
     if bool(flag.any()):  # the host sync that "raise" costs
