@@ -275,10 +275,11 @@ class Finetuner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
 
     # -- one step ---------------------------------------------------------------------------
-    def _all_sum(self, values: list[float], replica_only: bool = False) -> list[float]:
-        """Sum over every rank (``replica_only``: tp rank 0 of each replica counts, the others add 0)."""
+    def _all_sum(self, values: list, replica_only: bool = False) -> list[float]:
+        """Sum over every rank of numbers or 0-d device tensors, read back once (``replica_only``:
+        tp rank 0 of each replica counts, the others add 0)."""
         keep = 1.0 if not replica_only or self.tp_rank == 0 else 0.0
-        t = torch.tensor([v * keep for v in values], dtype=torch.float64, device=self.device)
+        t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device) * keep for v in values])
         dist.all_reduce(t)
         return t.tolist()
 
@@ -300,7 +301,7 @@ class Finetuner:
                 out = self.model(**self._to_device(mb), num_items_in_batch=num_items)
             out.loss.backward()
             losses.append(out.loss.detach())
-        loss = torch.stack(losses).double().sum().item()  # read once, after every micro-batch is queued
+        loss = torch.stack(losses).double().sum()  # on the device: read with the step's other figures
         if self.dp_sync is not None:
             self.dp_sync()
         grad_norm = clip_grad_norm_([self.model], self.mesh, self.cfg.max_grad_norm, "ddp")
@@ -330,12 +331,13 @@ class Finetuner:
         nll, tokens = [], []
         with torch.no_grad():
             for mb in self.val:
+                tokens.append((mb["labels"][..., 1:] != IGNORE).sum(-1))  # on the host already
                 mb = self._to_device(mb)
                 with self.accelerator.autocast():
                     logits = self.model(**mb).logits  # labels given: this rank's vocabulary slice
-                per_token = self._token_nll(logits, mb["labels"])
-                nll += per_token.double().sum(-1).tolist()
-                tokens += (F.pad(mb["labels"], (0, 1), value=IGNORE)[..., 1:] != IGNORE).sum(-1).tolist()
+                nll.append(self._token_nll(logits, mb["labels"]).double().sum(-1))
+        if nll:  # one host transfer (a dp rank may hold no validation batch)
+            nll, tokens = torch.cat(nll).tolist(), torch.cat(tokens).tolist()
         self.model.train()
         _comm_totals()  # evaluation traffic is not part of the training step figures
         parts = [None] * self.dims.dp

@@ -269,14 +269,15 @@ class Trainer:
                 with torch.no_grad():
                     self.schedule.eval(*args, target=target, losses=losses)
         if not self.has_last:
-            return torch.zeros((), dtype=torch.float64)
-        return torch.stack([l.detach().double() for l in losses]).mean().cpu()  # one transfer
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        return torch.stack([l.detach().double() for l in losses]).mean()  # stays on the device
 
     def _reduce(self, loss: torch.Tensor, *extra: float) -> list[float]:
-        """Global mean loss and summed extras, on every rank, in one all-reduce."""
+        """Global mean loss and summed extras, on every rank, in one all-reduce and one host
+        transfer (which also waits for the step's device work)."""
         counts = self.has_last and self.coords["tp"] == 0
-        values = torch.tensor([float(loss) / self.dims.dp if counts else 0.0, *extra], dtype=torch.float64)
-        values = values.to(self.device)
+        mine = loss / self.dims.dp if counts else torch.zeros_like(loss)
+        values = torch.cat([mine.view(1), torch.tensor(extra, dtype=torch.float64).to(self.device)])
         dist.all_reduce(values)
         return values.tolist()
 
@@ -301,8 +302,6 @@ class Trainer:
         self.batches.step = self.step
         sent, plain = _comm_totals()
         loss, sent, plain = self._reduce(loss, sent, plain)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         tokens = self.global_batch * cfg.seq_len
         return {
@@ -315,11 +314,11 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Mean validation loss over the fixed validation batches (a collective)."""
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for inputs, labels in self.val:
-            total += self._reduce(self._run_schedule(inputs, labels, train=False))[0]
+            total += self._run_schedule(inputs, labels, train=False)
         _comm_totals()  # evaluation traffic is not part of the training step figures
-        return total / len(self.val)
+        return self._reduce(total / len(self.val))[0]  # one collective and one host sync
 
     # -- the loop ---------------------------------------------------------------------------
     def train(self, until: int | None = None) -> list[dict]:
