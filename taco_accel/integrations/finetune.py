@@ -37,10 +37,10 @@ from ..data.loader import load_records
 from ..data.supervised import IGNORE, RecordFields, SFTBatches, eval_micro_batches, split_examples, \
     tokenize_records
 from ..models import from_pretrained, save_pretrained
-from ..models.checkpoint import shard_specs
+from ..models.checkpoint import tp_replicas
 from ..parallel import DataParallelGradSync, build_mesh, clip_grad_norm_, default_device
 from ..tp import vocab_parallel_cross_entropy
-from .accelerate import make_accelerator, parallel_dims_from_launch
+from .accelerate import main_first, make_accelerator, parallel_dims_from_launch
 from .metrics import plot_losses, write_history
 from .trainer import MIXED_PRECISION, _comm_totals, _flat, _progress, config_dict, lr_lambda
 
@@ -171,7 +171,7 @@ class Finetuner:
         self.accelerator = make_accelerator(mixed_precision=cfg.mixed_precision,
                                             trackers=cfg.trackers if self.is_main else (),
                                             project_dir=str(self.out), cpu=self.device.type == "cpu")
-        self.path = self._main_first(self._checkpoint)
+        self.path = main_first(self._checkpoint)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or self.path)
@@ -179,15 +179,6 @@ class Finetuner:
         self._build_model()
         self._build_optimizer()
         self.step, self.history, self.eval_results = 0, [], {}
-
-    def _main_first(self, fn):
-        """``fn()`` on the main process, then on the others (downloads and caches happen once)."""
-        if self.is_main:
-            result = fn()
-        dist.barrier()
-        if not self.is_main:
-            result = fn()
-        return result
 
     def _checkpoint(self) -> str:
         if self.cfg.model != TINY:
@@ -207,9 +198,9 @@ class Finetuner:
             return tokenize_records(load_records(source, split=split), tok, fmt=cfg.format, max_len=cfg.max_len,
                                     fields=fields, warn=self.is_main)
 
-        train = self._main_first(lambda: examples(cfg.data, cfg.split))
+        train = main_first(lambda: examples(cfg.data, cfg.split))
         if cfg.eval_data or cfg.eval_split:
-            held = self._main_first(lambda: examples(cfg.eval_data or cfg.data, cfg.eval_split or cfg.split))
+            held = main_first(lambda: examples(cfg.eval_data or cfg.data, cfg.eval_split or cfg.split))
         else:
             train, held = split_examples(train, cfg.eval_fraction)
         held = held[:cfg.max_eval_examples]
@@ -252,8 +243,7 @@ class Finetuner:
                 target_modules=targets if isinstance(targets, str) else list(targets)))
             model.peft_config["default"].base_model_name_or_path = cfg.model if cfg.model != TINY else self.path
         torch.manual_seed(cfg.seed + 1 + self.dp_rank)  # dropout: the same within a tp group, not across dp
-        specs = shard_specs(model)
-        model.tp_replicas = {n: specs[n].replicas if n in specs else self.dims.tp for n, _ in model.named_parameters()}
+        model.tp_replicas = tp_replicas(model, self.dims.tp)
         self.model = model
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         full_size = {n: p.numel() * self.dims.tp // model.tp_replicas[n] for n, p in model.named_parameters()}

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models import context_of, gather_state_dict
+from ..models.checkpoint import shard_specs
 from ..tp import ColumnParallelLinear, RowParallelLinear, Site, copy_to_tp_region, sum_replica_grads
 
 logger = logging.getLogger(__name__)
@@ -331,10 +332,7 @@ def load_adapter(model: nn.Module, source, adapter_name: str = "default", is_tra
         config.inference_mode = not is_trainable
         model = get_peft_model(model, config, adapter_name=adapter_name)
     full = _read_adapter(source)
-    specs = {}
-    for mname, module in model.named_modules():
-        for pname, spec in getattr(module, "shards", {}).items():
-            specs[f"{mname}.{pname}"] = spec
+    specs = shard_specs(model)
     rank = context_of(model).rank
     missing = []
     for name, param in model.named_parameters():

@@ -39,6 +39,13 @@ def shard_specs(model: nn.Module) -> dict[str, ShardSpec]:
     return specs
 
 
+def tp_replicas(model: nn.Module, tp: int) -> dict[str, int]:
+    """``{parameter name: how many of the tp ranks hold its values}``: tp for a replicated
+    parameter, 1 for a split one (more where blocks are replicated, as kv heads can be)."""
+    specs = shard_specs(model)
+    return {n: specs[n].replicas if n in specs else tp for n, _ in model.named_parameters()}
+
+
 def _gather(local: torch.Tensor, spec: ShardSpec, group) -> torch.Tensor:
     """The full tensor from every rank's part (parts may differ in size: padded on the wire)."""
     sizes = [spec.size(r) for r in range(spec.tp)]

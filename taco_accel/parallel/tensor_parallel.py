@@ -28,14 +28,12 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, compression: TacoConfig | None 
         return {n: 1 for n, _ in model.named_parameters()}
     try:
         from ..models import parallelize
+        from ..models.checkpoint import tp_replicas
     except ImportError as e:  # pragma: no cover - only while taco_accel.models is missing
         raise RuntimeError(f"tp={tp_mesh.size()} needs taco_accel.models.parallelize ({e})") from e
-    before = {n: p.numel() for n, p in model.named_parameters()}
     parallelize(model, tp=tp, compression=compression, sequence_parallel=sequence_parallel,
                 device_mesh=tp_mesh)
-    # a vocab-padded shard is slightly larger than full/tp: rounding still gives 1
-    replicas = {n: max(1, min(tp, round(tp * p.numel() / before.get(n, p.numel()))))
-                for n, p in model.named_parameters()}
+    replicas = tp_replicas(model, tp)
     logger.info(
         "applied tensor parallelism: tp=%d, %d of %d parameters sharded, compression %s",
         tp, sum(r < tp for r in replicas.values()), len(replicas), "off" if compression is None else compression,
