@@ -15,6 +15,7 @@ import logging
 import os
 
 import torch
+import torch.distributed as dist
 
 from ..parallel import ParallelDims
 
@@ -67,3 +68,15 @@ def make_accelerator(*, mixed_precision: str = "no", trackers: tuple[str, ...] |
             project_config=ProjectConfiguration(project_dir=project_dir, logging_dir=project_dir) if project_dir else None,
         )
     return accelerator
+
+
+def main_first(fn):
+    """``fn()`` on global rank 0, then on the other ranks (downloads, tokenizers and caches are
+    made once, then read); every rank returns its own result."""
+    is_main = dist.get_rank() == 0
+    if is_main:
+        result = fn()
+    dist.barrier()
+    if not is_main:
+        result = fn()
+    return result

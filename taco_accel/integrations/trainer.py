@@ -38,7 +38,7 @@ from ..parallel import (
 )
 from ..parallel.pipeline import is_tied
 from . import checkpoint as ckpt
-from .accelerate import make_accelerator, parallel_dims_from_launch
+from .accelerate import main_first, make_accelerator, parallel_dims_from_launch
 from .metrics import flops_per_token, plot_losses, write_history
 from .presets import model_config, pad_vocab
 
@@ -173,12 +173,8 @@ class Trainer:
             tok = build_tokenizer(cfg.tokenizer, train_docs, cache)
             return tok, tokenize(train_docs, tok, cache), tokenize(val_docs, tok, cache)
 
-        if self.is_main:  # rank 0 trains the tokenizer and fills the caches; the others read them
-            result = load()
-        dist.barrier()
-        if not self.is_main:
-            result = load()
-        self.tokenizer, train_tokens, val_tokens = result
+        # rank 0 trains the tokenizer and fills the caches; the others read them
+        self.tokenizer, train_tokens, val_tokens = main_first(load)
         dp, dp_rank = self.dims.dp, self.coords["dp"]
         self.local_batch = cfg.micro_batch_size * cfg.micro_batches
         self.global_batch = self.local_batch * dp

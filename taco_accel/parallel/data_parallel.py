@@ -180,9 +180,8 @@ class TiedEmbeddingSync:
 
     def __call__(self) -> None:
         if self.first is not None and self.last is not None:  # both on this rank
-            total = self.first.grad + self.last.grad
-            self.first.grad.copy_(total)
-            self.last.grad.copy_(total)
+            self.first.grad.add_(self.last.grad)
+            self.last.grad.copy_(self.first.grad)
         elif self.group is not None:
             p = self.first if self.first is not None else self.last
             if p is not None and p.grad is not None:
