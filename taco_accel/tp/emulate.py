@@ -257,12 +257,6 @@ def rank_order(outputs: Sequence[torch.Tensor], split: ShardSpec, dim: int = -1)
     return torch.cat(pieces, dim)
 
 
-def _rank_slice(full: torch.Tensor, split: ShardSpec, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s part of ``full``, contiguous, as real TP stores it (autograd flows back)."""
-    parts = [full.narrow(split.dim, start, stop - start) for start, stop in split.ranges[rank]]
-    return torch.cat(parts, split.dim) if len(parts) > 1 else parts[0].contiguous()
-
-
 class _EmulatedLinear(nn.Module):
     """The full ``weight`` / ``bias`` of an ``nn.Linear`` or ``Conv1D`` (the same parameter
     objects, so names, tying and checkpoints stay those of transformers) and ``split``, the
@@ -317,8 +311,8 @@ class EmulatedColumnParallelLinear(_EmulatedLinear):
             xs = [x] * self.tp
         outs = [
             self._local_linear(
-                xs[p], _rank_slice(self.weight, self.split, p),
-                None if self.bias is None else _rank_slice(self.bias, self.bias_split, p),
+                xs[p], self.split.take(self.weight, p, copy=False),
+                None if self.bias is None else self.bias_split.take(self.bias, p, copy=False),
             )
             for p in range(self.tp)
         ]  # tp x (b, s, out/tp)
@@ -338,7 +332,7 @@ class EmulatedRowParallelLinear(_EmulatedLinear):
     def partials(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's partial product, (b, s, in) -> tp x (b, s, out), no bias."""
         return [
-            self._local_linear(_rank_slice(x, self.input_split, p), _rank_slice(self.weight, self.split, p), None)
+            self._local_linear(self.input_split.take(x, p, copy=False), self.split.take(self.weight, p, copy=False), None)
             for p in range(self.tp)
         ]
 

@@ -191,10 +191,8 @@ class _SumReplicaGrads(torch.autograd.Function):
         shard, rank = ctx.shard, group_rank(ctx.bwd.group)
         shape = list(grad.shape)
         shape[shard.dim] = shard.full_size
-        full, offset = grad.new_zeros(shape), 0  # every rank writes its blocks, the sum adds replicas
-        for start, stop in shard.ranges[rank]:
-            full.narrow(shard.dim, start, stop - start).copy_(grad.narrow(shard.dim, offset, stop - start))
-            offset += stop - start
+        full = grad.new_zeros(shape)  # every rank writes its blocks, the sum adds replicas
+        shard.place(grad, rank, full)
         return shard.take(_all_reduce(full, ctx.bwd), rank), None, None
 
 

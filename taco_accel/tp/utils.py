@@ -60,12 +60,15 @@ class ShardSpec:
     def size(self, rank: int) -> int:
         return sum(stop - start for start, stop in self.ranges[rank])
 
-    def take(self, full: torch.Tensor, rank: int) -> torch.Tensor:
-        """Rank ``rank``'s part of ``full`` (a new tensor, so that ``full`` can be freed)."""
+    def take(self, full: torch.Tensor, rank: int, copy: bool = True) -> torch.Tensor:
+        """Rank ``rank``'s part of ``full``, contiguous: a new tensor, so that ``full`` can be
+        freed (``copy=False``: a view where the part is one contiguous block)."""
         if full.shape[self.dim] != self.full_size:
             raise ValueError(f"expected size {self.full_size} along dim {self.dim}, got {list(full.shape)}")
         parts = [full.narrow(self.dim, start, stop - start) for start, stop in self.ranges[rank]]
-        return torch.cat(parts, dim=self.dim) if len(parts) > 1 else parts[0].clone()
+        if len(parts) > 1:
+            return torch.cat(parts, dim=self.dim)
+        return parts[0].clone() if copy else parts[0].contiguous()
 
     def index(self, rank: int) -> list[tuple]:
         """Per block of rank ``rank``, the index that cuts it out of the full tensor
@@ -79,11 +82,15 @@ class ShardSpec:
         shape[self.dim] = self.full_size
         full = pieces[0].new_empty(shape)
         for rank, piece in enumerate(pieces):
-            offset = 0
-            for start, stop in self.ranges[rank]:
-                full.narrow(self.dim, start, stop - start).copy_(piece.narrow(self.dim, offset, stop - start))
-                offset += stop - start
+            self.place(piece, rank, full)
         return full
+
+    def place(self, piece: torch.Tensor, rank: int, full: torch.Tensor) -> None:
+        """Write rank ``rank``'s local part ``piece`` into its blocks of ``full``."""
+        offset = 0
+        for start, stop in self.ranges[rank]:
+            full.narrow(self.dim, start, stop - start).copy_(piece.narrow(self.dim, offset, stop - start))
+            offset += stop - start
 
     def on_dim(self, dim: int) -> "ShardSpec":
         """The same split along another dim (a bias shares its weight's output split)."""
