@@ -123,16 +123,20 @@ def grad_norm_sq(stages: list[StageModule], mesh: DeviceMesh, dp_mode: str) -> t
     once): a parameter held by r tp ranks counts 1/r (``stage.tp_replicas``, tp when unknown),
     DDP replicas 1/dp, the tied head copy (``stage.norm_skip_names``) 0."""
     tp, dp = mesh["tp"].size(), mesh["dp"].size()
-    parts = []  # on the gradients' device: no host sync per parameter
+    grads, weights = [], []
     for stage in stages:
         skip = getattr(stage, "norm_skip_names", set())
         replicas = getattr(stage, "tp_replicas", {})
         for name, p in stage.named_parameters():
             if p.grad is None or name in skip:
                 continue
-            norm = torch.linalg.vector_norm(_local(p.grad).detach(), dtype=torch.float64)
-            parts.append(norm.square() / replicas.get(name, tp))
-    total = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64)
+            grads.append(_local(p.grad).detach())
+            weights.append(1.0 / replicas.get(name, tp))
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    # one multi-tensor launch, on the gradients' device: no host sync, no kernels per parameter
+    norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))
+    total = (norms.square() * torch.tensor(weights, dtype=torch.float64).to(norms.device)).sum()
     return total / (dp if dp_mode == "ddp" else 1)
 
 
@@ -148,10 +152,7 @@ def clip_grad_norm_(stages: list[StageModule], mesh: DeviceMesh, max_norm: float
     norm = math.sqrt(total.item())
     if max_norm > 0 and norm > max_norm:
         coef = max_norm / (norm + 1e-6)
-        for stage in stages:
-            for p in stage.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+        torch._foreach_mul_([_local(p.grad) for s in stages for p in s.parameters() if p.grad is not None], coef)
     return norm
 
 
