@@ -96,8 +96,11 @@ def setup_logging() -> None:
                         format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
 
 
-def compression_from_args(args, hidden_size: int):
-    """The ``compression`` value for parallelize from --compression/--group-size/--compression-threshold."""
+def compression_from_args(args, hidden_size: int, small: bool | None = None):
+    """The ``compression`` value for parallelize from --compression/--group-size/--compression-threshold.
+
+    ``small``: a tiny model, whose messages are all under the default threshold, so every one
+    is compressed (default: whether ``args.preset`` is one of the small presets)."""
     if args.compression == "off":
         return None
     overrides = {}
@@ -107,7 +110,7 @@ def compression_from_args(args, hidden_size: int):
         overrides["group_size"] = 1 << (hidden_size.bit_length() - 1)  # largest power of two <= h
     if args.compression_threshold is not None:
         overrides["threshold_bytes"] = args.compression_threshold
-    elif args.preset in SMALL_PRESETS:
+    elif small if small is not None else args.preset in SMALL_PRESETS:
         overrides["threshold_bytes"] = 0  # tiny models' messages are all below 8 MiB
     if args.compression == "on":
         return TacoConfig(**overrides)

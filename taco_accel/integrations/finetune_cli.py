@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from types import SimpleNamespace
 
 from .cli import (
     add_compression_args, add_optimisation_args, compression_from_args, mixed_precision_from_args, setup_logging,
@@ -77,14 +76,11 @@ def _hidden_size(model: str) -> int:
 
 
 def config_from_args(family: str, args) -> FinetuneConfig:
-    tiny = args.model == TINY
-    settings = SimpleNamespace(compression=args.compression, group_size=args.group_size,
-                               compression_threshold=args.compression_threshold, preset="tiny" if tiny else None)
     targets = args.target_modules if args.target_modules == "all-linear" else args.target_modules.split(",")
     return FinetuneConfig(
         model=args.model, family=family, method=args.method, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
         lora_dropout=args.lora_dropout, target_modules=targets, tp=args.tp, dp=args.dp,
-        sequence_parallel=args.sequence_parallel, compression=compression_from_args(settings, _hidden_size(args.model)),
+        sequence_parallel=args.sequence_parallel, compression=compression_from_args(args, _hidden_size(args.model), small=args.model == TINY),
         data=args.data, eval_data=args.eval_data, split=args.split, eval_split=args.eval_split, format=args.format,
         prompt_field=args.prompt_field, response_field=args.response_field, text_field=args.text_field,
         messages_field=args.messages_field, system_prompt=args.system_prompt, tokenizer=args.tokenizer,
