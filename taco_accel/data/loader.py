@@ -104,6 +104,17 @@ def tokenize(docs: list[str], tokenizer, cache_dir: str | os.PathLike | None = N
     return tokens
 
 
+def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """The order of ``n`` samples in ``epoch``: the same on every rank and machine for a seed."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+
+
+def _windows(tokens: torch.Tensor, idx: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, labels) of the windows ``idx``: seq_len + 1 tokens from ``idx * seq_len``, shifted."""
+    w = tokens[idx.unsqueeze(1) * seq_len + torch.arange(seq_len + 1)].long()  # (b, s+1)
+    return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+
 class PackedBatches:
     """Seeded, resumable batches of packed windows for one dp rank.
 
@@ -129,18 +140,14 @@ class PackedBatches:
     def _batch_indices(self, step: int) -> torch.Tensor:
         epoch, k = divmod(step, self.steps_per_epoch)
         if epoch != self._perm_epoch:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perm, self._perm_epoch = torch.randperm(self.windows, generator=g), epoch
+            self._perm, self._perm_epoch = epoch_permutation(self.windows, self.seed, epoch), epoch
         per_rank = self.global_batch // self.dp_size
         start = k * self.global_batch + self.dp_rank * per_rank
         return self._perm[start:start + per_rank]
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch of ``step`` (0-based) for this rank, without moving the position."""
-        idx = self._batch_indices(step)
-        offsets = idx.unsqueeze(1) * self.seq_len + torch.arange(self.seq_len + 1)  # (b, s+1)
-        windows = self.tokens[offsets].long()
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        return _windows(self.tokens, self._batch_indices(step), self.seq_len)
 
     def __iter__(self):
         return self
@@ -175,6 +182,5 @@ def eval_batches(tokens: torch.Tensor, seq_len: int, batch: int, num_batches: in
     out = []
     for k in range(num_batches):
         idx = torch.arange(k * batch + dp_rank * per_rank, k * batch + (dp_rank + 1) * per_rank) % windows
-        w = tokens[idx.unsqueeze(1) * seq_len + torch.arange(seq_len + 1)].long()
-        out.append((w[:, :-1].contiguous(), w[:, 1:].contiguous()))
+        out.append(_windows(tokens, idx, seq_len))
     return out

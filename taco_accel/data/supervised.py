@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .loader import epoch_permutation
+
 logger = logging.getLogger(__name__)
 
 IGNORE = -100
@@ -189,14 +191,13 @@ class SFTBatches:
         self.micro_batch_size, self.micro_batches = micro_batch_size, micro_batches
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.global_batch = micro_batch_size * micro_batches * dp_size
-        self._perms: dict[int, torch.Tensor] = {}
+        self._perms: dict[int, list[int]] = {}
 
     def _index(self, k: int) -> int:
         epoch, pos = divmod(k, len(self.examples))
         if epoch not in self._perms:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perms = {epoch: torch.randperm(len(self.examples), generator=g)}
-        return int(self._perms[epoch][pos])
+            self._perms = {epoch: epoch_permutation(len(self.examples), self.seed, epoch).tolist()}
+        return self._perms[epoch][pos]
 
     def batch(self, step: int) -> list[dict]:
         per_rank = self.micro_batch_size * self.micro_batches
