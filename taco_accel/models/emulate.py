@@ -35,7 +35,7 @@ from ..tp.emulate import (
 from ..tp.regions import SequenceState
 from ..tp.sites import Compression, Site, SiteTable
 from .loss import CausalLMLoss
-from .parallelize import TPContext, _check_tp, _Rewrite, _shard
+from .parallelize import TPContext, _check_tp, _install_loss, _Rewrite, _shard
 from .plan import Colwise, EnterRegion, Rowwise, TPPlan
 
 logger = logging.getLogger(__name__)
@@ -140,8 +140,5 @@ class _EmulatedRewrite(_Rewrite):
         self.layers()
         head = self.lm_head(embedding)
         self.apply()
-        loss = EmulatedCausalLMLoss(head, Site("loss/lse", None, None), getattr(self.model, "_loss_function", None))
-        try:
-            self.model.loss_function = loss
-        except AttributeError:  # a transformers without the setter reads _loss_function first
-            self.model._loss_function = loss
+        _install_loss(self.model, EmulatedCausalLMLoss(head, Site("loss/lse", None, None),
+                                                       getattr(self.model, "_loss_function", None)))

@@ -313,12 +313,16 @@ def _apply_plan(model: nn.Module, plan: TPPlan, ctx: TPContext) -> None:
 
     ctx.grad_sum_params = _partial_grad_params(model, plan, ctx)
     ctx.install_grad_sums(model)
-    loss = CausalLMLoss(head, Site("loss/lse", ctx.group, None), getattr(model, "_loss_function", None))
+    _install_loss(model, CausalLMLoss(head, Site("loss/lse", ctx.group, None), getattr(model, "_loss_function", None)))
+    model.register_forward_pre_hook(LogitsMode(model, head, ctx), with_kwargs=True)
+
+
+def _install_loss(model: nn.Module, loss) -> None:
+    """Make ``loss`` the model's ``loss_function``."""
     try:
         model.loss_function = loss
     except AttributeError:  # a transformers without the setter reads _loss_function first
         model._loss_function = loss
-    model.register_forward_pre_hook(LogitsMode(model, head, ctx), with_kwargs=True)
 
 
 def _partial_grad_params(model: nn.Module, plan: TPPlan, ctx: TPContext) -> list[str]:
