@@ -701,7 +701,7 @@ def test_codec_benchmark_runs_on_the_cpu(capsys):
 
     bench.main(["--sizes", "64K", "--group-sizes", "128", "--peers", "2"])
     out = capsys.readouterr().out
-    assert "copy bandwidth" in out and "plain cast bfloat16 -> float8_e4m3fn" in out
+    assert "copy bandwidth" in out and "cast" not in out  # the cast ceilings are CUDA figures
     rows = [line.split() for line in out.splitlines() if line.strip().startswith("0.06M")]
     assert [r[2:4] if r[2] != "sum" else r[2:5] for r in rows] == [
         ["compress", "torch"], ["decompress", "torch"], ["sum", "P=2", "torch"]]

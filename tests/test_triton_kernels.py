@@ -166,32 +166,36 @@ G, dtype, fmt, extra = json.loads(sys.argv[1])
 code = {"fp8e4nv": 0, "fp8e5": 1, "i8": 2}[fmt]
 flags = {"HADAMARD": True, "SIGNS": False, "DUAL": False, **extra}
 sub, bg = min(G, tk.SUB_MAX), max(64, min(8192 // G, 256))
-warps = max(4, min(8, bg * G // 2048))
+tiles = 8192  # TUNING's block_elems: the launcher's warps per kernel (sum of 8 inputs: "sum_many")
+warps = {k: min(8, w * max(1, bg * G // tiles)) for k, w in tk.TUNING["num_warps"].items()}
 ints = dict(numel="i32", num_groups="i32", gpc="i32", chunk_bytes="i32")
 launch = dict(PAD=4, NUM_STAGES=2)
 
-def build(fn, signature, constexprs):
+def build(fn, signature, constexprs, step):
     signature = dict(signature, **{k: "constexpr" for k in constexprs})
     # what the launcher specialises at run time: 16-byte aligned pointers and sizes
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in signature.items() if v != "constexpr"}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps[step]})
 
 k = build(tk._compress_kernel,
           dict(x_ptr="*" + dtype, q_ptr="*" + fmt, s_ptr="*fp32", h_ptr="*fp32", sign_ptr="*fp32", **ints),
           dict(G=G, SUB=sub, BG=bg, FMT=code, QMAX=448.0, ADAPTIVE=True, ZERO_NONFINITE=False,
-               DOT_MODE=tk.DOT_BF16X2, EMULATE_ROUND=False, **flags, **launch))
+               DOT_MODE=tk.DOT_BF16X2, EMULATE_ROUND=False, **flags, **launch), "compress")
 assert "mma" in k.asm["ptx"], "the transform should run on the tensor cores"
 assert "cp.async" in k.asm["ptx"], "the next tile's input should be fetched while this one is transformed"
 k = build(tk._decompress_kernel,
           dict(q_ptr="*" + fmt, s_ptr="*fp32", out_ptr="*" + dtype, h_ptr="*fp32", sign_ptr="*fp32", **ints),
-          dict(G=G, SUB=sub, BG=bg, DOT_MODE=tk.DOT_PAYLOAD, NUM_STAGES=2, **flags))
+          dict(G=G, SUB=sub, BG=bg, DOT_MODE=tk.DOT_PAYLOAD, NUM_STAGES=2, STREAM=False, **flags), "decompress")
 payload = ("e4m3", "e5m2", "s8")[code]
 assert f".{payload}.{payload}" in k.asm["ptx"], "decoding should multiply the payload bytes as they are"
-build(tk._sum_kernel,
-      dict(q_ptr="*" + fmt, s_ptr="*fp32", out_q_ptr="*" + fmt, out_s_ptr="*fp32", input_stride="i32",
-           num_groups="i32", gpc="i32", chunk_bytes="i32"),
-      dict(P=4, G=G, BG=max(16, min(8192 // G, 256)), FMT=code, QMAX=448.0, DUAL=flags["DUAL"], ADAPTIVE=True, EMULATE_ROUND=False, **launch))
+for P, step in ((4, "sum"), (8, "sum_many")):
+    warps["sum"] = warps["sum_many"] = tk.TUNING["num_warps"][step]  # the sum kernel is not transforming
+    build(tk._sum_kernel,
+          dict(q_ptr="*" + fmt, s_ptr="*fp32", out_q_ptr="*" + fmt, out_s_ptr="*fp32", input_stride="i32",
+               num_groups="i32", gpc="i32", chunk_bytes="i32"),
+          dict(P=P, G=G, BG=max(16, min(8192 // G, 256)), FMT=code, QMAX=448.0, DUAL=flags["DUAL"], ADAPTIVE=True,
+               EMULATE_ROUND=False, **launch), step)
 print("compiled")
 """
 

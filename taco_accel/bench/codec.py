@@ -23,6 +23,20 @@ from ..codec.api import Packed
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU-only figures need no kernels
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _cast_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask).to(y_ptr.dtype.element_ty), mask=mask)
+
 
 def parse_size(text: str) -> int:
     units = {"K": 2**10, "M": 2**20, "G": 2**30}
@@ -70,6 +84,26 @@ def copy_bandwidth(device: torch.device, src: torch.dtype = torch.float32, dst: 
     return n * per_value / timer(lambda: out.copy_(x), device, graph=False)
 
 
+def cast_bandwidth(device: torch.device, src: torch.dtype, dst: torch.dtype, n: int = 2**28) -> float:
+    """Bytes/s (read + write) of a plain Triton cast ``src -> dst``, graph-timed: what the memory
+    gives a stream with a kernel's read:write ratio and no arithmetic (bf16 -> fp8 is compress's
+    traffic, fp8 -> bf16 decompress's). torch's own fp8 casts are far slower, so they are no
+    ceiling."""
+    x = torch.randn(n, device=device).to(src)
+    out = torch.empty(n, device=device, dtype=dst)
+    block = 8192
+    seconds = timer(lambda: _cast_kernel[(triton.cdiv(n, block),)](x, out, n, BLOCK=block, num_warps=8), device)
+    return n * (x.element_size() + out.element_size()) / seconds
+
+
+def same_size_copy(device: torch.device, numel: int, dtype: torch.dtype) -> float:
+    """Bytes/s of a graph-timed copy of ``numel`` values: the copy figure at a kernel's own size
+    (at small sizes launch and tail take a share that no kernel avoids)."""
+    x = torch.randn(numel, device=device).to(dtype)
+    out = torch.empty_like(x)
+    return 2 * x.numel() * x.element_size() / timer(lambda: out.copy_(x), device)
+
+
 class Rotating:
     """Several input sets used in turn, so repeated timings do not run out of the L2 cache."""
 
@@ -112,14 +146,14 @@ def bench_case(numel: int, config: TacoConfig, dtype: torch.dtype, device: torch
     return rows
 
 
-def check_kernels(device: torch.device) -> bool:
+def check_kernels(device: torch.device, group_sizes: tuple = (32, 64, 128, 256, 512)) -> bool:
     """Triton against the reference on this device: payload agreement, scales, decoded values."""
     ok = True
     print("check: triton vs torch reference on", device)
     print(f"{'config':44s} {'dtype':5s} {'payload!=':>9s} {'scale rel':>9s} {'decode rel':>10s} {'sum!=':>7s}")
     torch.manual_seed(0)
     variants = [{}, dict(scales="dual"), dict(hadamard=False), dict(format="int8"), dict(format="e5m2"), dict(random_signs=True)]
-    for g, kw, (dname, dtype) in itertools.product((32, 64, 128, 256, 512), variants, DTYPES.items()):
+    for g, kw, (dname, dtype) in itertools.product(group_sizes, variants, DTYPES.items()):
         ref = TacoConfig(group_size=g, backend="torch", **kw)
         tri = ref.replace(backend="triton")
         x = (torch.randn(7, 4099, device=device) * torch.logspace(-3, 1, 7, device=device)[:, None]).to(dtype)
@@ -147,8 +181,9 @@ def check_kernels(device: torch.device) -> bool:
 def sweep(device: torch.device, numel: int, copy_bw: float) -> None:
     """Time launch variants at one size, G=128, against the defaults in TUNING: pipeline stages,
     resident programs per SM (all that fit, 2, or one program per tile instead of a persistent
-    grid), decoding with bf16 instead of fp8 products, twice the values per tile, twice the
-    warps, and on fp32 input tf32 against two bf16 products."""
+    grid), decoding with bf16 instead of fp8 products, twice the values per tile, 4 or 8 warps
+    in every kernel, a grid balanced to equal tile counts, evict-first stores of decoded values, and on
+    fp32 input tf32 against two bf16 products."""
     from ..codec import triton_kernels as tk
 
     base = {k: dict(v) if isinstance(v, dict) else v for k, v in tk.TUNING.items()}
@@ -163,7 +198,12 @@ def sweep(device: torch.device, numel: int, copy_bw: float) -> None:
     variants += [(f"{n} stages", "bf16", override(stages=n)) for n in (2, 4)]
     variants += [("all resident", "bf16", override(per_sm=None)), ("2 per SM", "bf16", override(per_sm=2)),
                  ("one per tile", "bf16", override(per_sm=0)), ("bf16 decode", "bf16", override(payload_dot=False)),
-                 ("16K per tile", "bf16", override(block_elems=16384)), ("8 warps", "bf16", override(num_warps=8))]
+                 ("16K per tile", "bf16", override(block_elems=16384))]
+    variants += [(f"{n} warps", "bf16", override(num_warps=dict.fromkeys(base["num_warps"], n))) for n in (4, 8)]
+    variants += [
+                 ("balanced grid", "bf16", override(balance=True)),
+                 ("streaming st", "bf16", override(streaming_stores=True))]
+    variants += [(f"{n} per SM", "bf16", override(per_sm=n)) for n in (3, 4)]
     variants += [(f"fp32 {name}", "fp32", override(dot_mode=mode)) for name, mode in (("tf32", tk.DOT_TF32),
                                                                                       ("bf16x2", tk.DOT_BF16X2))]
     print(f"\nsweep at {numel / 2**20:.0f}M elements, G=128 (fraction of copy bandwidth); defaults: {base}")
@@ -189,7 +229,9 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--peers", default="2,4,8", help="P values for dequant-sum-requant")
     parser.add_argument("--no-check", action="store_true", help="skip the triton-vs-reference check")
+    parser.add_argument("--check-group-sizes", default="32,64,128,256,512", help="group sizes of the check")
     parser.add_argument("--no-sweep", action="store_true", help="skip the kernel variant sweep")
+    parser.add_argument("--sweep-sizes", default="16M,64M", help="sizes of the kernel variant sweep")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -198,17 +240,30 @@ def main(argv=None) -> None:
     peers = tuple(int(p) for p in args.peers.split(","))
     if cuda:
         print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-        if not args.no_check and not check_kernels(device):
+        checked = tuple(int(g) for g in args.check_group_sizes.split(","))
+        if not args.no_check and not check_kernels(device, checked):
             raise SystemExit("kernel check failed")
     copy_bw = copy_bandwidth(device)
     print(f"\ncopy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write)")
     for name, src, dst in (("compress", torch.bfloat16, torch.float8_e4m3fn),
                            ("decompress", torch.float8_e4m3fn, torch.bfloat16)):
-        cast = copy_bandwidth(device, src, dst)
-        print(f"plain cast {str(src)[6:]} -> {str(dst)[6:]} ({name}'s traffic, no arithmetic): "
-              f"{cast / 1e9:.0f} GB/s = {cast / copy_bw:.2f} of copy")
+        if not cuda:
+            break
+        for label, measure in (("torch", copy_bandwidth), ("triton", cast_bandwidth)):
+            try:
+                cast = measure(device, src, dst)
+            except Exception as e:  # noqa: BLE001 - a figure we could not take is reported, not fatal
+                print(f"{label} cast {str(src)[6:]} -> {str(dst)[6:]}: failed: {type(e).__name__}: {str(e)[:80]}")
+                continue
+            print(f"{label} cast {str(src)[6:]} -> {str(dst)[6:]} ({name}'s traffic, no arithmetic): "
+                  f"{cast / 1e9:.0f} GB/s = {cast / copy_bw:.2f} of copy")
+    if cuda:
+        for numel in sizes:
+            same = same_size_copy(device, numel, DTYPES[args.dtype])
+            print(f"{args.dtype} copy of {numel / 2**20:.2f}M values, graph-timed: {same / copy_bw:.2f} of copy")
     if cuda and not args.no_sweep:
-        sweep(device, parse_size("64M"), copy_bw)
+        for size in args.sweep_sizes.split(","):
+            sweep(device, parse_size(size), copy_bw)
     print(f"\n{args.dtype} input; us = median device time (CUDA graph replays); GB/s = (bytes read +"
           f" written) / that time; frac = of copy bandwidth; eager us = plain launches, host overhead included")
     print(f"{'elements':>9s} {'G':>4s} {'step':>10s} {'backend':>7s} {'us':>9s} {'GB/s':>7s} {'frac':>5s} {'eager us':>9s}"

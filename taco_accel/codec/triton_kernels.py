@@ -59,12 +59,16 @@ _TINY = tl.constexpr(TINY_AMAX)
 SUB_MAX = 64  # largest dense Hadamard block (128 costs twice the tensor-core work per value)
 
 # Launch settings (benchmarks/RESULTS.md has the sweep); the benchmark overrides them.
-# block_elems: values per tile; programs_per_sm: persistent programs per SM, per kernel (None:
+# block_elems: values per tile; num_warps: per kernel (per tile of 8K values); programs_per_sm: persistent programs per SM, per kernel (None:
 # as many as fit at once, 0: one program per tile); num_stages: tiles in flight per program
-# ("sum_many": the sum of more than 4 inputs); payload_dot: decode with fp8 / int8 products.
-TUNING = {"block_elems": 8192, "num_warps": 4, "dot_mode": DOT_BF16X2,
+# ("sum_many": the sum of more than 4 inputs); payload_dot: decode with fp8 / int8 products;
+# balance: as many programs as give every program the same number of tiles; streaming_stores:
+# decoded values stored with the evict-first hint (.cs), as they are not read again here.
+TUNING = {"block_elems": 8192, "num_warps": {"compress": 4, "decompress": 8, "sum": 4, "sum_many": 8},
+          "dot_mode": DOT_BF16X2,
           "programs_per_sm": {"compress": None, "decompress": 2, "sum": None},
-          "num_stages": {"compress": 3, "decompress": 3, "sum": 1, "sum_many": 2}, "payload_dot": True}
+          "num_stages": {"compress": 3, "decompress": 3, "sum": 1, "sum_many": 2}, "payload_dot": True,
+          "balance": False, "streaming_stores": False}
 
 
 def _interpreting() -> bool:
@@ -406,12 +410,15 @@ def _d8(q_ptr, offs, g_mask, h, SUB: tl.constexpr, HADAMARD: tl.constexpr, DOT_M
 
 @triton.jit
 def _store_decoded(out_blk, offs, left, x, scale, sign_ptr, j: tl.constexpr, SUB: tl.constexpr,
-                   SIGNS: tl.constexpr):
+                   SIGNS: tl.constexpr, STREAM: tl.constexpr):
     x = x * scale[:, None]
     if SIGNS:
         x = x * tl.load(sign_ptr + j * SUB + tl.arange(0, SUB)[None, :])
     offs = offs + j * SUB
-    tl.store(out_blk + offs, x.to(out_blk.dtype.element_ty), mask=offs < left)
+    if STREAM:
+        tl.store(out_blk + offs, x.to(out_blk.dtype.element_ty), mask=offs < left, cache_modifier=".cs")
+    else:
+        tl.store(out_blk + offs, x.to(out_blk.dtype.element_ty), mask=offs < left)
 
 
 @triton.jit
@@ -419,6 +426,7 @@ def _decompress_tile(
     tile, q_ptr, s_ptr, out_ptr, sign_ptr, h, numel, num_groups, gpc, chunk_bytes,
     G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr,
     HADAMARD: tl.constexpr, SIGNS: tl.constexpr, DUAL: tl.constexpr, DOT_MODE: tl.constexpr,
+    STREAM: tl.constexpr,
 ):
     NSUB: tl.constexpr = G // SUB
     g, g_mask = _tile_groups(tile, BG, num_groups)
@@ -442,17 +450,17 @@ def _decompress_tile(
     offs = tl.arange(0, BG)[:, None] * G + tl.arange(0, SUB)[None, :]
     left = tl.minimum(tl.maximum(numel - start, 0), BG * G).to(tl.int32)
     out_blk = out_ptr + start
-    _store_decoded(out_blk, offs, left, x0, scale, sign_ptr, 0, SUB, SIGNS)
+    _store_decoded(out_blk, offs, left, x0, scale, sign_ptr, 0, SUB, SIGNS, STREAM)
     if NSUB >= 2:
-        _store_decoded(out_blk, offs, left, x1, scale, sign_ptr, 1, SUB, SIGNS)
+        _store_decoded(out_blk, offs, left, x1, scale, sign_ptr, 1, SUB, SIGNS, STREAM)
     if NSUB >= 4:
-        _store_decoded(out_blk, offs, left, x2, scale, sign_ptr, 2, SUB, SIGNS)
-        _store_decoded(out_blk, offs, left, x3, scale, sign_ptr, 3, SUB, SIGNS)
+        _store_decoded(out_blk, offs, left, x2, scale, sign_ptr, 2, SUB, SIGNS, STREAM)
+        _store_decoded(out_blk, offs, left, x3, scale, sign_ptr, 3, SUB, SIGNS, STREAM)
     if NSUB >= 8:
-        _store_decoded(out_blk, offs, left, x4, scale, sign_ptr, 4, SUB, SIGNS)
-        _store_decoded(out_blk, offs, left, x5, scale, sign_ptr, 5, SUB, SIGNS)
-        _store_decoded(out_blk, offs, left, x6, scale, sign_ptr, 6, SUB, SIGNS)
-        _store_decoded(out_blk, offs, left, x7, scale, sign_ptr, 7, SUB, SIGNS)
+        _store_decoded(out_blk, offs, left, x4, scale, sign_ptr, 4, SUB, SIGNS, STREAM)
+        _store_decoded(out_blk, offs, left, x5, scale, sign_ptr, 5, SUB, SIGNS, STREAM)
+        _store_decoded(out_blk, offs, left, x6, scale, sign_ptr, 6, SUB, SIGNS, STREAM)
+        _store_decoded(out_blk, offs, left, x7, scale, sign_ptr, 7, SUB, SIGNS, STREAM)
 
 
 @triton.jit
@@ -461,12 +469,12 @@ def _decompress_kernel(
     numel, num_groups, gpc, chunk_bytes,
     G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr,
     HADAMARD: tl.constexpr, SIGNS: tl.constexpr, DUAL: tl.constexpr, DOT_MODE: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, STREAM: tl.constexpr,
 ):
     h = _hadamard(h_ptr, SUB, DOT_MODE, q_ptr.dtype.element_ty)
     for tile in tl.range(tl.program_id(0), tl.cdiv(num_groups, BG), tl.num_programs(0), num_stages=NUM_STAGES):
         _decompress_tile(tile, q_ptr, s_ptr, out_ptr, sign_ptr, h, numel, num_groups, gpc, chunk_bytes,
-                         G, SUB, BG, HADAMARD, SIGNS, DUAL, DOT_MODE)
+                         G, SUB, BG, HADAMARD, SIGNS, DUAL, DOT_MODE, STREAM)
 
 
 @triton.jit
@@ -545,7 +553,7 @@ def _launch(layout: WireLayout, group_size: int, tuning: tuple, transform: bool)
 
 
 def _common(layout: WireLayout, config: TacoConfig, step: str) -> tuple[int, dict]:
-    tuning = (TUNING["block_elems"], TUNING["num_warps"], TUNING["num_stages"][step])
+    tuning = (TUNING["block_elems"], TUNING["num_warps"][step], TUNING["num_stages"][step])
     return _launch(layout, config.group_size, tuning, not step.startswith("sum"))
 
 
@@ -593,6 +601,8 @@ def _run(kernel, step: str, tiles: int, args: tuple, kwargs: dict) -> None:
     if TUNING["programs_per_sm"][step] is not None:
         per_sm = TUNING["programs_per_sm"][step]
     programs = tiles if per_sm == 0 else min(tiles, per_sm * _sm_count(device))
+    if TUNING["balance"]:
+        programs = triton.cdiv(tiles, triton.cdiv(tiles, programs))
     kernel[(max(1, programs),)](*args, **{**kwargs, "NUM_STAGES": stages})
 
 
@@ -634,7 +644,7 @@ def decompress_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig
     _run(_decompress_kernel, "decompress", tiles, args, dict(
         numel=layout.numel, **common, SUB=min(config.group_size, SUB_MAX),
         HADAMARD=config.hadamard, SIGNS=config.random_signs, DUAL=config.scales == "dual",
-        DOT_MODE=mode,
+        DOT_MODE=mode, STREAM=TUNING["streaming_stores"],
     ))
 
 
