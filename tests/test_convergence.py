@@ -75,3 +75,21 @@ def test_time_budget_stops_at_a_validation_and_runs_are_compared_at_a_common_ste
     assert step == 2 and records["none"]["steps"] == 2
     assert records["none"]["final_val"] == done["none"]["history"][1]["val_loss"]
     assert convergence.align({"none": done["none"], "taco": done["taco"]}) == ({"none": done["none"], "taco": done["taco"]}, None)
+
+
+def test_train_step_follows_the_schedule_and_learning_rate_tensors_are_filled_in_place():
+    """`TrainStep` is the step the study runs (eagerly off CUDA, where ``graph`` is ignored); the
+    learning rate reaches AdamW as a float, or into the device tensor a captured step reads."""
+    preset = convergence.PRESETS["nano"]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt, factor = convergence._optimizer(model, preset, torch.device("cpu"))
+    assert [round(factor(s), 6) for s in (0, preset.warmup, preset.steps)] == [1 / preset.warmup, 1.0, 0.1]
+    convergence.set_lr(opt, 0.5)
+    assert [g["lr"] for g in opt.param_groups] == [0.5, 0.5]
+    lr = torch.tensor(1.0)
+    tensor_opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=lr)
+    convergence.set_lr(tensor_opt, 0.25)
+    assert tensor_opt.param_groups[0]["lr"] is lr and lr.item() == 0.25
+    step = convergence.TrainStep(model, opt, torch.device("cpu"), bf16=False, graph=True)
+    assert not step.graph and not step.graphed  # CUDA graphs are CUDA only
