@@ -182,7 +182,7 @@ def sweep(device: torch.device, numel: int, copy_bw: float) -> None:
     """Time launch variants at one size, G=128, against the defaults in TUNING: pipeline stages,
     resident programs per SM (all that fit, 2, or one program per tile instead of a persistent
     grid), decoding with bf16 instead of fp8 products, twice the values per tile, 4 or 8 warps
-    in every kernel, a grid balanced to equal tile counts, evict-first stores of decoded values, and on
+    in every kernel, a grid balanced to equal tile counts, evict-first or bulk (TMA) stores of decoded values, and on
     fp32 input tf32 against two bf16 products."""
     from ..codec import triton_kernels as tk
 
@@ -202,7 +202,8 @@ def sweep(device: torch.device, numel: int, copy_bw: float) -> None:
     variants += [(f"{n} warps", "bf16", override(num_warps=dict.fromkeys(base["num_warps"], n))) for n in (4, 8)]
     variants += [
                  ("balanced grid", "bf16", override(balance=True)),
-                 ("streaming st", "bf16", override(streaming_stores=True))]
+                 ("evict-first st", "bf16", override(stores=tk.STORE_STREAM)),
+                 ("TMA stores", "bf16", override(stores=tk.STORE_TMA))]
     variants += [(f"{n} per SM", "bf16", override(per_sm=n)) for n in (3, 4)]
     variants += [(f"fp32 {name}", "fp32", override(dot_mode=mode)) for name, mode in (("tf32", tk.DOT_TF32),
                                                                                       ("bf16x2", tk.DOT_BF16X2))]

@@ -58,17 +58,21 @@ _A_MAX = tl.constexpr(ADAPTIVE_MAX)
 _TINY = tl.constexpr(TINY_AMAX)
 SUB_MAX = 64  # largest dense Hadamard block (128 costs twice the tensor-core work per value)
 
+# how decompress stores decoded values: plain stores, evict-first (.cs) stores, or bulk (TMA)
+# copies of each [BG, SUB] block from shared memory through a tensor descriptor of the output
+STORE_PLAIN, STORE_STREAM, STORE_TMA = 0, 1, 2
+
 # Launch settings (benchmarks/RESULTS.md has the sweep); the benchmark overrides them.
 # block_elems: values per tile; num_warps: per kernel (per tile of 8K values); programs_per_sm: persistent programs per SM, per kernel (None:
 # as many as fit at once, 0: one program per tile); num_stages: tiles in flight per program
 # ("sum_many": the sum of more than 4 inputs); payload_dot: decode with fp8 / int8 products;
-# balance: as many programs as give every program the same number of tiles; streaming_stores:
-# decoded values stored with the evict-first hint (.cs), as they are not read again here.
+# balance: as many programs as give every program the same number of tiles; stores: how
+# decompress stores (STORE_*; TMA only where the output allows it, else plain).
 TUNING = {"block_elems": 8192, "num_warps": {"compress": 4, "decompress": 8, "sum": 4, "sum_many": 8},
           "dot_mode": DOT_BF16X2,
           "programs_per_sm": {"compress": None, "decompress": 2, "sum": None},
           "num_stages": {"compress": 3, "decompress": 3, "sum": 1, "sum_many": 2}, "payload_dot": True,
-          "balance": False, "streaming_stores": False}
+          "balance": False, "stores": STORE_PLAIN}
 
 
 def _interpreting() -> bool:
@@ -410,12 +414,14 @@ def _d8(q_ptr, offs, g_mask, h, SUB: tl.constexpr, HADAMARD: tl.constexpr, DOT_M
 
 @triton.jit
 def _store_decoded(out_blk, offs, left, x, scale, sign_ptr, j: tl.constexpr, SUB: tl.constexpr,
-                   SIGNS: tl.constexpr, STREAM: tl.constexpr):
+                   SIGNS: tl.constexpr, STORE: tl.constexpr, out_desc, row0):
     x = x * scale[:, None]
     if SIGNS:
         x = x * tl.load(sign_ptr + j * SUB + tl.arange(0, SUB)[None, :])
     offs = offs + j * SUB
-    if STREAM:
+    if STORE == 2:  # rows past the last group are clipped by the descriptor's shape
+        out_desc.store([row0, j * SUB], x.to(out_blk.dtype.element_ty))
+    elif STORE == 1:
         tl.store(out_blk + offs, x.to(out_blk.dtype.element_ty), mask=offs < left, cache_modifier=".cs")
     else:
         tl.store(out_blk + offs, x.to(out_blk.dtype.element_ty), mask=offs < left)
@@ -426,7 +432,7 @@ def _decompress_tile(
     tile, q_ptr, s_ptr, out_ptr, sign_ptr, h, numel, num_groups, gpc, chunk_bytes,
     G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr,
     HADAMARD: tl.constexpr, SIGNS: tl.constexpr, DUAL: tl.constexpr, DOT_MODE: tl.constexpr,
-    STREAM: tl.constexpr,
+    STORE: tl.constexpr, out_desc,
 ):
     NSUB: tl.constexpr = G // SUB
     g, g_mask = _tile_groups(tile, BG, num_groups)
@@ -450,17 +456,18 @@ def _decompress_tile(
     offs = tl.arange(0, BG)[:, None] * G + tl.arange(0, SUB)[None, :]
     left = tl.minimum(tl.maximum(numel - start, 0), BG * G).to(tl.int32)
     out_blk = out_ptr + start
-    _store_decoded(out_blk, offs, left, x0, scale, sign_ptr, 0, SUB, SIGNS, STREAM)
+    row0 = tile * BG  # int32: the row of the tile's first group
+    _store_decoded(out_blk, offs, left, x0, scale, sign_ptr, 0, SUB, SIGNS, STORE, out_desc, row0)
     if NSUB >= 2:
-        _store_decoded(out_blk, offs, left, x1, scale, sign_ptr, 1, SUB, SIGNS, STREAM)
+        _store_decoded(out_blk, offs, left, x1, scale, sign_ptr, 1, SUB, SIGNS, STORE, out_desc, row0)
     if NSUB >= 4:
-        _store_decoded(out_blk, offs, left, x2, scale, sign_ptr, 2, SUB, SIGNS, STREAM)
-        _store_decoded(out_blk, offs, left, x3, scale, sign_ptr, 3, SUB, SIGNS, STREAM)
+        _store_decoded(out_blk, offs, left, x2, scale, sign_ptr, 2, SUB, SIGNS, STORE, out_desc, row0)
+        _store_decoded(out_blk, offs, left, x3, scale, sign_ptr, 3, SUB, SIGNS, STORE, out_desc, row0)
     if NSUB >= 8:
-        _store_decoded(out_blk, offs, left, x4, scale, sign_ptr, 4, SUB, SIGNS, STREAM)
-        _store_decoded(out_blk, offs, left, x5, scale, sign_ptr, 5, SUB, SIGNS, STREAM)
-        _store_decoded(out_blk, offs, left, x6, scale, sign_ptr, 6, SUB, SIGNS, STREAM)
-        _store_decoded(out_blk, offs, left, x7, scale, sign_ptr, 7, SUB, SIGNS, STREAM)
+        _store_decoded(out_blk, offs, left, x4, scale, sign_ptr, 4, SUB, SIGNS, STORE, out_desc, row0)
+        _store_decoded(out_blk, offs, left, x5, scale, sign_ptr, 5, SUB, SIGNS, STORE, out_desc, row0)
+        _store_decoded(out_blk, offs, left, x6, scale, sign_ptr, 6, SUB, SIGNS, STORE, out_desc, row0)
+        _store_decoded(out_blk, offs, left, x7, scale, sign_ptr, 7, SUB, SIGNS, STORE, out_desc, row0)
 
 
 @triton.jit
@@ -469,12 +476,12 @@ def _decompress_kernel(
     numel, num_groups, gpc, chunk_bytes,
     G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr,
     HADAMARD: tl.constexpr, SIGNS: tl.constexpr, DUAL: tl.constexpr, DOT_MODE: tl.constexpr,
-    NUM_STAGES: tl.constexpr, STREAM: tl.constexpr,
+    NUM_STAGES: tl.constexpr, STORE: tl.constexpr, out_desc,
 ):
     h = _hadamard(h_ptr, SUB, DOT_MODE, q_ptr.dtype.element_ty)
     for tile in tl.range(tl.program_id(0), tl.cdiv(num_groups, BG), tl.num_programs(0), num_stages=NUM_STAGES):
         _decompress_tile(tile, q_ptr, s_ptr, out_ptr, sign_ptr, h, numel, num_groups, gpc, chunk_bytes,
-                         G, SUB, BG, HADAMARD, SIGNS, DUAL, DOT_MODE, STREAM)
+                         G, SUB, BG, HADAMARD, SIGNS, DUAL, DOT_MODE, STORE, out_desc)
 
 
 @triton.jit
@@ -641,11 +648,27 @@ def decompress_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig
     if mode != DOT_FP32 and TUNING["payload_dot"]:
         mode = DOT_PAYLOAD
     args = (buffer.view(PAYLOAD_DTYPES[config.format]), buffer.view(torch.float32), out, h, signs)
+    sub = min(config.group_size, SUB_MAX)
+    store, desc = TUNING["stores"], None
+    if store == STORE_TMA:
+        desc = _output_descriptor(out, layout.numel, config.group_size, (common["BG"], sub))
+        store = STORE_TMA if desc is not None else STORE_PLAIN
     _run(_decompress_kernel, "decompress", tiles, args, dict(
-        numel=layout.numel, **common, SUB=min(config.group_size, SUB_MAX),
-        HADAMARD=config.hadamard, SIGNS=config.random_signs, DUAL=config.scales == "dual",
-        DOT_MODE=mode, STREAM=TUNING["streaming_stores"],
+        numel=layout.numel, **common, SUB=sub, HADAMARD=config.hadamard, SIGNS=config.random_signs,
+        DUAL=config.scales == "dual", DOT_MODE=mode, STORE=store, out_desc=desc,
     ))
+
+
+def _output_descriptor(out: torch.Tensor, numel: int, group_size: int, block: tuple[int, int]):
+    """A TMA descriptor of ``out`` as [groups, G] rows, or None where bulk copies cannot store it:
+    a partial last group, an address that is not 16-byte aligned, a GPU before Hopper."""
+    if numel == 0 or numel % group_size or out.data_ptr() % 16:
+        return None
+    if not _interpreting() and torch.cuda.get_device_capability(out.device) < (9, 0):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(out[:numel].view(-1, group_size), list(block))
 
 
 def sum_into(stacked: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor) -> None:
