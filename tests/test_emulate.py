@@ -22,6 +22,7 @@ from taco_accel import comm
 from taco_accel.comm.emulated import EmulatedGroup
 from taco_accel.models.checkpoint import shard_specs
 from taco_accel.models.tiny import tiny_model
+from taco_accel.tp.utils import ShardSpec
 
 ARCHS = ("qwen2", "qwen3", "llama", "mistral", "gpt2")
 STEPS = 3
@@ -192,3 +193,30 @@ def test_emulated_group_matches_its_contract():
         group.all_reduce(xs[:3], cfg)
     with pytest.raises(ValueError, match="divisible by the group size 4"):
         group.reduce_scatter([x[:3] for x in xs], cfg)
+
+
+@pytest.mark.parametrize(
+    "split",
+    [ShardSpec.even(8, 4), ShardSpec.heads(1, 2, 4), ShardSpec.concat([ShardSpec.even(4, 2), ShardSpec.even(6, 2)]),
+     ShardSpec.even(6, 3, dim=1)],
+    ids=["even", "replicated", "segments", "dim1"],
+)
+def test_rank_parts_gradient_equals_slicing(split):
+    """The rank parts of a tensor carry the same gradient as plain slices of it (which autograd
+    would assemble from full-size zero tensors): bit for bit for disjoint and segmented parts, to
+    fp32 rounding for parts replicated on several ranks."""
+    from taco_accel.tp.emulate import _RankParts
+
+    torch.manual_seed(0)
+    full = torch.randn(*[split.full_size if d == split.dim else 3 for d in range(2)], requires_grad=True)
+    weights = [torch.randn(split.size(p)) for p in range(split.tp)]
+
+    def loss(parts):
+        return sum((part.movedim(split.dim, 0).T * w).sum() for part, w in zip(parts, weights))
+
+    (got,) = torch.autograd.grad(loss(_RankParts.apply(full, split)), full)
+    (want,) = torch.autograd.grad(loss([split.take(full, p) for p in range(split.tp)]), full)
+    if split.replicas == 1:
+        assert torch.equal(got, want)
+    else:  # the replicas' gradients add up in rank order, autograd's in its own: fp32 rounding apart
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

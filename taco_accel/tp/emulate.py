@@ -146,6 +146,37 @@ class _GatherSequence(torch.autograd.Function):
         return grad, None, None, None
 
 
+class _RankParts(torch.autograd.Function):
+    """Every rank's part of ``full`` (`ShardSpec.take`), with its gradient put together once in
+    backward. Plain slicing would make autograd build each part's gradient as a zero-filled
+    tensor of the full size and add the tp of them up: tp fills, copies and additions of the whole
+    tensor for every weight and every row-parallel input, each step."""
+
+    @staticmethod
+    def forward(ctx, full: torch.Tensor, split: ShardSpec):
+        ctx.split, ctx.shape = split, full.shape
+        return tuple(split.take(full, p, copy=False) for p in range(split.tp))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        split = ctx.split
+        ranges = [r[0] for r in split.ranges if len(r) == 1]
+        tiles = len(ranges) == split.tp and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        if tiles and ranges[0][0] == 0 and ranges[-1][1] == split.full_size and None not in grads:
+            return torch.cat(grads, split.dim), None  # disjoint parts in order: one copy
+        grad = None
+        for p, g in enumerate(grads):  # replicated parts (kv heads) add up, in rank order
+            if g is None:
+                continue
+            if grad is None:
+                grad = g.new_zeros(ctx.shape)
+            offset = 0
+            for start, stop in split.ranges[p]:
+                grad.narrow(split.dim, start, stop - start).add_(g.narrow(split.dim, offset, stop - start))
+                offset += stop - start
+        return grad, None
+
+
 # --- entering and leaving the region ----------------------------------------------------------
 
 
@@ -309,13 +340,9 @@ class EmulatedColumnParallelLinear(_EmulatedLinear):
             xs = self.region.inputs(x)
         else:
             xs = [x] * self.tp
-        outs = [
-            self._local_linear(
-                xs[p], self.split.take(self.weight, p, copy=False),
-                None if self.bias is None else self.bias_split.take(self.bias, p, copy=False),
-            )
-            for p in range(self.tp)
-        ]  # tp x (b, s, out/tp)
+        weights = _RankParts.apply(self.weight, self.split)
+        biases = [None] * self.tp if self.bias is None else _RankParts.apply(self.bias, self.bias_split)
+        outs = [self._local_linear(xs[p], weights[p], biases[p]) for p in range(self.tp)]  # tp x (b, s, out/tp)
         return rank_order(outs, self.split)  # (b, s, out), replicated kv heads once per rank
 
 
@@ -331,10 +358,8 @@ class EmulatedRowParallelLinear(_EmulatedLinear):
 
     def partials(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's partial product, (b, s, in) -> tp x (b, s, out), no bias."""
-        return [
-            self._local_linear(self.input_split.take(x, p, copy=False), self.split.take(self.weight, p, copy=False), None)
-            for p in range(self.tp)
-        ]
+        xs, weights = _RankParts.apply(x, self.input_split), _RankParts.apply(self.weight, self.split)
+        return [self._local_linear(xs[p], weights[p], None) for p in range(self.tp)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.reduce(self.partials(x))  # (b, s, out)
