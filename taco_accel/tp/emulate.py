@@ -160,20 +160,13 @@ class _RankParts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         split = ctx.split
-        ranges = [r[0] for r in split.ranges if len(r) == 1]
-        tiles = len(ranges) == split.tp and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
-        if tiles and ranges[0][0] == 0 and ranges[-1][1] == split.full_size and None not in grads:
-            return torch.cat(grads, split.dim), None  # disjoint parts in order: one copy
+        if split.replicas == 1 and None not in grads:
+            return split.assemble(grads), None  # disjoint parts: each written once (one cat in order)
         grad = None
         for p, g in enumerate(grads):  # replicated parts (kv heads) add up, in rank order
-            if g is None:
-                continue
-            if grad is None:
-                grad = g.new_zeros(ctx.shape)
-            offset = 0
-            for start, stop in split.ranges[p]:
-                grad.narrow(split.dim, start, stop - start).add_(g.narrow(split.dim, offset, stop - start))
-                offset += stop - start
+            if g is not None:
+                grad = g.new_zeros(ctx.shape) if grad is None else grad
+                split.place(g, p, grad, accumulate=True)
         return grad, None
 
 

@@ -57,6 +57,14 @@ class ShardSpec:
         """How many ranks hold each block (1 unless kv heads are replicated)."""
         return sum(1 for r in self.ranges if r == self.ranges[0])
 
+    @property
+    def in_order(self) -> bool:
+        """Whether each rank holds one block and the blocks follow each other in rank order over
+        the whole tensor: the full tensor is then the concatenation of the parts."""
+        blocks = [r[0] for r in self.ranges if len(r) == 1]
+        return (len(blocks) == self.tp and blocks[0][0] == 0 and blocks[-1][1] == self.full_size
+                and all(a[1] == b[0] for a, b in zip(blocks, blocks[1:])))
+
     def size(self, rank: int) -> int:
         return sum(stop - start for start, stop in self.ranges[rank])
 
@@ -78,6 +86,8 @@ class ShardSpec:
 
     def assemble(self, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
         """The full tensor from every rank's local part (``pieces[r]`` from rank r)."""
+        if self.in_order:
+            return torch.cat(list(pieces), dim=self.dim)
         shape = list(pieces[0].shape)
         shape[self.dim] = self.full_size
         full = pieces[0].new_empty(shape)
@@ -85,11 +95,12 @@ class ShardSpec:
             self.place(piece, rank, full)
         return full
 
-    def place(self, piece: torch.Tensor, rank: int, full: torch.Tensor) -> None:
-        """Write rank ``rank``'s local part ``piece`` into its blocks of ``full``."""
+    def place(self, piece: torch.Tensor, rank: int, full: torch.Tensor, accumulate: bool = False) -> None:
+        """Write (``accumulate``: add) rank ``rank``'s local part ``piece`` into its blocks of ``full``."""
         offset = 0
         for start, stop in self.ranges[rank]:
-            full.narrow(self.dim, start, stop - start).copy_(piece.narrow(self.dim, offset, stop - start))
+            block, src = full.narrow(self.dim, start, stop - start), piece.narrow(self.dim, offset, stop - start)
+            block.add_(src) if accumulate else block.copy_(src)
             offset += stop - start
 
     def on_dim(self, dim: int) -> "ShardSpec":
