@@ -292,14 +292,14 @@ class TrainStep:
         return loss.detach()
 
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor, lr: float) -> torch.Tensor:
-        """The step's training loss (a device tensor; a replay overwrites it on the next call)."""
+        """The step's training loss, a 0-d device tensor (read it without holding up the step)."""
         set_lr(self.opt, lr)
         self.steps += 1
         if self._cuda_graph is not None:
             self._static[0].copy_(inputs)
             self._static[1].copy_(labels)
             self._cuda_graph.replay()
-            return self._static[2]
+            return self._static[2].clone()  # the next replay overwrites the graph's own
         if not self.graph:
             self.opt.zero_grad(set_to_none=True)
             return self._step(inputs, labels)
@@ -332,9 +332,9 @@ class TrainStep:
 @torch.no_grad()
 def evaluate(model, batches, device, bf16: bool) -> float:
     model.eval()
-    total = sum(_loss(model, x, y, device, bf16).item() for x, y in batches)
+    losses = torch.stack([_loss(model, x, y, device, bf16) for x, y in batches]).tolist()  # one host read
     model.train()
-    return total / len(batches)
+    return sum(losses) / len(batches)
 
 
 def train_variant(key: str, data: Data, preset: Preset, *, seed: int, group_size: int, device: torch.device,
@@ -357,33 +357,42 @@ def train_variant(key: str, data: Data, preset: Preset, *, seed: int, group_size
     train_step = TrainStep(model, opt, device, preset.bf16, graph=graph)
     batches = PackedBatches(data.train, preset.seq_len, preset.batch, seed=seed)
     val = eval_batches(data.val, preset.seq_len, preset.batch, preset.eval_batches)
-    history, start = [], time.perf_counter()
+    history, pending, start = [], [], time.perf_counter()
+
+    def record(complete: bool) -> dict:
+        return _record(key, variant, seed, group_size, history, start, complete, train_step.graphed)
+
     if on_step is not None:
         on_step(0, model)
     for step in range(1, preset.steps + 1):
-        loss = train_step(*batches.batch(step - 1), lr=preset.lr * lr_factor(step - 1))
+        pending.append(train_step(*batches.batch(step - 1), lr=preset.lr * lr_factor(step - 1)))
         if on_step is not None:
             on_step(step, model)
-        row = {"step": step, "loss": loss.item()}
-        history.append(row)
-        if not math.isfinite(row["loss"]):
-            logger.warning("%s diverged at step %d", key, step)
+        if step % preset.eval_every and step != preset.steps:
+            continue
+        # the losses since the last validation, read in one host sync rather than one per step
+        first = len(history) + 1
+        history += [{"step": first + i, "loss": v} for i, v in enumerate(torch.stack(pending).tolist())]
+        pending.clear()
+        diverged = next((h["step"] for h in history[first - 1:] if not math.isfinite(h["loss"])), None)
+        if diverged is not None:
+            del history[diverged:]
+            logger.warning("%s diverged at step %d", key, diverged)
             break
-        if step % preset.eval_every == 0 or step == preset.steps:
-            row["val_loss"] = evaluate(model, val, device, preset.bf16)
-            if progress:
-                logger.info("%s step %d: loss %.4f val %.4f", key, step, row["loss"], row["val_loss"])
-            if on_eval is not None:
-                on_eval(_record(key, variant, seed, group_size, history, start, complete=step == preset.steps,
-                                graph=train_step.graphed))
-            if deadline is not None and time.perf_counter() > deadline and step < preset.steps:
-                logger.warning("%s: time budget spent, stopping at step %d of %d", key, step, preset.steps)
-                return _record(key, variant, seed, group_size, history, start, complete=False, graph=train_step.graphed)
-    return _record(key, variant, seed, group_size, history, start, complete=True, graph=train_step.graphed)
+        row = history[-1]
+        row["val_loss"] = evaluate(model, val, device, preset.bf16)
+        if progress:
+            logger.info("%s step %d: loss %.4f val %.4f", key, step, row["loss"], row["val_loss"])
+        if on_eval is not None:
+            on_eval(record(complete=step == preset.steps))
+        if deadline is not None and time.perf_counter() > deadline and step < preset.steps:
+            logger.warning("%s: time budget spent, stopping at step %d of %d", key, step, preset.steps)
+            return record(complete=False)
+    return record(complete=True)
 
 
 def _record(key: str, variant: Variant, seed: int, group_size: int, history: list[dict], start: float,
-            complete: bool, graph: bool = False) -> dict:
+            complete: bool, graph: bool) -> dict:
     return {
         "key": key, "label": variant.label, "codec": variant.describe(group_size), "seed": seed,
         "steps": len(history), **_finals_of(history), "seconds": time.perf_counter() - start,
@@ -682,8 +691,9 @@ def main(argv: Sequence[str] | None = None) -> Records:
             keys = [k for k in args.variants if k != BASELINE]
             result = same_weights_fidelity(data, preset, keys, seed=args.seeds[0], group_size=args.group_size,
                                            device=device, graph=args.cuda_graph)
-            (out / f"seed{args.seeds[0]}").mkdir(parents=True, exist_ok=True)
-            (out / f"seed{args.seeds[0]}" / "fidelity.json").write_text(json.dumps(result))
+            folder = out / f"seed{args.seeds[0]}"
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "fidelity.json").write_text(json.dumps(result))
     records = load_records(out, args.seeds, args.variants)
     print(f"{args.preset}, emulated tp={preset.tp}, {preset.steps} steps, seeds {', '.join(map(str, args.seeds))} "
           f"(deltas: mean over seeds, range in brackets)\n")
