@@ -62,12 +62,13 @@ SUB_MAX = 64  # largest dense Hadamard block (128 costs twice the tensor-core wo
 # copies of each [BG, SUB] block from shared memory through a tensor descriptor of the output
 STORE_PLAIN, STORE_STREAM, STORE_TMA = 0, 1, 2
 
-# Launch settings (benchmarks/RESULTS.md has the sweep); the benchmark overrides them.
-# block_elems: values per tile; num_warps: per kernel (per tile of 8K values); programs_per_sm: persistent programs per SM, per kernel (None:
-# as many as fit at once, 0: one program per tile); num_stages: tiles in flight per program
-# ("sum_many": the sum of more than 4 inputs); payload_dot: decode with fp8 / int8 products;
-# balance: as many programs as give every program the same number of tiles; stores: how
-# decompress stores (STORE_*; TMA only where the output allows it, else plain).
+# Launch settings (benchmarks/RESULTS.md has the sweeps); the benchmark overrides them.
+# block_elems: values per tile; num_warps: per kernel, for tiles of block_elems values
+# ("sum_many": the sum of more than 4 inputs); programs_per_sm: persistent programs per SM
+# (None: as many as fit at once, 0: one program per tile); num_stages: tiles in flight per
+# program; payload_dot: decode with fp8 / int8 products; balance: as many programs as give
+# every program the same number of tiles; stores: how decompress stores (STORE_*; TMA only
+# where the output allows it, else plain).
 TUNING = {"block_elems": 8192, "num_warps": {"compress": 4, "decompress": 8, "sum": 4, "sum_many": 8},
           "dot_mode": DOT_BF16X2,
           "programs_per_sm": {"compress": None, "decompress": 2, "sum": None},
@@ -170,6 +171,16 @@ def _round_to_grid(v, FMT: tl.constexpr):
 def _tile_groups(tile, BG: tl.constexpr, num_groups):
     g = tl.cast(tile, tl.int64) * BG + tl.arange(0, BG)
     return g, g < num_groups
+
+
+@triton.jit
+def _tile_values(ptr, tile, numel, G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr):
+    """The tile's first value (``ptr`` moved there), the 32-bit offsets of sub-block 0 of its BG
+    groups, [BG, SUB], and how many of its values lie before ``numel`` (mask: offs < left)."""
+    start = tl.cast(tile, tl.int64) * (BG * G)
+    offs = tl.arange(0, BG)[:, None] * G + tl.arange(0, SUB)[None, :]
+    left = tl.minimum(tl.maximum(numel - start, 0), BG * G).to(tl.int32)
+    return ptr + start, offs, left
 
 
 @triton.jit
@@ -311,11 +322,7 @@ def _compress_tile(
 ):
     NSUB: tl.constexpr = G // SUB
     g, g_mask = _tile_groups(tile, BG, num_groups)
-    start = tl.cast(tile, tl.int64) * (BG * G)
-    # 32-bit offsets inside the tile; inputs past numel (padding groups) read as zeros
-    offs = tl.arange(0, BG)[:, None] * G + tl.arange(0, SUB)[None, :]
-    left = tl.minimum(tl.maximum(numel - start, 0), BG * G).to(tl.int32)
-    x_blk = x_ptr + start
+    x_blk, offs, left = _tile_values(x_ptr, tile, numel, G, SUB, BG)  # past numel: zeros (padding groups)
     # y_j: sub-block j of H_G x (H_NSUB (x) H_SUB as dense products plus butterflies), unnormalised
     if NSUB == 1:
         y0 = _t1(x_blk, offs, left, sign_ptr, h, 0, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
@@ -452,10 +459,7 @@ def _decompress_tile(
         x0, x1, x2, x3 = _d4(q_ptr, qo, g_mask, h, 0, SUB, HADAMARD, DOT_MODE)
     else:
         x0, x1, x2, x3, x4, x5, x6, x7 = _d8(q_ptr, qo, g_mask, h, SUB, HADAMARD, DOT_MODE)
-    start = tl.cast(tile, tl.int64) * (BG * G)
-    offs = tl.arange(0, BG)[:, None] * G + tl.arange(0, SUB)[None, :]
-    left = tl.minimum(tl.maximum(numel - start, 0), BG * G).to(tl.int32)
-    out_blk = out_ptr + start
+    out_blk, offs, left = _tile_values(out_ptr, tile, numel, G, SUB, BG)
     row0 = tile * BG  # int32: the row of the tile's first group
     _store_decoded(out_blk, offs, left, x0, scale, sign_ptr, 0, SUB, SIGNS, STORE, out_desc, row0)
     if NSUB >= 2:
