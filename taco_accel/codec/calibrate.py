@@ -9,6 +9,11 @@ import torch
 from .api import compress, decompress
 from .config import GROUP_SIZES, TacoConfig
 
+# Errors below this are fp32 rounding of the transform, not quantisation (an fp8 step is ~1e-2
+# relative): they count as equal, so that a lossless round trip's rounding noise (0 for one
+# group size, 1e-7 for another, by the CPU's BLAS) does not decide the group size.
+ROUNDING_FLOOR = 1e-5
+
 
 def relative_rms_error(x: torch.Tensor, config: TacoConfig | None = None) -> float:
     """``||decode(encode(x)) - x|| / ||x||`` in float64 (0.0 for an all-zero tensor)."""
@@ -33,7 +38,7 @@ def calibrate(
 
     Rule: measure the energy-weighted relative RMS error of a round trip for every candidate
     G (summed over all samples), then take the *largest* G whose error is within
-    ``(1 + tolerance)`` of the smallest one. Larger groups cost fewer scale bytes (8/G bytes
+    ``(1 + tolerance)`` of the smallest one (errors under `ROUNDING_FLOOR` count as equal). Larger groups cost fewer scale bytes (8/G bytes
     per element with dual scales, 4/G with a single one), so the rule buys bytes only where
     they cost at most ``tolerance`` of relative precision. Candidates that do not divide the
     last dimension of every sample are skipped when any candidate does (groups must not
@@ -59,5 +64,5 @@ def calibrate(
             err2 += float((decompress(compress(t, cfg)).double() - x64).square().sum())
             ref2 += float(x64.square().sum())
         errors[g] = (err2 / ref2) ** 0.5 if ref2 else 0.0
-    best = min(errors.values())
-    return max(g for g in pool if errors[g] <= best * (1 + tolerance))
+    limit = max(min(errors.values()) * (1 + tolerance), ROUNDING_FLOOR)
+    return max(g for g in pool if errors[g] <= limit)

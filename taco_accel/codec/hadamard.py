@@ -3,6 +3,12 @@
 Row-vector convention, one group per row: ``Y = X @ W / sqrt(G)`` encodes and
 ``X = Y @ W.T / sqrt(G)`` decodes, with ``W = D @ H_G`` (entries +-1, so ``W @ W.T = G * I``)
 and D the diagonal of random signs (identity when they are off).
+
+The reference codec applies W as butterflies (`walsh_hadamard`), not as a matrix product: a
+CPU BLAS sums a product in an order that depends on its thread count and instruction set, so
+two processes (ranks at one thread, a test at two) would round a tie differently and disagree
+on payload bytes. Butterflies are elementwise: the same bits in every process, and G log G
+instead of G^2 operations per group.
 """
 
 from __future__ import annotations
@@ -10,8 +16,6 @@ from __future__ import annotations
 import functools
 
 import torch
-
-from .config import TacoConfig
 
 
 @functools.lru_cache(maxsize=None)
@@ -32,22 +36,14 @@ def sign_vector(group_size: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 2, (group_size,), generator=gen).float() * 2 - 1
 
 
-@functools.lru_cache(maxsize=None)
-def _transform_matrix_cpu(group_size: int, random_signs: bool, seed: int) -> torch.Tensor:
-    h = hadamard_matrix(group_size)
-    if random_signs:
-        h = sign_vector(group_size, seed)[:, None] * h
-    return h.contiguous()
-
-
-_device_cache: dict[tuple, torch.Tensor] = {}
-
-
-def transform_matrix(config: TacoConfig, device: torch.device | str = "cpu") -> torch.Tensor:
-    """W of the module docstring for this config, fp32 on ``device`` (cached)."""
-    key = (config.group_size, config.random_signs, config.sign_seed, str(device))
-    w = _device_cache.get(key)
-    if w is None:
-        w = _transform_matrix_cpu(config.group_size, config.random_signs, config.sign_seed).to(device)
-        _device_cache[key] = w
-    return w
+def walsh_hadamard(x: torch.Tensor) -> torch.Tensor:
+    """``x @ H_G`` for the rows of ``x`` [n, G] (unnormalised, Sylvester order), by log2(G)
+    stages of butterflies (``H_2m = [[H_m, H_m], [H_m, -H_m]]``); fp32 in, fp32 out."""
+    n, g = x.shape
+    half = 1
+    while half < g:
+        pairs = x.view(n, g // (2 * half), 2, half)
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        x = torch.stack((a + b, a - b), dim=2).view(n, g)
+        half *= 2
+    return x

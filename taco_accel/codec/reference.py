@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .config import TacoConfig
-from .hadamard import transform_matrix
+from .hadamard import sign_vector, walsh_hadamard
 from .layout import PAYLOAD_DTYPES, WireLayout
 
 ADAPTIVE_EPS = 1e-6
@@ -84,16 +84,29 @@ def encode_groups(groups: torch.Tensor, config: TacoConfig) -> tuple[torch.Tenso
         x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
         bad = torch.zeros_like(bad)
     if config.hadamard:
-        x = (x @ transform_matrix(config, x.device)) * config.group_size**-0.5
+        x = walsh_hadamard(x * _signs(config, x.device) if config.random_signs else x) * config.group_size**-0.5
     return requantize(x, bad, config)
 
 
 def decode_groups(q: torch.Tensor, scales: torch.Tensor, config: TacoConfig) -> torch.Tensor:
     """Payload [n, G] and scales [num_scales, n] -> decoded groups [n, G] fp32."""
     z = dequantize(q, scales)
-    if config.hadamard:
-        z = (z @ transform_matrix(config, z.device).t()) * config.group_size**-0.5
+    if config.hadamard:  # W.T = H D: the butterflies, then the signs
+        z = walsh_hadamard(z) * config.group_size**-0.5
+        if config.random_signs:
+            z = z * _signs(config, z.device)
     return z
+
+
+_sign_cache: dict[tuple, torch.Tensor] = {}
+
+
+def _signs(config: TacoConfig, device: torch.device) -> torch.Tensor:
+    """D of `hadamard` as a row vector [G] on ``device`` (cached)."""
+    key = (config.group_size, config.sign_seed, str(device))
+    if key not in _sign_cache:
+        _sign_cache[key] = sign_vector(config.group_size, config.sign_seed).to(device)
+    return _sign_cache[key]
 
 
 # --- the backend interface shared with the Triton kernels -------------------------------------
