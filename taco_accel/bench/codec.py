@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import statistics
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -108,8 +110,9 @@ class Rotating:
 
 
 def bench_case(numel: int, config: TacoConfig, dtype: torch.dtype, device: torch.device, peers: tuple,
-               backends: tuple | None = None) -> list[dict]:
-    """Time compress / decompress / sum(P) for one size and config (both backends by default)."""
+               backends: tuple | None = None, eager: bool = True) -> list[dict]:
+    """Time compress / decompress / sum(P) for one size and config (both backends by default);
+    ``eager``: also time plain launches (``eager`` seconds, else None)."""
     rows = []
     elem = torch.finfo(dtype).bits // 8
     backends = backends or (("triton", "torch") if device.type == "cuda" else ("torch",))
@@ -118,13 +121,13 @@ def bench_case(numel: int, config: TacoConfig, dtype: torch.dtype, device: torch
         cfg = config.replace(backend=backend)
         xs = Rotating(lambda: torch.randn(numel, device=device, dtype=dtype) * 0.02, numel * elem, device)
         t = timer(lambda: compress(xs.next(), cfg), device)
-        eager = timer(lambda: compress(xs.next(), cfg), device, graph=False)
-        rows.append(dict(step="compress", backend=backend, bytes=numel * elem + wire, seconds=t, eager=eager))
+        eager_t = timer(lambda: compress(xs.next(), cfg), device, graph=False) if eager else None
+        rows.append(dict(step="compress", backend=backend, bytes=numel * elem + wire, seconds=t, eager=eager_t))
         packs = Rotating(lambda: compress(torch.randn(numel, device=device, dtype=dtype), cfg), wire, device)
         out = torch.empty(numel, device=device, dtype=dtype)
         t = timer(lambda: decompress(packs.next(), out), device)
-        eager = timer(lambda: decompress(packs.next(), out), device, graph=False)
-        rows.append(dict(step="decompress", backend=backend, bytes=numel * elem + wire, seconds=t, eager=eager))
+        eager_t = timer(lambda: decompress(packs.next(), out), device, graph=False) if eager else None
+        rows.append(dict(step="decompress", backend=backend, bytes=numel * elem + wire, seconds=t, eager=eager_t))
         layout = WireLayout.for_tensor(numel, cfg)
         for p in peers:
             stacks = Rotating(
@@ -132,8 +135,8 @@ def bench_case(numel: int, config: TacoConfig, dtype: torch.dtype, device: torch
                 wire * p, device,
             )
             t = timer(lambda: sum_packed(stacks.next(), layout, cfg), device)
-            eager = timer(lambda: sum_packed(stacks.next(), layout, cfg), device, graph=False)
-            rows.append(dict(step=f"sum P={p}", backend=backend, bytes=(p + 1) * wire, seconds=t, eager=eager))
+            eager_t = timer(lambda: sum_packed(stacks.next(), layout, cfg), device, graph=False) if eager else None
+            rows.append(dict(step=f"sum P={p}", backend=backend, bytes=(p + 1) * wire, seconds=t, eager=eager_t))
     return rows
 
 
@@ -169,22 +172,19 @@ def check_kernels(device: torch.device, group_sizes: tuple = (32, 64, 128, 256, 
     return ok
 
 
-def sweep(device: torch.device, numel: int, copy_bw: float) -> None:
-    """Time launch variants at one size, G=128, against the defaults in TUNING: pipeline stages,
-    resident programs per SM (all that fit, 2, or one program per tile instead of a persistent
-    grid), decoding with bf16 instead of fp8 products, twice the values per tile, 4 or 8 warps
-    in every kernel, a grid balanced to equal tile counts, evict-first or bulk (TMA) stores of
-    decoded values, and on fp32 input tf32 against two bf16 products."""
-    from ..codec import triton_kernels as tk
-
-    base = {k: dict(v) if isinstance(v, dict) else v for k, v in tk.TUNING.items()}
-    cfg = TacoConfig(backend="triton")
+def sweep_variants(tk) -> list[tuple[str, str, dict]]:
+    """(name, input dtype, TUNING changes) of every launch variant `sweep` can time."""
+    base = tk.TUNING
 
     def override(stages=None, per_sm=..., **kw):
         stages = base["num_stages"] if stages is None else dict(base["num_stages"], compress=stages, decompress=stages)
         programs = base["programs_per_sm"] if per_sm is ... else dict.fromkeys(base["programs_per_sm"], per_sm)
         return dict(num_stages=stages, programs_per_sm=programs, **kw)
 
+    def decompress_on(per_sm):
+        return dict(base["programs_per_sm"], decompress=per_sm)
+
+    tma = dict(stores=tk.STORE_TMA)
     variants = [("defaults", "bf16", {})]
     variants += [(f"{n} stages", "bf16", override(stages=n)) for n in (2, 4)]
     variants += [("all resident", "bf16", override(per_sm=None)), ("one per tile", "bf16", override(per_sm=0))]
@@ -194,15 +194,32 @@ def sweep(device: torch.device, numel: int, copy_bw: float) -> None:
                  ("16K per tile", "bf16", override(block_elems=16384)),
                  ("balanced grid", "bf16", override(balance=True)),
                  ("evict-first st", "bf16", override(stores=tk.STORE_STREAM)),
-                 ("TMA stores", "bf16", override(stores=tk.STORE_TMA))]
+                 ("TMA stores", "bf16", override(**tma)),
+                 ("TMA, 3/SM dec", "bf16", override(programs_per_sm=decompress_on(3), **tma)),
+                 ("TMA, all dec", "bf16", override(programs_per_sm=decompress_on(None), **tma)),
+                 ("TMA, 4 stages", "bf16", dict(num_stages=dict(base["num_stages"], decompress=4), **tma))]
     variants += [(f"fp32 {name}", "fp32", override(dot_mode=mode)) for name, mode in (("tf32", tk.DOT_TF32),
                                                                                       ("bf16x2", tk.DOT_BF16X2))]
+    return variants
+
+
+def sweep(device: torch.device, numel: int, copy_bw: float, names: set[str] | None = None) -> None:
+    """Time launch variants at one size, G=128, against the defaults in TUNING (`sweep_variants`:
+    pipeline stages, resident programs per SM, all that fit, or one program per tile instead of a
+    persistent grid, decoding with bf16 instead of fp8 products, twice the values per tile, 4 or 8
+    warps in every kernel, a grid balanced to equal tile counts, evict-first or bulk (TMA) stores
+    of decoded values, and on fp32 input tf32 against two bf16 products); ``names``: only these."""
+    from ..codec import triton_kernels as tk
+
+    base = {k: dict(v) if isinstance(v, dict) else v for k, v in tk.TUNING.items()}
+    cfg = TacoConfig(backend="triton")
+    variants = [v for v in sweep_variants(tk) if names is None or v[0] in names]
     print(f"\nsweep at {numel / 2**20:.0f}M elements, G=128 (fraction of copy bandwidth); defaults: {base}")
     print(f"{'variant':>14s} {'compress':>9s} {'decomp':>7s} {'sum P=2':>8s} {'sum P=8':>8s}")
     for name, dname, change in variants:
         tk.TUNING.update(change)
         try:
-            rows = bench_case(numel, cfg, DTYPES[dname], device, (2, 8), backends=("triton",))
+            rows = bench_case(numel, cfg, DTYPES[dname], device, (2, 8), backends=("triton",), eager=False)
         except Exception as e:  # a variant that does not compile is a result too
             print(f"{name:>14s}  failed: {type(e).__name__}: {str(e)[:80]}")
             continue
@@ -211,6 +228,20 @@ def sweep(device: torch.device, numel: int, copy_bw: float) -> None:
         frac = {r["step"]: r["bytes"] / r["seconds"] / copy_bw for r in rows}
         print(f"{name:>14s} {frac['compress']:9.2f} {frac['decompress']:7.2f} {frac['sum P=2']:8.2f} "
               f"{frac['sum P=8']:8.2f}", flush=True)
+
+
+def apply_tuning(assignments: Sequence[str]) -> dict:
+    """``key=value`` overrides of `triton_kernels.TUNING` (values as JSON, a dict merged into the
+    current one: ``stores=2``, ``num_warps={"compress": 8}``); returns the new TUNING."""
+    from ..codec import triton_kernels as tk
+
+    for item in assignments:
+        key, sep, text = item.partition("=")
+        if not sep or key not in tk.TUNING:
+            raise SystemExit(f"--tuning {item!r}: use KEY=JSON with KEY one of {sorted(tk.TUNING)}")
+        value = json.loads(text)
+        tk.TUNING[key] = {**tk.TUNING[key], **value} if isinstance(tk.TUNING[key], dict) else value
+    return tk.TUNING
 
 
 def main(argv=None) -> None:
@@ -223,6 +254,9 @@ def main(argv=None) -> None:
     parser.add_argument("--check-group-sizes", default="32,64,128,256,512", help="group sizes of the check")
     parser.add_argument("--no-sweep", action="store_true", help="skip the kernel variant sweep")
     parser.add_argument("--sweep-sizes", default="16M,64M", help="sizes of the kernel variant sweep")
+    parser.add_argument("--sweep-variants", help="comma-separated names of the sweep's variants (default: all)")
+    parser.add_argument("--tuning", nargs="+", default=[], metavar="KEY=JSON",
+                        help="override launch settings of triton_kernels.TUNING for the check and the table")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -231,6 +265,8 @@ def main(argv=None) -> None:
     peers = tuple(int(p) for p in args.peers.split(","))
     if cuda:
         print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+        if args.tuning:
+            print("tuning:", apply_tuning(args.tuning))
         checked = tuple(int(g) for g in args.check_group_sizes.split(","))
         if not args.no_check and not check_kernels(device, checked):
             raise SystemExit("kernel check failed")
@@ -242,16 +278,20 @@ def main(argv=None) -> None:
             cast = cast_bandwidth(device, src, dst)
             print(f"Triton cast {str(src)[6:]} -> {str(dst)[6:]} ({name}'s traffic, no arithmetic): "
                   f"{cast / 1e9:.0f} GB/s = {cast / copy_bw:.2f} of copy")
+    same_size = {}  # a copy of each size's input, timed like the kernels: what launch and tail leave
+    if cuda:
         for numel in sizes:
-            same = copy_bandwidth(device, numel, DTYPES[args.dtype], graph=True)
-            print(f"{args.dtype} copy of {numel / 2**20:.2f}M values, graph-timed: {same / copy_bw:.2f} of copy")
+            same_size[numel] = copy_bandwidth(device, numel, DTYPES[args.dtype], graph=True)
+            print(f"{args.dtype} copy of {numel / 2**20:.2f}M values, graph-timed: {same_size[numel] / copy_bw:.2f} of copy")
     if cuda and not args.no_sweep:
+        names = set(args.sweep_variants.split(",")) if args.sweep_variants else None
         for size in args.sweep_sizes.split(","):
-            sweep(device, parse_size(size), copy_bw)
+            sweep(device, parse_size(size), copy_bw, names)
     print(f"\n{args.dtype} input; us = median device time (CUDA graph replays); GB/s = (bytes read +"
-          f" written) / that time; frac = of copy bandwidth; eager us = plain launches, host overhead included")
-    print(f"{'elements':>9s} {'G':>4s} {'step':>10s} {'backend':>7s} {'us':>9s} {'GB/s':>7s} {'frac':>5s} {'eager us':>9s}"
-          + ("  speedup" if cuda else ""), flush=True)
+          f" written) / that time; frac = of copy bandwidth; of same = of the same-size copy; eager us = plain"
+          f" launches, host overhead included")
+    print(f"{'elements':>9s} {'G':>4s} {'step':>10s} {'backend':>7s} {'us':>9s} {'GB/s':>7s} {'frac':>5s} {'of same':>7s}"
+          f" {'eager us':>9s}" + ("  speedup" if cuda else ""), flush=True)
     for numel, g in itertools.product(sizes, [int(v) for v in args.group_sizes.split(",")]):
         rows = bench_case(numel, TacoConfig(group_size=g), DTYPES[args.dtype], device, peers)
         for row in rows:  # printed per case, so a run cut short keeps what it measured
@@ -260,8 +300,9 @@ def main(argv=None) -> None:
                 other = next(r for r in rows if r["step"] == row["step"] and r["backend"] == "torch")
                 speed = f"  {other['seconds'] / row['seconds']:6.1f}x"
             gbs = row["bytes"] / row["seconds"] / 1e9
+            same = f"{gbs * 1e9 / same_size[numel]:7.2f}" if numel in same_size else f"{'-':>7s}"
             print(f"{numel / 2**20:8.2f}M {g:4d} {row['step']:>10s} {row['backend']:>7s} "
-                  f"{row['seconds'] * 1e6:9.1f} {gbs:7.0f} {gbs * 1e9 / copy_bw:5.2f} {row['eager'] * 1e6:9.1f}{speed}",
+                  f"{row['seconds'] * 1e6:9.1f} {gbs:7.0f} {gbs * 1e9 / copy_bw:5.2f} {same} {row['eager'] * 1e6:9.1f}{speed}",
                   flush=True)
 
 
