@@ -195,9 +195,9 @@ def sweep_variants(tk) -> list[tuple[str, str, dict]]:
                  ("balanced grid", "bf16", override(balance=True)),
                  ("evict-first st", "bf16", override(stores=tk.STORE_STREAM)),
                  ("TMA stores", "bf16", override(**tma)),
-                 ("TMA, 3/SM dec", "bf16", override(programs_per_sm=decompress_on(3), **tma)),
-                 ("TMA, all dec", "bf16", override(programs_per_sm=decompress_on(None), **tma)),
-                 ("TMA, 4 stages", "bf16", dict(num_stages=dict(base["num_stages"], decompress=4), **tma))]
+                 ("TMA 3/SM dec", "bf16", dict(programs_per_sm=decompress_on(3), **tma)),
+                 ("TMA all dec", "bf16", dict(programs_per_sm=decompress_on(None), **tma)),
+                 ("TMA 4 stages", "bf16", dict(num_stages=dict(base["num_stages"], decompress=4), **tma))]
     variants += [(f"fp32 {name}", "fp32", override(dot_mode=mode)) for name, mode in (("tf32", tk.DOT_TF32),
                                                                                       ("bf16x2", tk.DOT_BF16X2))]
     return variants
