@@ -175,7 +175,7 @@ def build(fn, signature, constexprs, step):
     signature = dict(signature, **{k: "constexpr" for k in constexprs})
     # what the launcher specialises at run time: 16-byte aligned pointers and sizes
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in signature.items()
-             if v != "constexpr" and not v.startswith("tensordesc")}
+             if v != "constexpr"}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps[step]})
 
@@ -187,15 +187,10 @@ assert "mma" in k.asm["ptx"], "the transform should run on the tensor cores"
 assert "cp.async" in k.asm["ptx"], "the next tile's input should be fetched while this one is transformed"
 k = build(tk._decompress_kernel,
           dict(q_ptr="*" + fmt, s_ptr="*fp32", out_ptr="*" + dtype, h_ptr="*fp32", sign_ptr="*fp32", **ints),
-          dict(G=G, SUB=sub, BG=bg, DOT_MODE=tk.DOT_PAYLOAD, NUM_STAGES=2, STORE=tk.STORE_PLAIN, out_desc=None,
-               **flags), "decompress")
+          dict(G=G, SUB=sub, BG=bg, DOT_MODE=tk.DOT_PAYLOAD, NUM_STAGES=2, STORE=tk.STORE_PLAIN, **flags),
+          "decompress")
 payload = ("e4m3", "e5m2", "s8")[code]
 assert f".{payload}.{payload}" in k.asm["ptx"], "decoding should multiply the payload bytes as they are"
-k = build(tk._decompress_kernel,
-          dict(q_ptr="*" + fmt, s_ptr="*fp32", out_ptr="*" + dtype, h_ptr="*fp32", sign_ptr="*fp32",
-               out_desc=f"tensordesc<{dtype}[{bg}, {sub}]>", **ints),
-          dict(G=G, SUB=sub, BG=bg, DOT_MODE=tk.DOT_PAYLOAD, NUM_STAGES=2, STORE=tk.STORE_TMA, **flags), "decompress")
-assert "cp.async.bulk.tensor" in k.asm["ptx"], "TMA stores should be bulk copies"
 for P, step in ((4, "sum"), (8, "sum_many")):
     warps["sum"] = warps["sum_many"] = tk.TUNING["num_warps"][step]  # the sum kernel is not transforming
     build(tk._sum_kernel,
@@ -230,11 +225,9 @@ def test_kernels_compile_for_hopper(case):
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
-@pytest.mark.parametrize("store", ["stream", "tma"])
 @pytest.mark.parametrize("group_size", [64, 256])
-def test_decompress_store_variants_match_plain_stores(store, group_size, monkeypatch):
-    """Evict-first and bulk (TMA) stores of the decoded values write what plain stores write;
-    an output a descriptor cannot cover (a partial last group) falls back to plain stores."""
+def test_evict_first_stores_match_plain_stores(group_size, monkeypatch):
+    """Evict-first stores of the decoded values write what plain stores write."""
     from taco_accel.codec import triton_kernels as tk
 
     torch.manual_seed(0)
@@ -242,6 +235,6 @@ def test_decompress_store_variants_match_plain_stores(store, group_size, monkeyp
     for numel in (64 * group_size + 5 * group_size, 3 * group_size + 7):  # a partial tile; a partial group
         packed = compress(torch.randn(numel, device=DEVICE).to(torch.bfloat16), cfg)
         plain = decompress(packed)
-        monkeypatch.setitem(tk.TUNING, "stores", {"stream": tk.STORE_STREAM, "tma": tk.STORE_TMA}[store])
+        monkeypatch.setitem(tk.TUNING, "stores", tk.STORE_STREAM)
         assert torch.equal(decompress(packed), plain)
         monkeypatch.setitem(tk.TUNING, "stores", tk.STORE_PLAIN)

@@ -184,7 +184,6 @@ def sweep_variants(tk) -> list[tuple[str, str, dict]]:
     def decompress_on(per_sm):
         return dict(base["programs_per_sm"], decompress=per_sm)
 
-    tma = dict(stores=tk.STORE_TMA)
     variants = [("defaults", "bf16", {})]
     variants += [(f"{n} stages", "bf16", override(stages=n)) for n in (2, 4)]
     variants += [("all resident", "bf16", override(per_sm=None)), ("one per tile", "bf16", override(per_sm=0))]
@@ -194,10 +193,7 @@ def sweep_variants(tk) -> list[tuple[str, str, dict]]:
                  ("16K per tile", "bf16", override(block_elems=16384)),
                  ("balanced grid", "bf16", override(balance=True)),
                  ("evict-first st", "bf16", override(stores=tk.STORE_STREAM)),
-                 ("TMA stores", "bf16", override(**tma)),
-                 ("TMA 3/SM dec", "bf16", dict(programs_per_sm=decompress_on(3), **tma)),
-                 ("TMA all dec", "bf16", dict(programs_per_sm=decompress_on(None), **tma)),
-                 ("TMA 4 stages", "bf16", dict(num_stages=dict(base["num_stages"], decompress=4), **tma))]
+                 ("evict-first 3/SM", "bf16", dict(programs_per_sm=decompress_on(3), stores=tk.STORE_STREAM))]
     variants += [(f"fp32 {name}", "fp32", override(dot_mode=mode)) for name, mode in (("tf32", tk.DOT_TF32),
                                                                                       ("bf16x2", tk.DOT_BF16X2))]
     return variants
@@ -207,8 +203,8 @@ def sweep(device: torch.device, numel: int, copy_bw: float, names: set[str] | No
     """Time launch variants at one size, G=128, against the defaults in TUNING (`sweep_variants`:
     pipeline stages, resident programs per SM, all that fit, or one program per tile instead of a
     persistent grid, decoding with bf16 instead of fp8 products, twice the values per tile, 4 or 8
-    warps in every kernel, a grid balanced to equal tile counts, evict-first or bulk (TMA) stores
-    of decoded values, and on fp32 input tf32 against two bf16 products); ``names``: only these."""
+    warps in every kernel, a grid balanced to equal tile counts, evict-first stores of decoded
+    values, and on fp32 input tf32 against two bf16 products); ``names``: only these."""
     from ..codec import triton_kernels as tk
 
     base = {k: dict(v) if isinstance(v, dict) else v for k, v in tk.TUNING.items()}

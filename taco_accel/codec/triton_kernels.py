@@ -58,17 +58,17 @@ _A_MAX = tl.constexpr(ADAPTIVE_MAX)
 _TINY = tl.constexpr(TINY_AMAX)
 SUB_MAX = 64  # largest dense Hadamard block (128 costs twice the tensor-core work per value)
 
-# how decompress stores decoded values: plain stores, evict-first (.cs) stores, or bulk (TMA)
-# copies of each [BG, SUB] block from shared memory through a tensor descriptor of the output
-STORE_PLAIN, STORE_STREAM, STORE_TMA = 0, 1, 2
+# how decompress stores decoded values: plain or evict-first (.cs) stores
+STORE_PLAIN, STORE_STREAM = 0, 1
 
 # Launch settings (benchmarks/RESULTS.md has the sweeps); the benchmark overrides them.
 # block_elems: values per tile; num_warps: per kernel, for tiles of block_elems values
 # ("sum_many": the sum of more than 4 inputs); programs_per_sm: persistent programs per SM
 # (None: as many as fit at once, 0: one program per tile); num_stages: tiles in flight per
 # program; payload_dot: decode with fp8 / int8 products; balance: as many programs as give
-# every program the same number of tiles; stores: how decompress stores (STORE_*; TMA only
-# where the output allows it, else plain).
+# every program the same number of tiles; stores: how decompress stores (STORE_*). Bulk (TMA)
+# stores through a tensor descriptor were measured and removed: decompress 0.62 of copy
+# bandwidth against 0.81 with plain stores (RESULTS.md).
 TUNING = {"block_elems": 8192, "num_warps": {"compress": 4, "decompress": 8, "sum": 4, "sum_many": 8},
           "dot_mode": DOT_BF16X2,
           "programs_per_sm": {"compress": None, "decompress": 2, "sum": None},
@@ -421,14 +421,12 @@ def _d8(q_ptr, offs, g_mask, h, SUB: tl.constexpr, HADAMARD: tl.constexpr, DOT_M
 
 @triton.jit
 def _store_decoded(out_blk, offs, left, x, scale, sign_ptr, j: tl.constexpr, SUB: tl.constexpr,
-                   SIGNS: tl.constexpr, STORE: tl.constexpr, out_desc, row0):
+                   SIGNS: tl.constexpr, STORE: tl.constexpr):
     x = x * scale[:, None]
     if SIGNS:
         x = x * tl.load(sign_ptr + j * SUB + tl.arange(0, SUB)[None, :])
     offs = offs + j * SUB
-    if STORE == 2:  # rows past the last group are clipped by the descriptor's shape
-        out_desc.store([row0, j * SUB], x.to(out_blk.dtype.element_ty))
-    elif STORE == 1:
+    if STORE == 1:
         tl.store(out_blk + offs, x.to(out_blk.dtype.element_ty), mask=offs < left, cache_modifier=".cs")
     else:
         tl.store(out_blk + offs, x.to(out_blk.dtype.element_ty), mask=offs < left)
@@ -439,7 +437,7 @@ def _decompress_tile(
     tile, q_ptr, s_ptr, out_ptr, sign_ptr, h, numel, num_groups, gpc, chunk_bytes,
     G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr,
     HADAMARD: tl.constexpr, SIGNS: tl.constexpr, DUAL: tl.constexpr, DOT_MODE: tl.constexpr,
-    STORE: tl.constexpr, out_desc,
+    STORE: tl.constexpr,
 ):
     NSUB: tl.constexpr = G // SUB
     g, g_mask = _tile_groups(tile, BG, num_groups)
@@ -460,18 +458,17 @@ def _decompress_tile(
     else:
         x0, x1, x2, x3, x4, x5, x6, x7 = _d8(q_ptr, qo, g_mask, h, SUB, HADAMARD, DOT_MODE)
     out_blk, offs, left = _tile_values(out_ptr, tile, numel, G, SUB, BG)
-    row0 = tile * BG  # int32: the row of the tile's first group
-    _store_decoded(out_blk, offs, left, x0, scale, sign_ptr, 0, SUB, SIGNS, STORE, out_desc, row0)
+    _store_decoded(out_blk, offs, left, x0, scale, sign_ptr, 0, SUB, SIGNS, STORE)
     if NSUB >= 2:
-        _store_decoded(out_blk, offs, left, x1, scale, sign_ptr, 1, SUB, SIGNS, STORE, out_desc, row0)
+        _store_decoded(out_blk, offs, left, x1, scale, sign_ptr, 1, SUB, SIGNS, STORE)
     if NSUB >= 4:
-        _store_decoded(out_blk, offs, left, x2, scale, sign_ptr, 2, SUB, SIGNS, STORE, out_desc, row0)
-        _store_decoded(out_blk, offs, left, x3, scale, sign_ptr, 3, SUB, SIGNS, STORE, out_desc, row0)
+        _store_decoded(out_blk, offs, left, x2, scale, sign_ptr, 2, SUB, SIGNS, STORE)
+        _store_decoded(out_blk, offs, left, x3, scale, sign_ptr, 3, SUB, SIGNS, STORE)
     if NSUB >= 8:
-        _store_decoded(out_blk, offs, left, x4, scale, sign_ptr, 4, SUB, SIGNS, STORE, out_desc, row0)
-        _store_decoded(out_blk, offs, left, x5, scale, sign_ptr, 5, SUB, SIGNS, STORE, out_desc, row0)
-        _store_decoded(out_blk, offs, left, x6, scale, sign_ptr, 6, SUB, SIGNS, STORE, out_desc, row0)
-        _store_decoded(out_blk, offs, left, x7, scale, sign_ptr, 7, SUB, SIGNS, STORE, out_desc, row0)
+        _store_decoded(out_blk, offs, left, x4, scale, sign_ptr, 4, SUB, SIGNS, STORE)
+        _store_decoded(out_blk, offs, left, x5, scale, sign_ptr, 5, SUB, SIGNS, STORE)
+        _store_decoded(out_blk, offs, left, x6, scale, sign_ptr, 6, SUB, SIGNS, STORE)
+        _store_decoded(out_blk, offs, left, x7, scale, sign_ptr, 7, SUB, SIGNS, STORE)
 
 
 @triton.jit
@@ -480,12 +477,12 @@ def _decompress_kernel(
     numel, num_groups, gpc, chunk_bytes,
     G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr,
     HADAMARD: tl.constexpr, SIGNS: tl.constexpr, DUAL: tl.constexpr, DOT_MODE: tl.constexpr,
-    NUM_STAGES: tl.constexpr, STORE: tl.constexpr, out_desc,
+    NUM_STAGES: tl.constexpr, STORE: tl.constexpr,
 ):
     h = _hadamard(h_ptr, SUB, DOT_MODE, q_ptr.dtype.element_ty)
     for tile in tl.range(tl.program_id(0), tl.cdiv(num_groups, BG), tl.num_programs(0), num_stages=NUM_STAGES):
         _decompress_tile(tile, q_ptr, s_ptr, out_ptr, sign_ptr, h, numel, num_groups, gpc, chunk_bytes,
-                         G, SUB, BG, HADAMARD, SIGNS, DUAL, DOT_MODE, STORE, out_desc)
+                         G, SUB, BG, HADAMARD, SIGNS, DUAL, DOT_MODE, STORE)
 
 
 @triton.jit
@@ -543,6 +540,7 @@ _matrix_cache: dict[tuple, tuple] = {}
 
 
 def _matrices(config: TacoConfig, device: torch.device):
+    """(H_SUB in fp32, the sign vector) on ``device``."""
     key = (config.group_size, config.random_signs, config.sign_seed, str(device))
     if key not in _matrix_cache:
         cpu = _matrices_cpu(config.group_size, config.random_signs, config.sign_seed)
@@ -652,27 +650,10 @@ def decompress_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig
     if mode != DOT_FP32 and TUNING["payload_dot"]:
         mode = DOT_PAYLOAD
     args = (buffer.view(PAYLOAD_DTYPES[config.format]), buffer.view(torch.float32), out, h, signs)
-    sub = min(config.group_size, SUB_MAX)
-    store, desc = TUNING["stores"], None
-    if store == STORE_TMA:
-        desc = _output_descriptor(out, layout.numel, config.group_size, (common["BG"], sub))
-        store = STORE_TMA if desc is not None else STORE_PLAIN
     _run(_decompress_kernel, "decompress", tiles, args, dict(
-        numel=layout.numel, **common, SUB=sub, HADAMARD=config.hadamard, SIGNS=config.random_signs,
-        DUAL=config.scales == "dual", DOT_MODE=mode, STORE=store, out_desc=desc,
+        numel=layout.numel, **common, SUB=min(config.group_size, SUB_MAX), HADAMARD=config.hadamard,
+        SIGNS=config.random_signs, DUAL=config.scales == "dual", DOT_MODE=mode, STORE=TUNING["stores"],
     ))
-
-
-def _output_descriptor(out: torch.Tensor, numel: int, group_size: int, block: tuple[int, int]):
-    """A TMA descriptor of ``out`` as [groups, G] rows, or None where bulk copies cannot store it:
-    a partial last group, an address that is not 16-byte aligned, a GPU before Hopper."""
-    if numel == 0 or numel % group_size or out.data_ptr() % 16:
-        return None
-    if not _interpreting() and torch.cuda.get_device_capability(out.device) < (9, 0):
-        return None
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(out[:numel].view(-1, group_size), list(block))
 
 
 def sum_into(stacked: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor) -> None:
