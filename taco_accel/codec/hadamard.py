@@ -5,10 +5,10 @@ Row-vector convention, one group per row: ``Y = X @ W / sqrt(G)`` encodes and
 and D the diagonal of random signs (identity when they are off).
 
 The reference codec applies W as butterflies (`walsh_hadamard`), not as a matrix product: a
-CPU BLAS sums a product in an order that depends on its thread count and instruction set, so
-two processes (ranks at one thread, a test at two) would round a tie differently and disagree
-on payload bytes. Butterflies are elementwise: the same bits in every process, and G log G
-instead of G^2 operations per group.
+BLAS sums a product in an order of its own (threads, instruction set, blocking), and forked
+gloo ranks were seen to encode a tensor into other bytes than their parent process (a tie
+rounded the other way). Butterflies are elementwise IEEE fp32: the same bits in every process
+and on every machine, and G log G instead of G^2 operations per group.
 """
 
 from __future__ import annotations
