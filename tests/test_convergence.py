@@ -93,3 +93,11 @@ def test_train_step_follows_the_schedule_and_learning_rate_tensors_are_filled_in
     assert tensor_opt.param_groups[0]["lr"] is lr and lr.item() == 0.25
     step = convergence.TrainStep(model, opt, torch.device("cpu"), bf16=False, graph=True)
     assert not step.graph and not step.graphed  # CUDA graphs are CUDA only
+
+
+def test_delta_gives_mean_range_and_standard_error_over_seeds():
+    assert convergence._delta([1.01], [1.0]) == "+1.00%"
+    assert convergence._delta([1.01, 0.99], [1.0, 1.0]) == "+0.00% [-1.00, +1.00]"
+    # deltas +1, +2, +3 %: mean 2, sample sd 1, standard error 1 / sqrt(3)
+    assert convergence._delta([1.01, 2.04, 3.09], [1.0, 2.0, 3.0]) == "+2.00% [+1.00, +3.00] s.e. 0.58"
+    assert convergence._delta([float("nan"), 1.0], [1.0, 1.0]) == "-"

@@ -30,7 +30,8 @@ cache, before several runs start at once (``scripts/convergence_h200.sh``).
 
 The table gives the final training loss (mean of the last 10% of steps), the final validation
 loss (fixed validation batches) and their relative deltas against ``none``: the mean over
-``--seeds``, with the range over seeds when there are several. ``--fidelity`` adds what chaos
+``--seeds``, with the range over seeds when there are several and, from three seeds, the
+standard error of that mean. ``--fidelity`` adds what chaos
 cannot blur: every variant's loss and gradient error at the same weights (those of the
 uncompressed run at 0, 25, ..., 100% of the steps), `same_weights_fidelity`;
 ``--fidelity-only`` measures just that.
@@ -497,12 +498,21 @@ Records = dict[int, dict[str, dict]]  # seed -> variant key -> the record train_
 
 
 def _delta(values: Sequence[float], bases: Sequence[float]) -> str:
-    """Mean relative delta over seeds, in percent, with the range over seeds when several."""
+    """Mean relative delta over seeds, in percent, with the range over seeds when several and
+    the standard error of the mean (sample sd / sqrt(n)) from three seeds on."""
     deltas = [100 * (v - b) / b for v, b in zip(values, bases)]
     if not deltas or not all(math.isfinite(d) for d in deltas):
         return "-"
-    text = f"{sum(deltas) / len(deltas):+.2f}%"
-    return text if len(deltas) == 1 else f"{text} [{min(deltas):+.2f}, {max(deltas):+.2f}]"
+    n = len(deltas)
+    mean = sum(deltas) / n
+    text = f"{mean:+.2f}%"
+    if n == 1:
+        return text
+    text += f" [{min(deltas):+.2f}, {max(deltas):+.2f}]"
+    if n >= 3:
+        sd = math.sqrt(sum((d - mean) ** 2 for d in deltas) / (n - 1))
+        text += f" s.e. {sd / math.sqrt(n):.2f}"
+    return text
 
 
 def _finals(records: Records, key: str, what: str) -> list[float]:
