@@ -11,7 +11,7 @@ from .config import GROUP_SIZES, TacoConfig
 
 # Errors below this are fp32 rounding of the transform, not quantisation (an fp8 step is ~1e-2
 # relative): they count as equal, so that a lossless round trip's rounding noise (0 for one
-# group size, 1e-7 for another, by the CPU's BLAS) does not decide the group size.
+# group size, 1e-7 for another) does not decide the group size.
 ROUNDING_FLOOR = 1e-5
 
 
@@ -38,8 +38,9 @@ def calibrate(
 
     Rule: measure the energy-weighted relative RMS error of a round trip for every candidate
     G (summed over all samples), then take the *largest* G whose error is within
-    ``(1 + tolerance)`` of the smallest one (errors under `ROUNDING_FLOOR` count as equal). Larger groups cost fewer scale bytes (8/G bytes
-    per element with dual scales, 4/G with a single one), so the rule buys bytes only where
+    ``(1 + tolerance)`` of the smallest one (errors under `ROUNDING_FLOOR` count as equal).
+    Larger groups cost fewer scale bytes (8/G bytes per element with dual scales, 4/G with a
+    single one), so the rule buys bytes only where
     they cost at most ``tolerance`` of relative precision. Candidates that do not divide the
     last dimension of every sample are skipped when any candidate does (groups must not
     straddle rows); samples holding NaN or Inf are ignored.

@@ -3,7 +3,8 @@
 Per group x of G values, in fp32 (TACO_SPEC.md):
 
 1. adaptive scale ``a = clamp(QMAX / sqrt(mean(x^2) + 1e-6), 1e-3, 1e3)`` ("dual" only);
-2. transform ``y = a * (x @ W) / sqrt(G)`` (W: signs times Hadamard, see `hadamard`);
+2. transform ``y = a * (x @ W) / sqrt(G)`` (W: signs times Hadamard, applied as butterflies,
+   see `hadamard`);
 3. absmax scale ``s = max|y| / QMAX`` and payload ``q = round(clamp(y / s, -QMAX, QMAX))``
    in the payload format (round to nearest even, saturating).
 
