@@ -40,10 +40,10 @@ def calibrate(
     G (summed over all samples), then take the *largest* G whose error is within
     ``(1 + tolerance)`` of the smallest one (errors under `ROUNDING_FLOOR` count as equal).
     Larger groups cost fewer scale bytes (8/G bytes per element with dual scales, 4/G with a
-    single one), so the rule buys bytes only where
-    they cost at most ``tolerance`` of relative precision. Candidates that do not divide the
-    last dimension of every sample are skipped when any candidate does (groups must not
-    straddle rows); samples holding NaN or Inf are ignored.
+    single one), so the rule buys bytes only where they cost at most ``tolerance`` of relative
+    precision. Candidates that do not divide the last dimension of every sample are skipped
+    when any candidate does (groups must not straddle rows); samples holding NaN or Inf are
+    ignored.
     """
     config = config or TacoConfig()
     if tolerance < 0:
