@@ -117,26 +117,26 @@ def bench_case(numel: int, config: TacoConfig, dtype: torch.dtype, device: torch
     elem = torch.finfo(dtype).bits // 8
     backends = backends or (("triton", "torch") if device.type == "cuda" else ("torch",))
     wire = WireLayout.for_tensor(numel, config).total_bytes
+
+    def row(step: str, backend: str, nbytes: int, fn) -> dict:
+        seconds = timer(fn, device)
+        eager_s = timer(fn, device, graph=False) if eager else None
+        return dict(step=step, backend=backend, bytes=nbytes, seconds=seconds, eager=eager_s)
+
     for backend in backends:
         cfg = config.replace(backend=backend)
         xs = Rotating(lambda: torch.randn(numel, device=device, dtype=dtype) * 0.02, numel * elem, device)
-        t = timer(lambda: compress(xs.next(), cfg), device)
-        eager_t = timer(lambda: compress(xs.next(), cfg), device, graph=False) if eager else None
-        rows.append(dict(step="compress", backend=backend, bytes=numel * elem + wire, seconds=t, eager=eager_t))
+        rows.append(row("compress", backend, numel * elem + wire, lambda: compress(xs.next(), cfg)))
         packs = Rotating(lambda: compress(torch.randn(numel, device=device, dtype=dtype), cfg), wire, device)
         out = torch.empty(numel, device=device, dtype=dtype)
-        t = timer(lambda: decompress(packs.next(), out), device)
-        eager_t = timer(lambda: decompress(packs.next(), out), device, graph=False) if eager else None
-        rows.append(dict(step="decompress", backend=backend, bytes=numel * elem + wire, seconds=t, eager=eager_t))
+        rows.append(row("decompress", backend, numel * elem + wire, lambda: decompress(packs.next(), out)))
         layout = WireLayout.for_tensor(numel, cfg)
         for p in peers:
             stacks = Rotating(
                 lambda: torch.stack([compress(torch.randn(numel, device=device, dtype=dtype), cfg).buffer for _ in range(p)]),
                 wire * p, device,
             )
-            t = timer(lambda: sum_packed(stacks.next(), layout, cfg), device)
-            eager_t = timer(lambda: sum_packed(stacks.next(), layout, cfg), device, graph=False) if eager else None
-            rows.append(dict(step=f"sum P={p}", backend=backend, bytes=(p + 1) * wire, seconds=t, eager=eager_t))
+            rows.append(row(f"sum P={p}", backend, (p + 1) * wire, lambda: sum_packed(stacks.next(), layout, cfg)))
     return rows
 
 
@@ -268,14 +268,13 @@ def main(argv=None) -> None:
             raise SystemExit("kernel check failed")
     copy_bw = copy_bandwidth(device)
     print(f"\ncopy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write)")
+    same_size = {}  # a copy of each size's input, timed like the kernels: what launch and tail leave
     if cuda:
         for name, src, dst in (("compress", torch.bfloat16, torch.float8_e4m3fn),
                                ("decompress", torch.float8_e4m3fn, torch.bfloat16)):
             cast = cast_bandwidth(device, src, dst)
             print(f"Triton cast {str(src)[6:]} -> {str(dst)[6:]} ({name}'s traffic, no arithmetic): "
                   f"{cast / 1e9:.0f} GB/s = {cast / copy_bw:.2f} of copy")
-    same_size = {}  # a copy of each size's input, timed like the kernels: what launch and tail leave
-    if cuda:
         for numel in sizes:
             same_size[numel] = copy_bandwidth(device, numel, DTYPES[args.dtype], graph=True)
             print(f"{args.dtype} copy of {numel / 2**20:.2f}M values, graph-timed: {same_size[numel] / copy_bw:.2f} of copy")

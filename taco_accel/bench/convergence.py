@@ -31,10 +31,9 @@ cache, before several runs start at once (``scripts/convergence_h200.sh``).
 The table gives the final training loss (mean of the last 10% of steps), the final validation
 loss (fixed validation batches) and their relative deltas against ``none``: the mean over
 ``--seeds``, with the range over seeds when there are several and, from three seeds, the
-standard error of that mean. ``--fidelity`` adds what chaos
-cannot blur: every variant's loss and gradient error at the same weights (those of the
-uncompressed run at 0, 25, ..., 100% of the steps), `same_weights_fidelity`;
-``--fidelity-only`` measures just that.
+standard error of that mean. ``--fidelity`` adds what chaos cannot blur: every variant's loss
+and gradient error at the same weights (those of the uncompressed run at 0, 25, ..., 100% of
+the steps), `same_weights_fidelity`; ``--fidelity-only`` measures just that.
 """
 
 from __future__ import annotations
@@ -583,7 +582,8 @@ def plot(records: Records, path: Path, title: str) -> bool:
         ax.grid(alpha=0.3)
     ax_train.set_ylabel("loss (nats / token)")
     ax_delta.axhline(0.0, color="black", lw=0.8)
-    ax_delta.legend(fontsize=7)
+    if base is not None:  # without the baseline the delta panel has no curves to name
+        ax_delta.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path)

@@ -21,6 +21,8 @@ Non-finite inputs: a group holding NaN or Inf gets a NaN scale (decodes to NaN) 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .config import TacoConfig
@@ -99,15 +101,14 @@ def decode_groups(q: torch.Tensor, scales: torch.Tensor, config: TacoConfig) -> 
     return z
 
 
-_sign_cache: dict[tuple, torch.Tensor] = {}
-
-
 def _signs(config: TacoConfig, device: torch.device) -> torch.Tensor:
-    """D of `hadamard` as a row vector [G] on ``device`` (cached)."""
-    key = (config.group_size, config.sign_seed, str(device))
-    if key not in _sign_cache:
-        _sign_cache[key] = sign_vector(config.group_size, config.sign_seed).to(device)
-    return _sign_cache[key]
+    """D of `hadamard` as a row vector [G] on ``device`` (no host-to-device copy per call)."""
+    return _device_signs(config.group_size, config.sign_seed, str(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_signs(group_size: int, seed: int, device: str) -> torch.Tensor:
+    return sign_vector(group_size, seed).to(device)
 
 
 # --- the backend interface shared with the Triton kernels -------------------------------------

@@ -7,6 +7,7 @@ reassembles a full state dict and checks a gradient against the single-process m
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,12 +53,12 @@ class ShardSpec:
     def tp(self) -> int:
         return len(self.ranges)
 
-    @property
+    @functools.cached_property  # read in every emulated backward: computed once per spec
     def replicas(self) -> int:
         """How many ranks hold each block (1 unless kv heads are replicated)."""
         return sum(1 for r in self.ranges if r == self.ranges[0])
 
-    @property
+    @functools.cached_property
     def in_order(self) -> bool:
         """Whether each rank holds one block and the blocks follow each other in rank order over
         the whole tensor: the full tensor is then the concatenation of the parts."""
