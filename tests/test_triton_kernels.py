@@ -180,13 +180,13 @@ def build(fn, signature, constexprs, step):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps[step]})
 
 k = build(tk._compress_kernel,
-          dict(x_ptr="*" + dtype, q_ptr="*" + fmt, s_ptr="*fp32", h_ptr="*fp32", sign_ptr="*fp32", **ints),
+          dict(x_ptr="*" + dtype, q_ptr="*" + fmt, s_ptr="*fp32", sign_ptr="*fp32", **ints),
           dict(G=G, SUB=sub, BG=bg, FMT=code, QMAX=448.0, ADAPTIVE=True, ZERO_NONFINITE=False,
                DOT_MODE=tk.DOT_BF16X2, EMULATE_ROUND=False, **flags, **launch), "compress")
 assert "mma" in k.asm["ptx"], "the transform should run on the tensor cores"
 assert "cp.async" in k.asm["ptx"], "the next tile's input should be fetched while this one is transformed"
 k = build(tk._decompress_kernel,
-          dict(q_ptr="*" + fmt, s_ptr="*fp32", out_ptr="*" + dtype, h_ptr="*fp32", sign_ptr="*fp32", **ints),
+          dict(q_ptr="*" + fmt, s_ptr="*fp32", out_ptr="*" + dtype, sign_ptr="*fp32", **ints),
           dict(G=G, SUB=sub, BG=bg, DOT_MODE=tk.DOT_PAYLOAD, NUM_STAGES=2, STORE=tk.STORE_PLAIN, **flags),
           "decompress")
 payload = ("e4m3", "e5m2", "s8")[code]

@@ -3,8 +3,8 @@
 Each kernel makes one pass over its input. The grid is persistent: as many programs as one SM
 holds at once (read from the compiled kernel's registers and shared memory; fewer where the
 sweep measured better) walk over tiles of BG consecutive groups, so the compiler's software
-pipeline fetches the next tiles while one is transformed, and the Hadamard matrix is read once
-per program. On an H200 the kernels had been waiting on their loads, one tile per program at a
+pipeline fetches the next tiles while one is transformed, and each program makes the Hadamard
+matrix once, from the indices. On an H200 the kernels had been waiting on their loads, one tile per program at a
 time (59-62% of copy bandwidth); pipelined they reach 80-91% (benchmarks/RESULTS.md).
 
 The Hadamard transform runs on the tensor cores as one dense product with H_SUB,
@@ -43,7 +43,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .config import TacoConfig
-from .hadamard import hadamard_matrix, sign_vector
+from .hadamard import sign_vector
 from .layout import PAYLOAD_DTYPES, WireLayout
 from .reference import ADAPTIVE_EPS, ADAPTIVE_MAX, ADAPTIVE_MIN, TINY_AMAX
 
@@ -103,11 +103,15 @@ def _dot(a, b, DOT_MODE: tl.constexpr):
 
 
 @triton.jit
-def _hadamard(h_ptr, N: tl.constexpr, DOT_MODE: tl.constexpr, payload_ty):
-    """H_N from memory (fp32) in the operand type of DOT_MODE."""
-    rows = tl.arange(0, N)[:, None]
-    cols = tl.arange(0, N)[None, :]
-    h = tl.load(h_ptr + rows * N + cols)
+def _hadamard(N: tl.constexpr, DOT_MODE: tl.constexpr, payload_ty):
+    """Sylvester's H_N, H[i, j] = (-1)^popcount(i & j), in the operand type of DOT_MODE. Made
+    from the indices, not loaded: every program needs it before its first product, and loading
+    it from memory cost 0.02-0.04 of copy bandwidth at 16M values (RESULTS.md)."""
+    bits = tl.arange(0, N)[:, None] & tl.arange(0, N)[None, :]
+    bits = bits ^ (bits >> 4)
+    bits = bits ^ (bits >> 2)
+    bits = bits ^ (bits >> 1)  # bit 0: the parity of popcount(i & j) for i, j < 64
+    h = (1 - 2 * (bits & 1)).to(tl.float32)
     if DOT_MODE == 2 or DOT_MODE == 3:
         h = h.to(tl.bfloat16)
     elif DOT_MODE == 4:
@@ -368,14 +372,14 @@ def _compress_tile(
 
 @triton.jit
 def _compress_kernel(
-    x_ptr, q_ptr, s_ptr, h_ptr, sign_ptr,
+    x_ptr, q_ptr, s_ptr, sign_ptr,
     numel, num_groups, gpc, chunk_bytes,
     G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr, FMT: tl.constexpr, QMAX: tl.constexpr,
     HADAMARD: tl.constexpr, SIGNS: tl.constexpr, DUAL: tl.constexpr, ADAPTIVE: tl.constexpr,
     ZERO_NONFINITE: tl.constexpr, DOT_MODE: tl.constexpr, EMULATE_ROUND: tl.constexpr, PAD: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
-    h = _hadamard(h_ptr, SUB, DOT_MODE, q_ptr.dtype.element_ty)
+    h = _hadamard(SUB, DOT_MODE, q_ptr.dtype.element_ty)
     for tile in tl.range(tl.program_id(0), tl.cdiv(num_groups, BG), tl.num_programs(0), num_stages=NUM_STAGES):
         _compress_tile(tile, x_ptr, q_ptr, s_ptr, sign_ptr, h, numel, num_groups, gpc, chunk_bytes,
                        G, SUB, BG, FMT, QMAX, HADAMARD, SIGNS, DUAL, ADAPTIVE, ZERO_NONFINITE, DOT_MODE,
@@ -473,13 +477,13 @@ def _decompress_tile(
 
 @triton.jit
 def _decompress_kernel(
-    q_ptr, s_ptr, out_ptr, h_ptr, sign_ptr,
+    q_ptr, s_ptr, out_ptr, sign_ptr,
     numel, num_groups, gpc, chunk_bytes,
     G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr,
     HADAMARD: tl.constexpr, SIGNS: tl.constexpr, DUAL: tl.constexpr, DOT_MODE: tl.constexpr,
     NUM_STAGES: tl.constexpr, STORE: tl.constexpr,
 ):
-    h = _hadamard(h_ptr, SUB, DOT_MODE, q_ptr.dtype.element_ty)
+    h = _hadamard(SUB, DOT_MODE, q_ptr.dtype.element_ty)
     for tile in tl.range(tl.program_id(0), tl.cdiv(num_groups, BG), tl.num_programs(0), num_stages=NUM_STAGES):
         _decompress_tile(tile, q_ptr, s_ptr, out_ptr, sign_ptr, h, numel, num_groups, gpc, chunk_bytes,
                          G, SUB, BG, HADAMARD, SIGNS, DUAL, DOT_MODE, STORE)
@@ -530,22 +534,10 @@ def _sum_kernel(
 
 
 @functools.lru_cache(maxsize=None)
-def _matrices_cpu(group_size: int, random_signs: bool, seed: int):
-    sub = min(group_size, SUB_MAX)
+def _signs(group_size: int, random_signs: bool, seed: int, device: torch.device) -> torch.Tensor:
+    """The fp32 sign vector on ``device`` (ones without random signs)."""
     signs = sign_vector(group_size, seed) if random_signs else torch.ones(group_size)
-    return hadamard_matrix(sub).contiguous(), signs
-
-
-_matrix_cache: dict[tuple, tuple] = {}
-
-
-def _matrices(config: TacoConfig, device: torch.device):
-    """(H_SUB in fp32, the sign vector) on ``device``."""
-    key = (config.group_size, config.random_signs, config.sign_seed, str(device))
-    if key not in _matrix_cache:
-        cpu = _matrices_cpu(config.group_size, config.random_signs, config.sign_seed)
-        _matrix_cache[key] = tuple(t.to(device) for t in cpu)
-    return _matrix_cache[key]
+    return signs.to(device)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -630,9 +622,9 @@ def _dot_mode(exact_in_bf16: bool) -> int:
 def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, config: TacoConfig) -> None:
     """Encode the flat tensor ``x`` into ``buffer``; same contract as the reference."""
     x = x.contiguous()
-    h, signs = _matrices(config, x.device)
+    signs = _signs(config.group_size, config.random_signs, config.sign_seed, x.device)
     tiles, common = _common(layout, config, "compress")
-    args = (x, buffer.view(PAYLOAD_DTYPES[config.format]), buffer.view(torch.float32), h, signs)
+    args = (x, buffer.view(PAYLOAD_DTYPES[config.format]), buffer.view(torch.float32), signs)
     _run(_compress_kernel, "compress", tiles, args, dict(
         numel=layout.numel, **common, PAD=layout.chunk_bytes - layout.used_bytes, SUB=min(config.group_size, SUB_MAX),
         FMT=FMT_CODE[config.format], QMAX=config.qmax, HADAMARD=config.hadamard,
@@ -644,12 +636,12 @@ def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, con
 
 def decompress_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor) -> None:
     """Decode ``buffer`` into the flat contiguous tensor ``out``."""
-    h, signs = _matrices(config, buffer.device)
+    signs = _signs(config.group_size, config.random_signs, config.sign_seed, buffer.device)
     tiles, common = _common(layout, config, "decompress")
     mode = _dot_mode(True)
     if mode != DOT_FP32 and TUNING["payload_dot"]:
         mode = DOT_PAYLOAD
-    args = (buffer.view(PAYLOAD_DTYPES[config.format]), buffer.view(torch.float32), out, h, signs)
+    args = (buffer.view(PAYLOAD_DTYPES[config.format]), buffer.view(torch.float32), out, signs)
     _run(_decompress_kernel, "decompress", tiles, args, dict(
         numel=layout.numel, **common, SUB=min(config.group_size, SUB_MAX), HADAMARD=config.hadamard,
         SIGNS=config.random_signs, DUAL=config.scales == "dual", DOT_MODE=mode, STORE=TUNING["stores"],
