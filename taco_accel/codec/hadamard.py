@@ -17,6 +17,8 @@ import functools
 
 import torch
 
+from .config import TacoConfig
+
 
 @functools.lru_cache(maxsize=None)
 def hadamard_matrix(n: int) -> torch.Tensor:
@@ -34,6 +36,16 @@ def sign_vector(group_size: int, seed: int) -> torch.Tensor:
     """The fixed +-1 vector of the random-sign option; the same on every rank and machine."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, 2, (group_size,), generator=gen).float() * 2 - 1
+
+
+def device_signs(config: TacoConfig, device: torch.device) -> torch.Tensor:
+    """`sign_vector` of ``config`` on ``device``, copied there once (not on every call)."""
+    return _device_signs(config.group_size, config.sign_seed, str(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_signs(group_size: int, seed: int, device: str) -> torch.Tensor:
+    return sign_vector(group_size, seed).to(device)
 
 
 def walsh_hadamard(x: torch.Tensor) -> torch.Tensor:

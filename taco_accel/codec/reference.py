@@ -21,12 +21,10 @@ Non-finite inputs: a group holding NaN or Inf gets a NaN scale (decodes to NaN) 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .config import TacoConfig
-from .hadamard import sign_vector, walsh_hadamard
+from .hadamard import device_signs, walsh_hadamard
 from .layout import PAYLOAD_DTYPES, WireLayout
 
 ADAPTIVE_EPS = 1e-6
@@ -87,7 +85,7 @@ def encode_groups(groups: torch.Tensor, config: TacoConfig) -> tuple[torch.Tenso
         x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
         bad = torch.zeros_like(bad)
     if config.hadamard:
-        x = walsh_hadamard(x * _signs(config, x.device) if config.random_signs else x) * config.group_size**-0.5
+        x = walsh_hadamard(x * device_signs(config, x.device) if config.random_signs else x) * config.group_size**-0.5
     return requantize(x, bad, config)
 
 
@@ -97,18 +95,8 @@ def decode_groups(q: torch.Tensor, scales: torch.Tensor, config: TacoConfig) -> 
     if config.hadamard:  # W.T = H D: the butterflies, then the signs
         z = walsh_hadamard(z) * config.group_size**-0.5
         if config.random_signs:
-            z = z * _signs(config, z.device)
+            z = z * device_signs(config, z.device)
     return z
-
-
-def _signs(config: TacoConfig, device: torch.device) -> torch.Tensor:
-    """D of `hadamard` as a row vector [G] on ``device`` (no host-to-device copy per call)."""
-    return _device_signs(config.group_size, config.sign_seed, str(device))
-
-
-@functools.lru_cache(maxsize=None)
-def _device_signs(group_size: int, seed: int, device: str) -> torch.Tensor:
-    return sign_vector(group_size, seed).to(device)
 
 
 # --- the backend interface shared with the Triton kernels -------------------------------------

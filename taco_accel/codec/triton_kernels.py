@@ -4,8 +4,9 @@ Each kernel makes one pass over its input. The grid is persistent: as many progr
 holds at once (read from the compiled kernel's registers and shared memory; fewer where the
 sweep measured better) walk over tiles of BG consecutive groups, so the compiler's software
 pipeline fetches the next tiles while one is transformed, and each program makes the Hadamard
-matrix once, from the indices. On an H200 the kernels had been waiting on their loads, one tile per program at a
-time (59-62% of copy bandwidth); pipelined they reach 80-91% (benchmarks/RESULTS.md).
+matrix once, from the indices. On an H200 the kernels had been waiting on their loads, one tile
+per program at a time (59-62% of copy bandwidth); pipelined they reach 80-91%
+(benchmarks/RESULTS.md).
 
 The Hadamard transform runs on the tensor cores as one dense product with H_SUB,
 SUB = min(G, 64), per sub-block of SUB values: a tile [BG, SUB] @ [SUB, SUB]. Larger groups
@@ -43,7 +44,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .config import TacoConfig
-from .hadamard import sign_vector
+from .hadamard import device_signs
 from .layout import PAYLOAD_DTYPES, WireLayout
 from .reference import ADAPTIVE_EPS, ADAPTIVE_MAX, ADAPTIVE_MIN, TINY_AMAX
 
@@ -533,13 +534,6 @@ def _sum_kernel(
 # --- host side ---------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
-def _signs(group_size: int, random_signs: bool, seed: int, device: torch.device) -> torch.Tensor:
-    """The fp32 sign vector on ``device`` (ones without random signs)."""
-    signs = sign_vector(group_size, seed) if random_signs else torch.ones(group_size)
-    return signs.to(device)
-
-
 @functools.lru_cache(maxsize=4096)
 def _launch(layout: WireLayout, group_size: int, tuning: tuple, transform: bool) -> tuple[int, dict]:
     """Tile count and the launch arguments every kernel shares (cached: launches are on the hot
@@ -622,7 +616,7 @@ def _dot_mode(exact_in_bf16: bool) -> int:
 def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, config: TacoConfig) -> None:
     """Encode the flat tensor ``x`` into ``buffer``; same contract as the reference."""
     x = x.contiguous()
-    signs = _signs(config.group_size, config.random_signs, config.sign_seed, x.device)
+    signs = device_signs(config, x.device)  # read only with random signs (SIGNS)
     tiles, common = _common(layout, config, "compress")
     args = (x, buffer.view(PAYLOAD_DTYPES[config.format]), buffer.view(torch.float32), signs)
     _run(_compress_kernel, "compress", tiles, args, dict(
@@ -636,7 +630,7 @@ def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, con
 
 def decompress_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor) -> None:
     """Decode ``buffer`` into the flat contiguous tensor ``out``."""
-    signs = _signs(config.group_size, config.random_signs, config.sign_seed, buffer.device)
+    signs = device_signs(config, buffer.device)
     tiles, common = _common(layout, config, "decompress")
     mode = _dot_mode(True)
     if mode != DOT_FP32 and TUNING["payload_dot"]:
