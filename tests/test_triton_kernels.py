@@ -76,8 +76,11 @@ def test_compress_decompress_match_reference(group_size, variant, dtype):
     got = decompress(as_triton(ref, tri_cfg))
     assert got.shape == x.shape and got.dtype == x.dtype and got.device == x.device
     # per row (rows differ in scale by 1e4): one output rounding apart at most (the
-    # interpreter truncates where the GPU rounds to nearest)
-    tol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    # interpreter truncates where the GPU rounds to nearest); on a GPU the fp8 tensor-core
+    # products of the decode accumulate in fewer bits than fp32 (H200: fp32 outputs within
+    # 2e-5 of the reference), far under any bf16 or fp16 rounding
+    fp32_tol = 1e-6 if DEVICE.type == "cpu" else 1e-4
+    tol = {torch.float32: fp32_tol, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
     row_err = (got.float() - expect).norm(dim=1) / expect.norm(dim=1)
     assert (row_err <= tol).all(), row_err
 
@@ -186,7 +189,8 @@ k = build(tk._compress_kernel,
 assert "mma" in k.asm["ptx"], "the transform should run on the tensor cores"
 assert "cp.async" in k.asm["ptx"], "the next tile's input should be fetched while this one is transformed"
 k = build(tk._decompress_kernel,
-          dict(q_ptr="*" + fmt, s_ptr="*fp32", out_ptr="*" + dtype, sign_ptr="*fp32", **ints),
+          dict(q_ptr="*" + fmt, s_ptr="*fp32", out_ptr="*" + dtype, sign_ptr="*fp32", numel="i32", gpc="i32",
+               chunk_bytes="i32", tiles_per_chunk="i32", num_tiles="i32"),
           dict(G=G, SUB=sub, BG=bg, DOT_MODE=tk.DOT_PAYLOAD, NUM_STAGES=2, STORE=tk.STORE_PLAIN, **flags),
           "decompress")
 payload = ("e4m3", "e5m2", "s8")[code]
@@ -238,3 +242,19 @@ def test_evict_first_stores_match_plain_stores(group_size, monkeypatch):
         monkeypatch.setitem(tk.TUNING, "stores", tk.STORE_STREAM)
         assert torch.equal(decompress(packed), plain)
         monkeypatch.setitem(tk.TUNING, "stores", tk.STORE_PLAIN)
+
+
+@pytest.mark.parametrize("group_size", [64, 128])
+def test_decompress_tiles_end_at_chunk_ends(group_size):
+    """Decompress walks each chunk in tiles of its own (the last one partial): every value is
+    written once, from its own chunk's payload and scales."""
+    torch.manual_seed(0)
+    ref_cfg, tri_cfg = configs(group_size, "dual")
+    numel = 2 * 70 * group_size + 5  # 2 chunks of 71 groups: 2 tiles each, the second partial
+    packed = compress(torch.randn(numel, device=DEVICE), ref_cfg, chunks=2)
+    assert packed.layout.groups_per_chunk == 71
+    expect = decompress(packed)
+    got = torch.full_like(expect, float("nan"))
+    decompress(as_triton(packed, tri_cfg), got)
+    assert not got.isnan().any()
+    assert (got - expect).norm() <= 1e-4 * expect.norm()

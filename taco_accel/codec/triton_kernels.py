@@ -24,8 +24,11 @@ the fp8 conversion saturates in hardware (no clamp), and offsets inside a tile a
 The +-1 matrix is exact in bf16 and in fp8. bf16 inputs are exact in bf16, so they need one
 bf16 product; fp32 and fp16 operands go through two (high and low bf16 halves, about 16
 mantissa bits) or one tf32 product (DOT_MODE). Decoding multiplies the payload bytes as they
-are (fp8 or int8 tensor-core products, DOT_PAYLOAD: exact up to the fp32 accumulation, and no
-conversion pass before the product). The interpreter on the CPU gets fp32 products.
+are (fp8 or int8 tensor-core products, DOT_PAYLOAD: no conversion pass before the product).
+int8 products are exact; Hopper accumulates fp8 products in fewer bits than fp32, so decoded
+fp32 values lie within 3e-5 of the reference on an H200 (8e-8 through bf16 products, which
+decode at 0.66 instead of 0.81 of copy bandwidth), far under bf16 or fp16 output rounding.
+The interpreter on the CPU gets fp32 products.
 
 Under TRITON_INTERPRET=1 the fp8 cast rounds wrongly where the mantissa carries into the
 exponent and does not saturate, so the interpreter clamps and rounds to the fp8 grid first
@@ -68,8 +71,9 @@ STORE_PLAIN, STORE_STREAM = 0, 1
 # (None: as many as fit at once, 0: one program per tile); num_stages: tiles in flight per
 # program; payload_dot: decode with fp8 / int8 products; balance: as many programs as give
 # every program the same number of tiles; stores: how decompress stores (STORE_*). Bulk (TMA)
-# stores through a tensor descriptor were measured and removed: decompress 0.62 of copy
-# bandwidth against 0.81 with plain stores (RESULTS.md).
+# copies were measured and not kept: stores of decoded values (decompress 0.62 of copy
+# bandwidth against 0.81), loads of the payload (0.72-0.82 against 0.77-0.83 with plain
+# loads, 8M-64M values), of compress's input and of the sums' inputs (RESULTS.md).
 TUNING = {"block_elems": 8192, "num_warps": {"compress": 4, "decompress": 8, "sum": 4, "sum_many": 8},
           "dot_mode": DOT_BF16X2,
           "programs_per_sm": {"compress": None, "decompress": 2, "sum": None},
@@ -388,10 +392,10 @@ def _compress_kernel(
 
 
 @triton.jit
-def _d1(q_ptr, offs, g_mask, h, j: tl.constexpr, SUB: tl.constexpr, HADAMARD: tl.constexpr,
+def _d1(q_blk, offs, g_mask, h, j: tl.constexpr, SUB: tl.constexpr, HADAMARD: tl.constexpr,
         DOT_MODE: tl.constexpr):
-    """Payload sub-block j as fp32 [BG, SUB], times H_SUB (exact operands)."""
-    q = tl.load(q_ptr + offs + j * SUB, mask=g_mask[:, None])
+    """Payload sub-block j of a tile as fp32 [BG, SUB], times H_SUB (exact operands)."""
+    q = tl.load(q_blk + offs + j * SUB, mask=g_mask[:, None])
     if HADAMARD:
         y = _dot(q, h, DOT_MODE)
     else:
@@ -400,27 +404,27 @@ def _d1(q_ptr, offs, g_mask, h, j: tl.constexpr, SUB: tl.constexpr, HADAMARD: tl
 
 
 @triton.jit
-def _d2(q_ptr, offs, g_mask, h, j: tl.constexpr, SUB: tl.constexpr, HADAMARD: tl.constexpr,
+def _d2(q_blk, offs, g_mask, h, j: tl.constexpr, SUB: tl.constexpr, HADAMARD: tl.constexpr,
         DOT_MODE: tl.constexpr):
-    a = _d1(q_ptr, offs, g_mask, h, j, SUB, HADAMARD, DOT_MODE)
-    b = _d1(q_ptr, offs, g_mask, h, j + 1, SUB, HADAMARD, DOT_MODE)
+    a = _d1(q_blk, offs, g_mask, h, j, SUB, HADAMARD, DOT_MODE)
+    b = _d1(q_blk, offs, g_mask, h, j + 1, SUB, HADAMARD, DOT_MODE)
     if HADAMARD:
         a, b = _butterfly2(a, b)
     return a, b
 
 
 @triton.jit
-def _d4(q_ptr, offs, g_mask, h, j: tl.constexpr, SUB: tl.constexpr, HADAMARD: tl.constexpr,
+def _d4(q_blk, offs, g_mask, h, j: tl.constexpr, SUB: tl.constexpr, HADAMARD: tl.constexpr,
         DOT_MODE: tl.constexpr):
-    a0, a1 = _d2(q_ptr, offs, g_mask, h, j, SUB, HADAMARD, DOT_MODE)
-    b0, b1 = _d2(q_ptr, offs, g_mask, h, j + 2, SUB, HADAMARD, DOT_MODE)
+    a0, a1 = _d2(q_blk, offs, g_mask, h, j, SUB, HADAMARD, DOT_MODE)
+    b0, b1 = _d2(q_blk, offs, g_mask, h, j + 2, SUB, HADAMARD, DOT_MODE)
     return _merge2(a0, a1, b0, b1, HADAMARD)
 
 
 @triton.jit
-def _d8(q_ptr, offs, g_mask, h, SUB: tl.constexpr, HADAMARD: tl.constexpr, DOT_MODE: tl.constexpr):
-    a0, a1, a2, a3 = _d4(q_ptr, offs, g_mask, h, 0, SUB, HADAMARD, DOT_MODE)
-    b0, b1, b2, b3 = _d4(q_ptr, offs, g_mask, h, 4, SUB, HADAMARD, DOT_MODE)
+def _d8(q_blk, offs, g_mask, h, SUB: tl.constexpr, HADAMARD: tl.constexpr, DOT_MODE: tl.constexpr):
+    a0, a1, a2, a3 = _d4(q_blk, offs, g_mask, h, 0, SUB, HADAMARD, DOT_MODE)
+    b0, b1, b2, b3 = _d4(q_blk, offs, g_mask, h, 4, SUB, HADAMARD, DOT_MODE)
     return _merge4(a0, a1, a2, a3, b0, b1, b2, b3, HADAMARD)
 
 
@@ -439,30 +443,40 @@ def _store_decoded(out_blk, offs, left, x, scale, sign_ptr, j: tl.constexpr, SUB
 
 @triton.jit
 def _decompress_tile(
-    tile, q_ptr, s_ptr, out_ptr, sign_ptr, h, numel, num_groups, gpc, chunk_bytes,
+    tile, q_ptr, s_ptr, out_ptr, sign_ptr, h, numel, gpc, chunk_bytes, tiles_per_chunk,
     G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr,
     HADAMARD: tl.constexpr, SIGNS: tl.constexpr, DUAL: tl.constexpr, DOT_MODE: tl.constexpr,
     STORE: tl.constexpr,
 ):
+    """Decode tile ``tile``: BG groups of one chunk. Tiles do not cross chunks, so a tile's
+    offsets are its chunk's start plus multiples of G: no per-group division by gpc (worth
+    0.02-0.09 of copy bandwidth at 4M-32M values on an H200, RESULTS.md)."""
     NSUB: tl.constexpr = G // SUB
-    g, g_mask = _tile_groups(tile, BG, num_groups)
-    so = _scale_offsets(g, gpc, chunk_bytes, G)
+    c = tile // tiles_per_chunk
+    r0 = (tile % tiles_per_chunk) * BG
+    r = r0 + tl.arange(0, BG)
+    g_mask = r < gpc
+    chunk = tl.cast(c, tl.int64) * chunk_bytes
+    so = (chunk + tl.cast(gpc, tl.int64) * G) // 4 + r
     scale = tl.load(s_ptr + so, mask=g_mask, other=0.0)
     if DUAL:
         scale = scale / tl.load(s_ptr + so + gpc, mask=g_mask, other=1.0)
     if HADAMARD:
         scale = scale * (G**-0.5)
-    qo = _payload_offsets(g, gpc, chunk_bytes, G)[:, None] + tl.arange(0, SUB)[None, :]
+    q_blk = q_ptr + chunk + tl.cast(r0, tl.int64) * G
+    offs = tl.arange(0, BG)[:, None] * G + tl.arange(0, SUB)[None, :]  # also the output's offsets
     # H_G = (H_NSUB (x) I)(I (x) H_SUB): the dense products first, on exact payload values
     if NSUB == 1:
-        x0 = _d1(q_ptr, qo, g_mask, h, 0, SUB, HADAMARD, DOT_MODE)
+        x0 = _d1(q_blk, offs, g_mask, h, 0, SUB, HADAMARD, DOT_MODE)
     elif NSUB == 2:
-        x0, x1 = _d2(q_ptr, qo, g_mask, h, 0, SUB, HADAMARD, DOT_MODE)
+        x0, x1 = _d2(q_blk, offs, g_mask, h, 0, SUB, HADAMARD, DOT_MODE)
     elif NSUB == 4:
-        x0, x1, x2, x3 = _d4(q_ptr, qo, g_mask, h, 0, SUB, HADAMARD, DOT_MODE)
+        x0, x1, x2, x3 = _d4(q_blk, offs, g_mask, h, 0, SUB, HADAMARD, DOT_MODE)
     else:
-        x0, x1, x2, x3, x4, x5, x6, x7 = _d8(q_ptr, qo, g_mask, h, SUB, HADAMARD, DOT_MODE)
-    out_blk, offs, left = _tile_values(out_ptr, tile, numel, G, SUB, BG)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _d8(q_blk, offs, g_mask, h, SUB, HADAMARD, DOT_MODE)
+    first = (tl.cast(c, tl.int64) * gpc + r0) * G  # the tile's first value
+    out_blk = out_ptr + first
+    left = tl.minimum(tl.maximum(numel - first, 0), tl.minimum(gpc - r0, BG) * G).to(tl.int32)
     _store_decoded(out_blk, offs, left, x0, scale, sign_ptr, 0, SUB, SIGNS, STORE)
     if NSUB >= 2:
         _store_decoded(out_blk, offs, left, x1, scale, sign_ptr, 1, SUB, SIGNS, STORE)
@@ -479,14 +493,14 @@ def _decompress_tile(
 @triton.jit
 def _decompress_kernel(
     q_ptr, s_ptr, out_ptr, sign_ptr,
-    numel, num_groups, gpc, chunk_bytes,
+    numel, gpc, chunk_bytes, tiles_per_chunk, num_tiles,
     G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr,
     HADAMARD: tl.constexpr, SIGNS: tl.constexpr, DUAL: tl.constexpr, DOT_MODE: tl.constexpr,
     NUM_STAGES: tl.constexpr, STORE: tl.constexpr,
 ):
     h = _hadamard(SUB, DOT_MODE, q_ptr.dtype.element_ty)
-    for tile in tl.range(tl.program_id(0), tl.cdiv(num_groups, BG), tl.num_programs(0), num_stages=NUM_STAGES):
-        _decompress_tile(tile, q_ptr, s_ptr, out_ptr, sign_ptr, h, numel, num_groups, gpc, chunk_bytes,
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), num_stages=NUM_STAGES):
+        _decompress_tile(tile, q_ptr, s_ptr, out_ptr, sign_ptr, h, numel, gpc, chunk_bytes, tiles_per_chunk,
                          G, SUB, BG, HADAMARD, SIGNS, DUAL, DOT_MODE, STORE)
 
 
@@ -631,14 +645,18 @@ def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, con
 def decompress_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor) -> None:
     """Decode ``buffer`` into the flat contiguous tensor ``out``."""
     signs = device_signs(config, buffer.device)
-    tiles, common = _common(layout, config, "decompress")
+    _, common = _common(layout, config, "decompress")
+    common = {k: v for k, v in common.items() if k != "num_groups"}  # a copy: _launch caches it
     mode = _dot_mode(True)
     if mode != DOT_FP32 and TUNING["payload_dot"]:
         mode = DOT_PAYLOAD
+    per_chunk = triton.cdiv(layout.groups_per_chunk, common["BG"])  # tiles do not cross chunks
+    tiles = per_chunk * layout.chunks
     args = (buffer.view(PAYLOAD_DTYPES[config.format]), buffer.view(torch.float32), out, signs)
     _run(_decompress_kernel, "decompress", tiles, args, dict(
-        numel=layout.numel, **common, SUB=min(config.group_size, SUB_MAX), HADAMARD=config.hadamard,
-        SIGNS=config.random_signs, DUAL=config.scales == "dual", DOT_MODE=mode, STORE=TUNING["stores"],
+        numel=layout.numel, **common, tiles_per_chunk=per_chunk, num_tiles=tiles, SUB=min(config.group_size, SUB_MAX),
+        HADAMARD=config.hadamard, SIGNS=config.random_signs, DUAL=config.scales == "dual", DOT_MODE=mode,
+        STORE=TUNING["stores"],
     ))
 
 
