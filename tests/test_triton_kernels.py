@@ -189,8 +189,7 @@ k = build(tk._compress_kernel,
 assert "mma" in k.asm["ptx"], "the transform should run on the tensor cores"
 assert "cp.async" in k.asm["ptx"], "the next tile's input should be fetched while this one is transformed"
 k = build(tk._decompress_kernel,
-          dict(q_ptr="*" + fmt, s_ptr="*fp32", out_ptr="*" + dtype, sign_ptr="*fp32", numel="i32", gpc="i32",
-               chunk_bytes="i32", tiles_per_chunk="i32", num_tiles="i32"),
+          dict(q_ptr="*" + fmt, s_ptr="*fp32", out_ptr="*" + dtype, sign_ptr="*fp32", **ints, tiles_per_chunk="i32"),
           dict(G=G, SUB=sub, BG=bg, DOT_MODE=tk.DOT_PAYLOAD, NUM_STAGES=2, STORE=tk.STORE_PLAIN, **flags),
           "decompress")
 payload = ("e4m3", "e5m2", "s8")[code]

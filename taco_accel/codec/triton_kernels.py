@@ -183,25 +183,27 @@ def _tile_groups(tile, BG: tl.constexpr, num_groups):
 
 
 @triton.jit
-def _tile_values(ptr, tile, numel, G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr):
-    """The tile's first value (``ptr`` moved there), the 32-bit offsets of sub-block 0 of its BG
-    groups, [BG, SUB], and how many of its values lie before ``numel`` (mask: offs < left)."""
-    start = tl.cast(tile, tl.int64) * (BG * G)
+def _tile_values(ptr, first_group, groups, numel, G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr):
+    """For a tile of ``groups`` (<= BG) groups from ``first_group`` (int64) on: its first value
+    (``ptr`` moved there), the 32-bit offsets of sub-block 0 of its BG rows, [BG, SUB], and how
+    many of its values lie before ``numel`` and in the tile (mask: offs < left)."""
+    start = first_group * G
     offs = tl.arange(0, BG)[:, None] * G + tl.arange(0, SUB)[None, :]
-    left = tl.minimum(tl.maximum(numel - start, 0), BG * G).to(tl.int32)
+    left = tl.minimum(tl.maximum(numel - start, 0), groups * G).to(tl.int32)
     return ptr + start, offs, left
 
 
 @triton.jit
-def _payload_offsets(g, gpc, chunk_bytes, G: tl.constexpr):
-    """Byte offset of each group's first payload value (the chunked layout of `layout`)."""
-    return (g // gpc) * chunk_bytes + (g % gpc) * G
+def _payload_offsets(c, r, chunk_bytes, G: tl.constexpr):
+    """Byte offset of the first payload value of group ``r`` of chunk ``c`` (the chunked layout
+    of `layout`; group g is row g % gpc of chunk g // gpc)."""
+    return c * chunk_bytes + r * G
 
 
 @triton.jit
-def _scale_offsets(g, gpc, chunk_bytes, G: tl.constexpr):
-    """Index (in fp32 words) of each group's first scale."""
-    return (g // gpc) * (chunk_bytes // 4) + (gpc * G) // 4 + (g % gpc)
+def _scale_offsets(c, r, gpc, chunk_bytes, G: tl.constexpr):
+    """Index (in fp32 words) of the first scale of group ``r`` of chunk ``c``."""
+    return c * (chunk_bytes // 4) + gpc * (G // 4) + r
 
 
 @triton.jit
@@ -261,7 +263,7 @@ def _store_payload(q_ptr, offs, y, mult, bad, mask, FMT: tl.constexpr, QMAX: tl.
 
 @triton.jit
 def _store_scales(s_ptr, g, g_mask, s, a, gpc, chunk_bytes, G: tl.constexpr, DUAL: tl.constexpr):
-    so = _scale_offsets(g, gpc, chunk_bytes, G)
+    so = _scale_offsets(g // gpc, g % gpc, gpc, chunk_bytes, G)
     tl.store(s_ptr + so, s, mask=g_mask)
     if DUAL:
         tl.store(s_ptr + so + gpc, a, mask=g_mask)
@@ -331,7 +333,7 @@ def _compress_tile(
 ):
     NSUB: tl.constexpr = G // SUB
     g, g_mask = _tile_groups(tile, BG, num_groups)
-    x_blk, offs, left = _tile_values(x_ptr, tile, numel, G, SUB, BG)  # past numel: zeros (padding groups)
+    x_blk, offs, left = _tile_values(x_ptr, tl.cast(tile, tl.int64) * BG, BG, numel, G, SUB, BG)  # past numel: zeros
     # y_j: sub-block j of H_G x (H_NSUB (x) H_SUB as dense products plus butterflies), unnormalised
     if NSUB == 1:
         y0 = _t1(x_blk, offs, left, sign_ptr, h, 0, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
@@ -358,7 +360,7 @@ def _compress_tile(
         amax, sumsq = _row_stats(y7, amax, sumsq, STATS)
     NORM: tl.constexpr = G**-0.5 if HADAMARD else 1.0
     a, s, mult, bad = _scales(amax, sumsq, tl.zeros((BG,), tl.int1), NORM, G, QMAX, DUAL, ADAPTIVE)
-    qo = _payload_offsets(g, gpc, chunk_bytes, G)[:, None] + tl.arange(0, SUB)[None, :]
+    qo = _payload_offsets(g // gpc, g % gpc, chunk_bytes, G)[:, None] + tl.arange(0, SUB)[None, :]
     m = g_mask[:, None]
     _store_payload(q_ptr, qo, y0, mult, bad, m, FMT, QMAX, EMULATE_ROUND)
     if NSUB >= 2:
@@ -452,19 +454,18 @@ def _decompress_tile(
     offsets are its chunk's start plus multiples of G: no per-group division by gpc (worth
     0.02-0.09 of copy bandwidth at 4M-32M values on an H200, RESULTS.md)."""
     NSUB: tl.constexpr = G // SUB
-    c = tile // tiles_per_chunk
+    c = tl.cast(tile // tiles_per_chunk, tl.int64)
     r0 = (tile % tiles_per_chunk) * BG
     r = r0 + tl.arange(0, BG)
     g_mask = r < gpc
-    chunk = tl.cast(c, tl.int64) * chunk_bytes
-    so = (chunk + tl.cast(gpc, tl.int64) * G) // 4 + r
+    so = _scale_offsets(c, r, gpc, chunk_bytes, G)
     scale = tl.load(s_ptr + so, mask=g_mask, other=0.0)
     if DUAL:
         scale = scale / tl.load(s_ptr + so + gpc, mask=g_mask, other=1.0)
     if HADAMARD:
         scale = scale * (G**-0.5)
-    q_blk = q_ptr + chunk + tl.cast(r0, tl.int64) * G
-    offs = tl.arange(0, BG)[:, None] * G + tl.arange(0, SUB)[None, :]  # also the output's offsets
+    out_blk, offs, left = _tile_values(out_ptr, c * gpc + r0, tl.minimum(gpc - r0, BG), numel, G, SUB, BG)
+    q_blk = q_ptr + _payload_offsets(c, tl.cast(r0, tl.int64), chunk_bytes, G)  # offs serve the payload too
     # H_G = (H_NSUB (x) I)(I (x) H_SUB): the dense products first, on exact payload values
     if NSUB == 1:
         x0 = _d1(q_blk, offs, g_mask, h, 0, SUB, HADAMARD, DOT_MODE)
@@ -474,9 +475,6 @@ def _decompress_tile(
         x0, x1, x2, x3 = _d4(q_blk, offs, g_mask, h, 0, SUB, HADAMARD, DOT_MODE)
     else:
         x0, x1, x2, x3, x4, x5, x6, x7 = _d8(q_blk, offs, g_mask, h, SUB, HADAMARD, DOT_MODE)
-    first = (tl.cast(c, tl.int64) * gpc + r0) * G  # the tile's first value
-    out_blk = out_ptr + first
-    left = tl.minimum(tl.maximum(numel - first, 0), tl.minimum(gpc - r0, BG) * G).to(tl.int32)
     _store_decoded(out_blk, offs, left, x0, scale, sign_ptr, 0, SUB, SIGNS, STORE)
     if NSUB >= 2:
         _store_decoded(out_blk, offs, left, x1, scale, sign_ptr, 1, SUB, SIGNS, STORE)
@@ -493,12 +491,13 @@ def _decompress_tile(
 @triton.jit
 def _decompress_kernel(
     q_ptr, s_ptr, out_ptr, sign_ptr,
-    numel, gpc, chunk_bytes, tiles_per_chunk, num_tiles,
+    numel, num_groups, gpc, chunk_bytes, tiles_per_chunk,
     G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr,
     HADAMARD: tl.constexpr, SIGNS: tl.constexpr, DUAL: tl.constexpr, DOT_MODE: tl.constexpr,
     NUM_STAGES: tl.constexpr, STORE: tl.constexpr,
 ):
     h = _hadamard(SUB, DOT_MODE, q_ptr.dtype.element_ty)
+    num_tiles = tiles_per_chunk * (num_groups // gpc)  # tiles do not cross chunks
     for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), num_stages=NUM_STAGES):
         _decompress_tile(tile, q_ptr, s_ptr, out_ptr, sign_ptr, h, numel, gpc, chunk_bytes, tiles_per_chunk,
                          G, SUB, BG, HADAMARD, SIGNS, DUAL, DOT_MODE, STORE)
@@ -511,8 +510,8 @@ def _sum_tile(
     DUAL: tl.constexpr, ADAPTIVE: tl.constexpr, EMULATE_ROUND: tl.constexpr, PAD: tl.constexpr,
 ):
     g, g_mask = _tile_groups(tile, BG, num_groups)
-    offs = _payload_offsets(g, gpc, chunk_bytes, G)[:, None] + tl.arange(0, G)[None, :]
-    so = _scale_offsets(g, gpc, chunk_bytes, G)
+    offs = _payload_offsets(g // gpc, g % gpc, chunk_bytes, G)[:, None] + tl.arange(0, G)[None, :]
+    so = _scale_offsets(g // gpc, g % gpc, gpc, chunk_bytes, G)
     z = tl.zeros((BG, G), dtype=tl.float32)
     bad = tl.zeros((BG,), dtype=tl.int1)
     for p in tl.static_range(P):  # unrolled: all P loads in flight at once
@@ -646,7 +645,6 @@ def decompress_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig
     """Decode ``buffer`` into the flat contiguous tensor ``out``."""
     signs = device_signs(config, buffer.device)
     _, common = _common(layout, config, "decompress")
-    common = {k: v for k, v in common.items() if k != "num_groups"}  # a copy: _launch caches it
     mode = _dot_mode(True)
     if mode != DOT_FP32 and TUNING["payload_dot"]:
         mode = DOT_PAYLOAD
@@ -654,7 +652,7 @@ def decompress_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig
     tiles = per_chunk * layout.chunks
     args = (buffer.view(PAYLOAD_DTYPES[config.format]), buffer.view(torch.float32), out, signs)
     _run(_decompress_kernel, "decompress", tiles, args, dict(
-        numel=layout.numel, **common, tiles_per_chunk=per_chunk, num_tiles=tiles, SUB=min(config.group_size, SUB_MAX),
+        numel=layout.numel, **common, tiles_per_chunk=per_chunk, SUB=min(config.group_size, SUB_MAX),
         HADAMARD=config.hadamard, SIGNS=config.random_signs, DUAL=config.scales == "dual", DOT_MODE=mode,
         STORE=TUNING["stores"],
     ))
