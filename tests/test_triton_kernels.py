@@ -169,9 +169,9 @@ G, dtype, fmt, extra = json.loads(sys.argv[1])
 code = {"fp8e4nv": 0, "fp8e5": 1, "i8": 2}[fmt]
 flags = {"HADAMARD": True, "SIGNS": False, "DUAL": False, **extra}
 sub, bg = min(G, tk.SUB_MAX), max(64, min(8192 // G, 256))
-tiles = 8192  # TUNING's block_elems: the launcher's warps per kernel (sum of 8 inputs: "sum_many")
+tiles = 8192  # TUNING's block_elems: the launcher's warps per kernel (sums of 2 / 4 / 8 inputs: own steps)
 warps = {k: min(8, w * max(1, bg * G // tiles)) for k, w in tk.TUNING["num_warps"].items()}
-ints = dict(numel="i32", num_groups="i32", gpc="i32", chunk_bytes="i32")
+ints = dict(chunks="i32", gpc="i32", chunk_bytes="i32", tiles_per_chunk="i32")
 launch = dict(PAD=4, NUM_STAGES=2)
 
 def build(fn, signature, constexprs, step):
@@ -183,22 +183,22 @@ def build(fn, signature, constexprs, step):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps[step]})
 
 k = build(tk._compress_kernel,
-          dict(x_ptr="*" + dtype, q_ptr="*" + fmt, s_ptr="*fp32", sign_ptr="*fp32", **ints),
+          dict(x_ptr="*" + dtype, q_ptr="*" + fmt, s_ptr="*fp32", sign_ptr="*fp32", numel="i32", **ints),
           dict(G=G, SUB=sub, BG=bg, FMT=code, QMAX=448.0, ADAPTIVE=True, ZERO_NONFINITE=False,
                DOT_MODE=tk.DOT_BF16X2, EMULATE_ROUND=False, **flags, **launch), "compress")
 assert "mma" in k.asm["ptx"], "the transform should run on the tensor cores"
 assert "cp.async" in k.asm["ptx"], "the next tile's input should be fetched while this one is transformed"
 k = build(tk._decompress_kernel,
-          dict(q_ptr="*" + fmt, s_ptr="*fp32", out_ptr="*" + dtype, sign_ptr="*fp32", **ints, tiles_per_chunk="i32"),
+          dict(q_ptr="*" + fmt, s_ptr="*fp32", out_ptr="*" + dtype, sign_ptr="*fp32", numel="i32", **ints),
           dict(G=G, SUB=sub, BG=bg, DOT_MODE=tk.DOT_PAYLOAD, NUM_STAGES=2, STORE=tk.STORE_PLAIN, **flags),
           "decompress")
 payload = ("e4m3", "e5m2", "s8")[code]
 assert f".{payload}.{payload}" in k.asm["ptx"], "decoding should multiply the payload bytes as they are"
-for P, step in ((4, "sum"), (8, "sum_many")):
-    warps["sum"] = warps["sum_many"] = tk.TUNING["num_warps"][step]  # the sum kernel is not transforming
+for P, step in ((2, "sum_pair"), (4, "sum"), (8, "sum_many")):
+    warps[step] = tk.TUNING["num_warps"][step]  # the sum kernel is not transforming
     build(tk._sum_kernel,
           dict(q_ptr="*" + fmt, s_ptr="*fp32", out_q_ptr="*" + fmt, out_s_ptr="*fp32", input_stride="i32",
-               num_groups="i32", gpc="i32", chunk_bytes="i32"),
+               **ints),
           dict(P=P, G=G, BG=max(16, min(8192 // G, 256)), FMT=code, QMAX=448.0, DUAL=flags["DUAL"], ADAPTIVE=True,
                EMULATE_ROUND=False, **launch), step)
 print("compiled")
@@ -257,3 +257,33 @@ def test_decompress_tiles_end_at_chunk_ends(group_size):
     decompress(as_triton(packed, tri_cfg), got)
     assert not got.isnan().any()
     assert (got - expect).norm() <= 1e-4 * expect.norm()
+
+
+@pytest.mark.parametrize("variant", ["default", "dual"])
+@pytest.mark.parametrize("group_size", [64, 128])
+def test_compress_and_sum_tiles_end_at_chunk_ends(group_size, variant):
+    """Compress and the sum walk each chunk in tiles of their own too (71 groups per chunk: at
+    G = 128 two tiles, the second partial): into a poisoned buffer they write every payload
+    byte and scale as the reference does, and zeros into each chunk's padding."""
+    from taco_accel.codec import triton_kernels as tk
+
+    ref_cfg, tri_cfg = configs(group_size, variant)
+    x = sample((5, (3 * 71 * group_size - 1) // 5), torch.float32).reshape(-1)  # rows 1e4 apart in scale
+    numel = x.numel()  # 3 chunks of 71 groups, the last group partial
+    layout = WireLayout.for_tensor(numel, ref_cfg, chunks=3)
+    assert layout.groups_per_chunk == 71 and layout.chunk_bytes > layout.used_bytes  # padded chunks
+    ref = compress(x, ref_cfg, chunks=3)
+    poisoned = torch.full((layout.total_bytes,), 0xAB, dtype=torch.uint8, device=DEVICE)
+    tk.compress_into(x, poisoned, layout, tri_cfg)
+    assert_payload_close(ref, Packed(poisoned, x.shape, x.dtype, tri_cfg, layout), ref_cfg.format)
+    assert (layout.padding(poisoned) == 0).all()
+
+    chunk_layout = layout.chunk_layout()
+    stacked = ref.buffer.view(3, -1)  # the three chunks as the inputs of one reduce step
+    expect = sum_packed(stacked, chunk_layout, ref_cfg)
+    summed = torch.full_like(expect, 0xAB)
+    tk.sum_into(stacked, chunk_layout, tri_cfg, summed)
+    as_packed = [Packed(b, torch.Size([chunk_layout.numel]), torch.float32, c, chunk_layout)
+                 for b, c in ((expect, ref_cfg), (summed, tri_cfg))]
+    assert_payload_close(*as_packed, ref_cfg.format)
+    assert (chunk_layout.padding(summed) == 0).all()

@@ -2,11 +2,12 @@
 
 Each kernel makes one pass over its input. The grid is persistent: as many programs as one SM
 holds at once (read from the compiled kernel's registers and shared memory; fewer where the
-sweep measured better) walk over tiles of BG consecutive groups, so the compiler's software
-pipeline fetches the next tiles while one is transformed, and each program makes the Hadamard
-matrix once, from the indices. On an H200 the kernels had been waiting on their loads, one tile
-per program at a time (59-62% of copy bandwidth); pipelined they reach 80-91%
-(benchmarks/RESULTS.md).
+sweep measured better) walk over tiles of up to BG consecutive groups of one chunk (a tile's
+addresses are one block start plus 32-bit offsets, with no per-group division), so the
+compiler's software pipeline fetches the next tiles while one is transformed, and each program
+makes the Hadamard matrix once, from the indices. On an H200 the kernels had been waiting on
+their loads, one tile per program at a time (59-62% of copy bandwidth); pipelined they reach
+76-101% at 16M-256M values (benchmarks/RESULTS.md).
 
 The Hadamard transform runs on the tensor cores as one dense product with H_SUB,
 SUB = min(G, 64), per sub-block of SUB values: a tile [BG, SUB] @ [SUB, SUB]. Larger groups
@@ -67,17 +68,19 @@ STORE_PLAIN, STORE_STREAM = 0, 1
 
 # Launch settings (benchmarks/RESULTS.md has the sweeps); the benchmark overrides them.
 # block_elems: values per tile; num_warps: per kernel, for tiles of block_elems values
-# ("sum_many": the sum of more than 4 inputs); programs_per_sm: persistent programs per SM
+# ("sum_pair", "sum", "sum_many": the sum of 2, of 3-4 and of more inputs); programs_per_sm: persistent programs per SM
 # (None: as many as fit at once, 0: one program per tile); num_stages: tiles in flight per
 # program; payload_dot: decode with fp8 / int8 products; balance: as many programs as give
 # every program the same number of tiles; stores: how decompress stores (STORE_*). Bulk (TMA)
 # copies were measured and not kept: stores of decoded values (decompress 0.62 of copy
 # bandwidth against 0.81), loads of the payload (0.72-0.82 against 0.77-0.83 with plain
 # loads, 8M-64M values), of compress's input and of the sums' inputs (RESULTS.md).
-TUNING = {"block_elems": 8192, "num_warps": {"compress": 4, "decompress": 8, "sum": 4, "sum_many": 8},
+TUNING = {"block_elems": 8192,
+          "num_warps": {"compress": 4, "decompress": 8, "sum_pair": 8, "sum": 4, "sum_many": 8},
           "dot_mode": DOT_BF16X2,
           "programs_per_sm": {"compress": None, "decompress": 2, "sum": None},
-          "num_stages": {"compress": 3, "decompress": 3, "sum": 1, "sum_many": 2}, "payload_dot": True,
+          "num_stages": {"compress": 3, "decompress": 3, "sum_pair": 1, "sum": 2, "sum_many": 2},
+          "payload_dot": True,
           "balance": False, "stores": STORE_PLAIN}
 
 
@@ -177,9 +180,14 @@ def _round_to_grid(v, FMT: tl.constexpr):
 
 
 @triton.jit
-def _tile_groups(tile, BG: tl.constexpr, num_groups):
-    g = tl.cast(tile, tl.int64) * BG + tl.arange(0, BG)
-    return g, g < num_groups
+def _chunk_tile(tile, tiles_per_chunk, gpc, BG: tl.constexpr):
+    """Where tile ``tile`` lies: its chunk c (int64) and first row r0 in the chunk, and
+    which of its BG rows are groups (r0 + row < gpc). Tiles do not cross chunks, so each of a
+    tile's offsets is one block start plus 32-bit multiples of G, with no per-group division
+    by gpc (decompress: +0.02-0.09 of copy bandwidth at 4M-32M values on an H200, RESULTS.md)."""
+    c = tl.cast(tile // tiles_per_chunk, tl.int64)
+    r0 = (tile % tiles_per_chunk) * BG
+    return c, r0, r0 + tl.arange(0, BG) < gpc
 
 
 @triton.jit
@@ -195,14 +203,14 @@ def _tile_values(ptr, first_group, groups, numel, G: tl.constexpr, SUB: tl.const
 
 @triton.jit
 def _payload_offsets(c, r, chunk_bytes, G: tl.constexpr):
-    """Byte offset of the first payload value of group ``r`` of chunk ``c`` (the chunked layout
-    of `layout`; group g is row g % gpc of chunk g // gpc)."""
-    return c * chunk_bytes + r * G
+    """Byte offset of the first payload value of row ``r`` of chunk ``c`` (the chunked layout of
+    `layout`; group g is row g % gpc of chunk g // gpc)."""
+    return c * chunk_bytes + tl.cast(r, tl.int64) * G  # int64: a chunk may pass 2 GiB
 
 
 @triton.jit
 def _scale_offsets(c, r, gpc, chunk_bytes, G: tl.constexpr):
-    """Index (in fp32 words) of the first scale of group ``r`` of chunk ``c``."""
+    """Index (in fp32 words) of the first scale of row ``r`` of chunk ``c``."""
     return c * (chunk_bytes // 4) + gpc * (G // 4) + r
 
 
@@ -262,22 +270,22 @@ def _store_payload(q_ptr, offs, y, mult, bad, mask, FMT: tl.constexpr, QMAX: tl.
 
 
 @triton.jit
-def _store_scales(s_ptr, g, g_mask, s, a, gpc, chunk_bytes, G: tl.constexpr, DUAL: tl.constexpr):
-    so = _scale_offsets(g // gpc, g % gpc, gpc, chunk_bytes, G)
-    tl.store(s_ptr + so, s, mask=g_mask)
+def _store_scales(s_ptr, c, r0, g_mask, s, a, gpc, chunk_bytes, G: tl.constexpr, BG: tl.constexpr,
+                  DUAL: tl.constexpr):
+    s_blk = s_ptr + _scale_offsets(c, r0, gpc, chunk_bytes, G) + tl.arange(0, BG)
+    tl.store(s_blk, s, mask=g_mask)
     if DUAL:
-        tl.store(s_ptr + so + gpc, a, mask=g_mask)
+        tl.store(s_blk + gpc, a, mask=g_mask)
 
 
 @triton.jit
-def _store_padding(q_ptr, g, g_mask, gpc, chunk_bytes, PAD: tl.constexpr):
-    """Zero the PAD (0, 4, 8 or 12) padding bytes at the end of each chunk, from its last group."""
+def _store_padding(q_ptr, c, r0, gpc, chunk_bytes, PAD: tl.constexpr, BG: tl.constexpr):
+    """Zero the PAD (0, 4, 8 or 12) padding bytes at the end of chunk c, from its last tile."""
     if PAD > 0:
-        last = g_mask & ((g % gpc) == gpc - 1)
-        end = (g // gpc + 1) * chunk_bytes
-        zero = tl.zeros(g.shape, tl.float32).to(q_ptr.dtype.element_ty)
-        for k in tl.static_range(PAD):
-            tl.store(q_ptr + end - PAD + k, zero, mask=last)
+        k = tl.arange(0, 16)
+        zero = tl.zeros((16,), tl.float32).to(q_ptr.dtype.element_ty)
+        last = (r0 + BG >= gpc).to(tl.int32)  # this tile holds the chunk's last group
+        tl.store(q_ptr + (c + 1) * chunk_bytes - PAD + k, zero, mask=k < PAD * last)
 
 
 @triton.jit
@@ -326,14 +334,16 @@ def _t8(x_blk, offs, left, sign_ptr, h, SUB: tl.constexpr, HADAMARD: tl.constexp
 
 @triton.jit
 def _compress_tile(
-    tile, x_ptr, q_ptr, s_ptr, sign_ptr, h, numel, num_groups, gpc, chunk_bytes,
+    tile, x_ptr, q_ptr, s_ptr, sign_ptr, h, numel, gpc, chunk_bytes, tiles_per_chunk,
     G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr, FMT: tl.constexpr, QMAX: tl.constexpr,
     HADAMARD: tl.constexpr, SIGNS: tl.constexpr, DUAL: tl.constexpr, ADAPTIVE: tl.constexpr,
     ZERO_NONFINITE: tl.constexpr, DOT_MODE: tl.constexpr, EMULATE_ROUND: tl.constexpr, PAD: tl.constexpr,
 ):
     NSUB: tl.constexpr = G // SUB
-    g, g_mask = _tile_groups(tile, BG, num_groups)
-    x_blk, offs, left = _tile_values(x_ptr, tl.cast(tile, tl.int64) * BG, BG, numel, G, SUB, BG)  # past numel: zeros
+    c, r0, g_mask = _chunk_tile(tile, tiles_per_chunk, gpc, BG)
+    # values past numel read as zeros
+    x_blk, offs, left = _tile_values(x_ptr, c * gpc + r0, tl.minimum(gpc - r0, BG), numel, G, SUB, BG)
+    q_blk = q_ptr + _payload_offsets(c, r0, chunk_bytes, G)  # offs serve the payload too
     # y_j: sub-block j of H_G x (H_NSUB (x) H_SUB as dense products plus butterflies), unnormalised
     if NSUB == 1:
         y0 = _t1(x_blk, offs, left, sign_ptr, h, 0, SUB, HADAMARD, SIGNS, ZERO_NONFINITE, DOT_MODE)
@@ -360,35 +370,34 @@ def _compress_tile(
         amax, sumsq = _row_stats(y7, amax, sumsq, STATS)
     NORM: tl.constexpr = G**-0.5 if HADAMARD else 1.0
     a, s, mult, bad = _scales(amax, sumsq, tl.zeros((BG,), tl.int1), NORM, G, QMAX, DUAL, ADAPTIVE)
-    qo = _payload_offsets(g // gpc, g % gpc, chunk_bytes, G)[:, None] + tl.arange(0, SUB)[None, :]
     m = g_mask[:, None]
-    _store_payload(q_ptr, qo, y0, mult, bad, m, FMT, QMAX, EMULATE_ROUND)
+    _store_payload(q_blk, offs, y0, mult, bad, m, FMT, QMAX, EMULATE_ROUND)
     if NSUB >= 2:
-        _store_payload(q_ptr, qo + SUB, y1, mult, bad, m, FMT, QMAX, EMULATE_ROUND)
+        _store_payload(q_blk, offs + SUB, y1, mult, bad, m, FMT, QMAX, EMULATE_ROUND)
     if NSUB >= 4:
-        _store_payload(q_ptr, qo + 2 * SUB, y2, mult, bad, m, FMT, QMAX, EMULATE_ROUND)
-        _store_payload(q_ptr, qo + 3 * SUB, y3, mult, bad, m, FMT, QMAX, EMULATE_ROUND)
+        _store_payload(q_blk, offs + 2 * SUB, y2, mult, bad, m, FMT, QMAX, EMULATE_ROUND)
+        _store_payload(q_blk, offs + 3 * SUB, y3, mult, bad, m, FMT, QMAX, EMULATE_ROUND)
     if NSUB >= 8:
-        _store_payload(q_ptr, qo + 4 * SUB, y4, mult, bad, m, FMT, QMAX, EMULATE_ROUND)
-        _store_payload(q_ptr, qo + 5 * SUB, y5, mult, bad, m, FMT, QMAX, EMULATE_ROUND)
-        _store_payload(q_ptr, qo + 6 * SUB, y6, mult, bad, m, FMT, QMAX, EMULATE_ROUND)
-        _store_payload(q_ptr, qo + 7 * SUB, y7, mult, bad, m, FMT, QMAX, EMULATE_ROUND)
-    _store_scales(s_ptr, g, g_mask, s, a, gpc, chunk_bytes, G, DUAL)
-    _store_padding(q_ptr, g, g_mask, gpc, chunk_bytes, PAD)
+        _store_payload(q_blk, offs + 4 * SUB, y4, mult, bad, m, FMT, QMAX, EMULATE_ROUND)
+        _store_payload(q_blk, offs + 5 * SUB, y5, mult, bad, m, FMT, QMAX, EMULATE_ROUND)
+        _store_payload(q_blk, offs + 6 * SUB, y6, mult, bad, m, FMT, QMAX, EMULATE_ROUND)
+        _store_payload(q_blk, offs + 7 * SUB, y7, mult, bad, m, FMT, QMAX, EMULATE_ROUND)
+    _store_scales(s_ptr, c, r0, g_mask, s, a, gpc, chunk_bytes, G, BG, DUAL)
+    _store_padding(q_ptr, c, r0, gpc, chunk_bytes, PAD, BG)
 
 
 @triton.jit
 def _compress_kernel(
     x_ptr, q_ptr, s_ptr, sign_ptr,
-    numel, num_groups, gpc, chunk_bytes,
+    numel, chunks, gpc, chunk_bytes, tiles_per_chunk,
     G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr, FMT: tl.constexpr, QMAX: tl.constexpr,
     HADAMARD: tl.constexpr, SIGNS: tl.constexpr, DUAL: tl.constexpr, ADAPTIVE: tl.constexpr,
     ZERO_NONFINITE: tl.constexpr, DOT_MODE: tl.constexpr, EMULATE_ROUND: tl.constexpr, PAD: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
     h = _hadamard(SUB, DOT_MODE, q_ptr.dtype.element_ty)
-    for tile in tl.range(tl.program_id(0), tl.cdiv(num_groups, BG), tl.num_programs(0), num_stages=NUM_STAGES):
-        _compress_tile(tile, x_ptr, q_ptr, s_ptr, sign_ptr, h, numel, num_groups, gpc, chunk_bytes,
+    for tile in tl.range(tl.program_id(0), tiles_per_chunk * chunks, tl.num_programs(0), num_stages=NUM_STAGES):
+        _compress_tile(tile, x_ptr, q_ptr, s_ptr, sign_ptr, h, numel, gpc, chunk_bytes, tiles_per_chunk,
                        G, SUB, BG, FMT, QMAX, HADAMARD, SIGNS, DUAL, ADAPTIVE, ZERO_NONFINITE, DOT_MODE,
                        EMULATE_ROUND, PAD)
 
@@ -450,22 +459,17 @@ def _decompress_tile(
     HADAMARD: tl.constexpr, SIGNS: tl.constexpr, DUAL: tl.constexpr, DOT_MODE: tl.constexpr,
     STORE: tl.constexpr,
 ):
-    """Decode tile ``tile``: BG groups of one chunk. Tiles do not cross chunks, so a tile's
-    offsets are its chunk's start plus multiples of G: no per-group division by gpc (worth
-    0.02-0.09 of copy bandwidth at 4M-32M values on an H200, RESULTS.md)."""
+    """Decode tile ``tile``: up to BG groups of one chunk (`_chunk_tile`)."""
     NSUB: tl.constexpr = G // SUB
-    c = tl.cast(tile // tiles_per_chunk, tl.int64)
-    r0 = (tile % tiles_per_chunk) * BG
-    r = r0 + tl.arange(0, BG)
-    g_mask = r < gpc
-    so = _scale_offsets(c, r, gpc, chunk_bytes, G)
-    scale = tl.load(s_ptr + so, mask=g_mask, other=0.0)
+    c, r0, g_mask = _chunk_tile(tile, tiles_per_chunk, gpc, BG)
+    s_blk = s_ptr + _scale_offsets(c, r0, gpc, chunk_bytes, G) + tl.arange(0, BG)
+    scale = tl.load(s_blk, mask=g_mask, other=0.0)
     if DUAL:
-        scale = scale / tl.load(s_ptr + so + gpc, mask=g_mask, other=1.0)
+        scale = scale / tl.load(s_blk + gpc, mask=g_mask, other=1.0)
     if HADAMARD:
         scale = scale * (G**-0.5)
     out_blk, offs, left = _tile_values(out_ptr, c * gpc + r0, tl.minimum(gpc - r0, BG), numel, G, SUB, BG)
-    q_blk = q_ptr + _payload_offsets(c, tl.cast(r0, tl.int64), chunk_bytes, G)  # offs serve the payload too
+    q_blk = q_ptr + _payload_offsets(c, r0, chunk_bytes, G)  # offs serve the payload too
     # H_G = (H_NSUB (x) I)(I (x) H_SUB): the dense products first, on exact payload values
     if NSUB == 1:
         x0 = _d1(q_blk, offs, g_mask, h, 0, SUB, HADAMARD, DOT_MODE)
@@ -491,56 +495,57 @@ def _decompress_tile(
 @triton.jit
 def _decompress_kernel(
     q_ptr, s_ptr, out_ptr, sign_ptr,
-    numel, num_groups, gpc, chunk_bytes, tiles_per_chunk,
+    numel, chunks, gpc, chunk_bytes, tiles_per_chunk,
     G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr,
     HADAMARD: tl.constexpr, SIGNS: tl.constexpr, DUAL: tl.constexpr, DOT_MODE: tl.constexpr,
     NUM_STAGES: tl.constexpr, STORE: tl.constexpr,
 ):
     h = _hadamard(SUB, DOT_MODE, q_ptr.dtype.element_ty)
-    num_tiles = tiles_per_chunk * (num_groups // gpc)  # tiles do not cross chunks
-    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), num_stages=NUM_STAGES):
+    for tile in tl.range(tl.program_id(0), tiles_per_chunk * chunks, tl.num_programs(0), num_stages=NUM_STAGES):
         _decompress_tile(tile, q_ptr, s_ptr, out_ptr, sign_ptr, h, numel, gpc, chunk_bytes, tiles_per_chunk,
                          G, SUB, BG, HADAMARD, SIGNS, DUAL, DOT_MODE, STORE)
 
 
 @triton.jit
 def _sum_tile(
-    tile, q_ptr, s_ptr, out_q_ptr, out_s_ptr, stride, num_groups, gpc, chunk_bytes,
+    tile, q_ptr, s_ptr, out_q_ptr, out_s_ptr, stride, gpc, chunk_bytes, tiles_per_chunk,
     P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, FMT: tl.constexpr, QMAX: tl.constexpr,
     DUAL: tl.constexpr, ADAPTIVE: tl.constexpr, EMULATE_ROUND: tl.constexpr, PAD: tl.constexpr,
 ):
-    g, g_mask = _tile_groups(tile, BG, num_groups)
-    offs = _payload_offsets(g // gpc, g % gpc, chunk_bytes, G)[:, None] + tl.arange(0, G)[None, :]
-    so = _scale_offsets(g // gpc, g % gpc, gpc, chunk_bytes, G)
+    c, r0, g_mask = _chunk_tile(tile, tiles_per_chunk, gpc, BG)
+    base = _payload_offsets(c, r0, chunk_bytes, G)
+    q_blk = q_ptr + base
+    offs = tl.arange(0, BG)[:, None] * G + tl.arange(0, G)[None, :]
+    s_blk = s_ptr + _scale_offsets(c, r0, gpc, chunk_bytes, G) + tl.arange(0, BG)
     z = tl.zeros((BG, G), dtype=tl.float32)
     bad = tl.zeros((BG,), dtype=tl.int1)
     for p in tl.static_range(P):  # unrolled: all P loads in flight at once
-        q = tl.load(q_ptr + p * stride + offs, mask=g_mask[:, None]).to(tl.float32)
-        scale = tl.load(s_ptr + p * (stride // 4) + so, mask=g_mask, other=0.0)
+        q = tl.load(q_blk + p * stride + offs, mask=g_mask[:, None]).to(tl.float32)
+        scale = tl.load(s_blk + p * (stride // 4), mask=g_mask, other=0.0)
         if DUAL:
-            scale = scale / tl.load(s_ptr + p * (stride // 4) + so + gpc, mask=g_mask, other=1.0)
+            scale = scale / tl.load(s_blk + p * (stride // 4) + gpc, mask=g_mask, other=1.0)
         bad = bad | (scale != scale)
         z += q * scale[:, None]
     amax = tl.zeros((BG,), tl.float32)
     sumsq = tl.zeros((BG,), tl.float32)
     amax, sumsq = _row_stats(z, amax, sumsq, DUAL and ADAPTIVE)
     a, s, mult, bad = _scales(amax, sumsq, bad, 1.0, G, QMAX, DUAL, ADAPTIVE)
-    _store_payload(out_q_ptr, offs, z, mult, bad, g_mask[:, None], FMT, QMAX, EMULATE_ROUND)
-    _store_scales(out_s_ptr, g, g_mask, s, a, gpc, chunk_bytes, G, DUAL)
-    _store_padding(out_q_ptr, g, g_mask, gpc, chunk_bytes, PAD)
+    _store_payload(out_q_ptr + base, offs, z, mult, bad, g_mask[:, None], FMT, QMAX, EMULATE_ROUND)
+    _store_scales(out_s_ptr, c, r0, g_mask, s, a, gpc, chunk_bytes, G, BG, DUAL)
+    _store_padding(out_q_ptr, c, r0, gpc, chunk_bytes, PAD, BG)
 
 
 @triton.jit
 def _sum_kernel(
     q_ptr, s_ptr, out_q_ptr, out_s_ptr, input_stride,
-    num_groups, gpc, chunk_bytes,
+    chunks, gpc, chunk_bytes, tiles_per_chunk,
     P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, FMT: tl.constexpr, QMAX: tl.constexpr,
     DUAL: tl.constexpr, ADAPTIVE: tl.constexpr, EMULATE_ROUND: tl.constexpr, PAD: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
     stride = input_stride.to(tl.int64)  # bytes between inputs, a multiple of 4
-    for tile in tl.range(tl.program_id(0), tl.cdiv(num_groups, BG), tl.num_programs(0), num_stages=NUM_STAGES):
-        _sum_tile(tile, q_ptr, s_ptr, out_q_ptr, out_s_ptr, stride, num_groups, gpc, chunk_bytes,
+    for tile in tl.range(tl.program_id(0), tiles_per_chunk * chunks, tl.num_programs(0), num_stages=NUM_STAGES):
+        _sum_tile(tile, q_ptr, s_ptr, out_q_ptr, out_s_ptr, stride, gpc, chunk_bytes, tiles_per_chunk,
                   P, G, BG, FMT, QMAX, DUAL, ADAPTIVE, EMULATE_ROUND, PAD)
 
 
@@ -550,14 +555,18 @@ def _sum_kernel(
 @functools.lru_cache(maxsize=4096)
 def _launch(layout: WireLayout, group_size: int, tuning: tuple, transform: bool) -> tuple[int, dict]:
     """Tile count and the launch arguments every kernel shares (cached: launches are on the hot
-    path). Tiles of the transforming kernels keep at least 64 groups, the row count of one
-    Hopper warpgroup product; larger groups take more warps instead of more registers."""
+    path). Tiles hold up to BG groups of one chunk (`_chunk_tile`). Tiles of the transforming
+    kernels keep at least 64 groups, the row count of one Hopper warpgroup product; larger
+    groups take more warps instead of more registers."""
     block_elems, num_warps, stages = tuning
     bg = max(64 if transform else 16, min(block_elems // group_size, 256))
     warps = min(8, num_warps * max(1, bg * group_size // block_elems)) if transform else num_warps
-    args = dict(num_groups=layout.num_groups, gpc=layout.groups_per_chunk, chunk_bytes=layout.chunk_bytes,
-                G=group_size, BG=bg, NUM_STAGES=stages, num_warps=warps)
-    return triton.cdiv(layout.num_groups, bg), args
+    if _interpreting():  # numpy computes masked rows too: tiles no larger than a chunk keep CPU tests fast
+        bg = min(bg, max(16, triton.next_power_of_2(layout.groups_per_chunk)))
+    per_chunk = triton.cdiv(layout.groups_per_chunk, bg)
+    args = dict(chunks=layout.chunks, gpc=layout.groups_per_chunk, chunk_bytes=layout.chunk_bytes,
+                tiles_per_chunk=per_chunk, G=group_size, BG=bg, NUM_STAGES=stages, num_warps=warps)
+    return per_chunk * layout.chunks, args
 
 
 def _common(layout: WireLayout, config: TacoConfig, step: str) -> tuple[int, dict]:
@@ -644,15 +653,13 @@ def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, con
 def decompress_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor) -> None:
     """Decode ``buffer`` into the flat contiguous tensor ``out``."""
     signs = device_signs(config, buffer.device)
-    _, common = _common(layout, config, "decompress")
+    tiles, common = _common(layout, config, "decompress")
     mode = _dot_mode(True)
     if mode != DOT_FP32 and TUNING["payload_dot"]:
         mode = DOT_PAYLOAD
-    per_chunk = triton.cdiv(layout.groups_per_chunk, common["BG"])  # tiles do not cross chunks
-    tiles = per_chunk * layout.chunks
     args = (buffer.view(PAYLOAD_DTYPES[config.format]), buffer.view(torch.float32), out, signs)
     _run(_decompress_kernel, "decompress", tiles, args, dict(
-        numel=layout.numel, **common, tiles_per_chunk=per_chunk, SUB=min(config.group_size, SUB_MAX),
+        numel=layout.numel, **common, SUB=min(config.group_size, SUB_MAX),
         HADAMARD=config.hadamard, SIGNS=config.random_signs, DUAL=config.scales == "dual", DOT_MODE=mode,
         STORE=TUNING["stores"],
     ))
@@ -660,7 +667,8 @@ def decompress_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig
 
 def sum_into(stacked: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor) -> None:
     """Dequantise, sum and requantise the P buffers of ``stacked`` [P, total_bytes] into ``out``."""
-    step = "sum" if stacked.shape[0] <= 4 else "sum_many"  # measured: fewer inputs, fewer stages
+    inputs = stacked.shape[0]
+    step = "sum_pair" if inputs <= 2 else "sum" if inputs <= 4 else "sum_many"  # measured (RESULTS.md)
     tiles, common = _common(layout, config, step)
     fmt_dtype = PAYLOAD_DTYPES[config.format]
     args = (stacked.view(fmt_dtype), stacked.view(torch.float32), out.view(fmt_dtype), out.view(torch.float32))
