@@ -184,7 +184,8 @@ def _chunk_tile(tile, tiles_per_chunk, gpc, BG: tl.constexpr):
     """Where tile ``tile`` lies: its chunk c (int64) and first row r0 in the chunk, and
     which of its BG rows are groups (r0 + row < gpc). Tiles do not cross chunks, so each of a
     tile's offsets is one block start plus 32-bit multiples of G, with no per-group division
-    by gpc (decompress: +0.02-0.09 of copy bandwidth at 4M-32M values on an H200, RESULTS.md)."""
+    by gpc (H200, of copy bandwidth: decompress +0.02-0.09 at 4M-32M values, the sum of 2
+    inputs +0.08-0.12 at 8M-256M; RESULTS.md)."""
     c = tl.cast(tile // tiles_per_chunk, tl.int64)
     r0 = (tile % tiles_per_chunk) * BG
     return c, r0, r0 + tl.arange(0, BG) < gpc
