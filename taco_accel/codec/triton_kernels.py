@@ -68,13 +68,14 @@ STORE_PLAIN, STORE_STREAM = 0, 1
 
 # Launch settings (benchmarks/RESULTS.md has the sweeps); the benchmark overrides them.
 # block_elems: values per tile; num_warps: per kernel, for tiles of block_elems values
-# ("sum_pair", "sum", "sum_many": the sum of 2, of 3-4 and of more inputs); programs_per_sm: persistent programs per SM
-# (None: as many as fit at once, 0: one program per tile); num_stages: tiles in flight per
-# program; payload_dot: decode with fp8 / int8 products; balance: as many programs as give
-# every program the same number of tiles; stores: how decompress stores (STORE_*). Bulk (TMA)
-# copies were measured and not kept: stores of decoded values (decompress 0.62 of copy
-# bandwidth against 0.81), loads of the payload (0.72-0.82 against 0.77-0.83 with plain
-# loads, 8M-64M values), of compress's input and of the sums' inputs (RESULTS.md).
+# ("sum_pair", "sum", "sum_many": the sum of 2, of 3-4 and of more inputs); programs_per_sm:
+# persistent programs per SM (None: as many as fit at once, 0: one program per tile; one "sum"
+# entry for all sums); num_stages: tiles in flight per program; payload_dot: decode with fp8 /
+# int8 products; balance: as many programs as give every program the same number of tiles;
+# stores: how decompress stores (STORE_*). Bulk (TMA) copies were measured and not kept:
+# stores of decoded values (decompress 0.62 of copy bandwidth against 0.81), loads of the
+# payload (0.72-0.82 against 0.77-0.83 with plain loads, 8M-64M values), of compress's input
+# and of the sums' inputs (RESULTS.md).
 TUNING = {"block_elems": 8192,
           "num_warps": {"compress": 4, "decompress": 8, "sum_pair": 8, "sum": 4, "sum_many": 8},
           "dot_mode": DOT_BF16X2,
@@ -192,13 +193,14 @@ def _chunk_tile(tile, tiles_per_chunk, gpc, BG: tl.constexpr):
 
 
 @triton.jit
-def _tile_values(ptr, first_group, groups, numel, G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr):
-    """For a tile of ``groups`` (<= BG) groups from ``first_group`` (int64) on: its first value
-    (``ptr`` moved there), the 32-bit offsets of sub-block 0 of its BG rows, [BG, SUB], and how
-    many of its values lie before ``numel`` and in the tile (mask: offs < left)."""
-    start = first_group * G
+def _tile_values(ptr, c, r0, gpc, numel, G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr):
+    """For the tile of rows r0.. of chunk c (`_chunk_tile`) in the unpacked tensor at ``ptr``:
+    its first value (``ptr`` moved there), the 32-bit offsets of sub-block 0 of its BG rows,
+    [BG, SUB], and how many of its values lie before ``numel`` and in the chunk (mask:
+    offs < left)."""
+    start = (c * gpc + r0) * G
     offs = tl.arange(0, BG)[:, None] * G + tl.arange(0, SUB)[None, :]
-    left = tl.minimum(tl.maximum(numel - start, 0), groups * G).to(tl.int32)
+    left = tl.minimum(tl.maximum(numel - start, 0), tl.minimum(gpc - r0, BG) * G).to(tl.int32)
     return ptr + start, offs, left
 
 
@@ -210,9 +212,9 @@ def _payload_offsets(c, r, chunk_bytes, G: tl.constexpr):
 
 
 @triton.jit
-def _scale_offsets(c, r, gpc, chunk_bytes, G: tl.constexpr):
-    """Index (in fp32 words) of the first scale of row ``r`` of chunk ``c``."""
-    return c * (chunk_bytes // 4) + gpc * (G // 4) + r
+def _scale_offsets(c, r0, gpc, chunk_bytes, G: tl.constexpr, BG: tl.constexpr):
+    """Indices (in fp32 words) of the first scales of the BG rows r0.. of chunk ``c``."""
+    return c * (chunk_bytes // 4) + gpc * (G // 4) + r0 + tl.arange(0, BG)
 
 
 @triton.jit
@@ -273,7 +275,7 @@ def _store_payload(q_ptr, offs, y, mult, bad, mask, FMT: tl.constexpr, QMAX: tl.
 @triton.jit
 def _store_scales(s_ptr, c, r0, g_mask, s, a, gpc, chunk_bytes, G: tl.constexpr, BG: tl.constexpr,
                   DUAL: tl.constexpr):
-    s_blk = s_ptr + _scale_offsets(c, r0, gpc, chunk_bytes, G) + tl.arange(0, BG)
+    s_blk = s_ptr + _scale_offsets(c, r0, gpc, chunk_bytes, G, BG)
     tl.store(s_blk, s, mask=g_mask)
     if DUAL:
         tl.store(s_blk + gpc, a, mask=g_mask)
@@ -342,8 +344,7 @@ def _compress_tile(
 ):
     NSUB: tl.constexpr = G // SUB
     c, r0, g_mask = _chunk_tile(tile, tiles_per_chunk, gpc, BG)
-    # values past numel read as zeros
-    x_blk, offs, left = _tile_values(x_ptr, c * gpc + r0, tl.minimum(gpc - r0, BG), numel, G, SUB, BG)
+    x_blk, offs, left = _tile_values(x_ptr, c, r0, gpc, numel, G, SUB, BG)  # past numel: zeros
     q_blk = q_ptr + _payload_offsets(c, r0, chunk_bytes, G)  # offs serve the payload too
     # y_j: sub-block j of H_G x (H_NSUB (x) H_SUB as dense products plus butterflies), unnormalised
     if NSUB == 1:
@@ -463,13 +464,13 @@ def _decompress_tile(
     """Decode tile ``tile``: up to BG groups of one chunk (`_chunk_tile`)."""
     NSUB: tl.constexpr = G // SUB
     c, r0, g_mask = _chunk_tile(tile, tiles_per_chunk, gpc, BG)
-    s_blk = s_ptr + _scale_offsets(c, r0, gpc, chunk_bytes, G) + tl.arange(0, BG)
+    s_blk = s_ptr + _scale_offsets(c, r0, gpc, chunk_bytes, G, BG)
     scale = tl.load(s_blk, mask=g_mask, other=0.0)
     if DUAL:
         scale = scale / tl.load(s_blk + gpc, mask=g_mask, other=1.0)
     if HADAMARD:
         scale = scale * (G**-0.5)
-    out_blk, offs, left = _tile_values(out_ptr, c * gpc + r0, tl.minimum(gpc - r0, BG), numel, G, SUB, BG)
+    out_blk, offs, left = _tile_values(out_ptr, c, r0, gpc, numel, G, SUB, BG)
     q_blk = q_ptr + _payload_offsets(c, r0, chunk_bytes, G)  # offs serve the payload too
     # H_G = (H_NSUB (x) I)(I (x) H_SUB): the dense products first, on exact payload values
     if NSUB == 1:
@@ -517,7 +518,7 @@ def _sum_tile(
     base = _payload_offsets(c, r0, chunk_bytes, G)
     q_blk = q_ptr + base
     offs = tl.arange(0, BG)[:, None] * G + tl.arange(0, G)[None, :]
-    s_blk = s_ptr + _scale_offsets(c, r0, gpc, chunk_bytes, G) + tl.arange(0, BG)
+    s_blk = s_ptr + _scale_offsets(c, r0, gpc, chunk_bytes, G, BG)
     z = tl.zeros((BG, G), dtype=tl.float32)
     bad = tl.zeros((BG,), dtype=tl.int1)
     for p in tl.static_range(P):  # unrolled: all P loads in flight at once
