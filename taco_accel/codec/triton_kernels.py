@@ -7,7 +7,7 @@ addresses are one block start plus 32-bit offsets, with no per-group division), 
 compiler's software pipeline fetches the next tiles while one is transformed, and each program
 makes the Hadamard matrix once, from the indices. On an H200 the kernels had been waiting on
 their loads, one tile per program at a time (59-62% of copy bandwidth); pipelined they reach
-76-101% at 16M-256M values (benchmarks/RESULTS.md).
+75-101% at 16M-256M values (benchmarks/RESULTS.md).
 
 The Hadamard transform runs on the tensor cores as one dense product with H_SUB,
 SUB = min(G, 64), per sub-block of SUB values: a tile [BG, SUB] @ [SUB, SUB]. Larger groups
@@ -193,13 +193,19 @@ def _chunk_tile(tile, tiles_per_chunk, gpc, BG: tl.constexpr):
 
 
 @triton.jit
+def _row_offsets(G: tl.constexpr, W: tl.constexpr, BG: tl.constexpr):
+    """32-bit offsets [BG, W] of the first W values of BG consecutive groups of G values."""
+    return tl.arange(0, BG)[:, None] * G + tl.arange(0, W)[None, :]
+
+
+@triton.jit
 def _tile_values(ptr, c, r0, gpc, numel, G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr):
     """For the tile of rows r0.. of chunk c (`_chunk_tile`) in the unpacked tensor at ``ptr``:
     its first value (``ptr`` moved there), the 32-bit offsets of sub-block 0 of its BG rows,
     [BG, SUB], and how many of its values lie before ``numel`` and in the chunk (mask:
     offs < left)."""
     start = (c * gpc + r0) * G
-    offs = tl.arange(0, BG)[:, None] * G + tl.arange(0, SUB)[None, :]
+    offs = _row_offsets(G, SUB, BG)
     left = tl.minimum(tl.maximum(numel - start, 0), tl.minimum(gpc - r0, BG) * G).to(tl.int32)
     return ptr + start, offs, left
 
@@ -442,12 +448,23 @@ def _d8(q_blk, offs, g_mask, h, SUB: tl.constexpr, HADAMARD: tl.constexpr, DOT_M
 
 
 @triton.jit
-def _store_decoded(out_blk, offs, left, x, scale, sign_ptr, j: tl.constexpr, SUB: tl.constexpr,
-                   SIGNS: tl.constexpr, STORE: tl.constexpr):
+def _join2(a, b):
+    """[R, W] and [R, W] -> [R, 2W], a's columns then b's (a register relabelling)."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))
+
+
+@triton.jit
+def _store_decoded(out_blk, left, x, scale, sign_ptr, j: tl.constexpr, G: tl.constexpr, W: tl.constexpr,
+                   BG: tl.constexpr, SIGNS: tl.constexpr, STORE: tl.constexpr):
+    """Scale and store slab j, [BG, W], of a decoded tile. Sub-blocks go out in pairs (W = 2 SUB,
+    whole rows at G = 128), with one layout conversion through shared memory per pair instead
+    of one per sub-block. H200, bf16, against one store per sub-block: +0.01 to +0.03 of copy
+    bandwidth at 64M-256M values for G = 128 and 512, +0.03 to +0.11 at 16M-64M for G = 256,
+    -0.01 / -0.03 at 16M for G = 128 / 512 (RESULTS.md)."""
     x = x * scale[:, None]
     if SIGNS:
-        x = x * tl.load(sign_ptr + j * SUB + tl.arange(0, SUB)[None, :])
-    offs = offs + j * SUB
+        x = x * tl.load(sign_ptr + j * W + tl.arange(0, W)[None, :])
+    offs = _row_offsets(G, W, BG) + j * W
     if STORE == 1:
         tl.store(out_blk + offs, x.to(out_blk.dtype.element_ty), mask=offs < left, cache_modifier=".cs")
     else:
@@ -475,23 +492,20 @@ def _decompress_tile(
     # H_G = (H_NSUB (x) I)(I (x) H_SUB): the dense products first, on exact payload values
     if NSUB == 1:
         x0 = _d1(q_blk, offs, g_mask, h, 0, SUB, HADAMARD, DOT_MODE)
+        _store_decoded(out_blk, left, x0, scale, sign_ptr, 0, G, SUB, BG, SIGNS, STORE)
     elif NSUB == 2:
         x0, x1 = _d2(q_blk, offs, g_mask, h, 0, SUB, HADAMARD, DOT_MODE)
+        _store_decoded(out_blk, left, _join2(x0, x1), scale, sign_ptr, 0, G, 2 * SUB, BG, SIGNS, STORE)
     elif NSUB == 4:
         x0, x1, x2, x3 = _d4(q_blk, offs, g_mask, h, 0, SUB, HADAMARD, DOT_MODE)
+        _store_decoded(out_blk, left, _join2(x0, x1), scale, sign_ptr, 0, G, 2 * SUB, BG, SIGNS, STORE)
+        _store_decoded(out_blk, left, _join2(x2, x3), scale, sign_ptr, 1, G, 2 * SUB, BG, SIGNS, STORE)
     else:
         x0, x1, x2, x3, x4, x5, x6, x7 = _d8(q_blk, offs, g_mask, h, SUB, HADAMARD, DOT_MODE)
-    _store_decoded(out_blk, offs, left, x0, scale, sign_ptr, 0, SUB, SIGNS, STORE)
-    if NSUB >= 2:
-        _store_decoded(out_blk, offs, left, x1, scale, sign_ptr, 1, SUB, SIGNS, STORE)
-    if NSUB >= 4:
-        _store_decoded(out_blk, offs, left, x2, scale, sign_ptr, 2, SUB, SIGNS, STORE)
-        _store_decoded(out_blk, offs, left, x3, scale, sign_ptr, 3, SUB, SIGNS, STORE)
-    if NSUB >= 8:
-        _store_decoded(out_blk, offs, left, x4, scale, sign_ptr, 4, SUB, SIGNS, STORE)
-        _store_decoded(out_blk, offs, left, x5, scale, sign_ptr, 5, SUB, SIGNS, STORE)
-        _store_decoded(out_blk, offs, left, x6, scale, sign_ptr, 6, SUB, SIGNS, STORE)
-        _store_decoded(out_blk, offs, left, x7, scale, sign_ptr, 7, SUB, SIGNS, STORE)
+        _store_decoded(out_blk, left, _join2(x0, x1), scale, sign_ptr, 0, G, 2 * SUB, BG, SIGNS, STORE)
+        _store_decoded(out_blk, left, _join2(x2, x3), scale, sign_ptr, 1, G, 2 * SUB, BG, SIGNS, STORE)
+        _store_decoded(out_blk, left, _join2(x4, x5), scale, sign_ptr, 2, G, 2 * SUB, BG, SIGNS, STORE)
+        _store_decoded(out_blk, left, _join2(x6, x7), scale, sign_ptr, 3, G, 2 * SUB, BG, SIGNS, STORE)
 
 
 @triton.jit
@@ -517,7 +531,7 @@ def _sum_tile(
     c, r0, g_mask = _chunk_tile(tile, tiles_per_chunk, gpc, BG)
     base = _payload_offsets(c, r0, chunk_bytes, G)
     q_blk = q_ptr + base
-    offs = tl.arange(0, BG)[:, None] * G + tl.arange(0, G)[None, :]
+    offs = _row_offsets(G, G, BG)
     s_blk = s_ptr + _scale_offsets(c, r0, gpc, chunk_bytes, G, BG)
     z = tl.zeros((BG, G), dtype=tl.float32)
     bad = tl.zeros((BG,), dtype=tl.int1)
