@@ -472,6 +472,13 @@ def _store_decoded(out_blk, left, x, scale, sign_ptr, j: tl.constexpr, G: tl.con
 
 
 @triton.jit
+def _store_pair(out_blk, left, a, b, scale, sign_ptr, j: tl.constexpr, G: tl.constexpr, SUB: tl.constexpr,
+                BG: tl.constexpr, SIGNS: tl.constexpr, STORE: tl.constexpr):
+    """Sub-blocks 2j and 2j + 1 of a decoded tile as one slab [BG, 2 SUB] (`_store_decoded`)."""
+    _store_decoded(out_blk, left, _join2(a, b), scale, sign_ptr, j, G, 2 * SUB, BG, SIGNS, STORE)
+
+
+@triton.jit
 def _decompress_tile(
     tile, q_ptr, s_ptr, out_ptr, sign_ptr, h, numel, gpc, chunk_bytes, tiles_per_chunk,
     G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr,
@@ -495,17 +502,17 @@ def _decompress_tile(
         _store_decoded(out_blk, left, x0, scale, sign_ptr, 0, G, SUB, BG, SIGNS, STORE)
     elif NSUB == 2:
         x0, x1 = _d2(q_blk, offs, g_mask, h, 0, SUB, HADAMARD, DOT_MODE)
-        _store_decoded(out_blk, left, _join2(x0, x1), scale, sign_ptr, 0, G, 2 * SUB, BG, SIGNS, STORE)
+        _store_pair(out_blk, left, x0, x1, scale, sign_ptr, 0, G, SUB, BG, SIGNS, STORE)
     elif NSUB == 4:
         x0, x1, x2, x3 = _d4(q_blk, offs, g_mask, h, 0, SUB, HADAMARD, DOT_MODE)
-        _store_decoded(out_blk, left, _join2(x0, x1), scale, sign_ptr, 0, G, 2 * SUB, BG, SIGNS, STORE)
-        _store_decoded(out_blk, left, _join2(x2, x3), scale, sign_ptr, 1, G, 2 * SUB, BG, SIGNS, STORE)
+        _store_pair(out_blk, left, x0, x1, scale, sign_ptr, 0, G, SUB, BG, SIGNS, STORE)
+        _store_pair(out_blk, left, x2, x3, scale, sign_ptr, 1, G, SUB, BG, SIGNS, STORE)
     else:
         x0, x1, x2, x3, x4, x5, x6, x7 = _d8(q_blk, offs, g_mask, h, SUB, HADAMARD, DOT_MODE)
-        _store_decoded(out_blk, left, _join2(x0, x1), scale, sign_ptr, 0, G, 2 * SUB, BG, SIGNS, STORE)
-        _store_decoded(out_blk, left, _join2(x2, x3), scale, sign_ptr, 1, G, 2 * SUB, BG, SIGNS, STORE)
-        _store_decoded(out_blk, left, _join2(x4, x5), scale, sign_ptr, 2, G, 2 * SUB, BG, SIGNS, STORE)
-        _store_decoded(out_blk, left, _join2(x6, x7), scale, sign_ptr, 3, G, 2 * SUB, BG, SIGNS, STORE)
+        _store_pair(out_blk, left, x0, x1, scale, sign_ptr, 0, G, SUB, BG, SIGNS, STORE)
+        _store_pair(out_blk, left, x2, x3, scale, sign_ptr, 1, G, SUB, BG, SIGNS, STORE)
+        _store_pair(out_blk, left, x4, x5, scale, sign_ptr, 2, G, SUB, BG, SIGNS, STORE)
+        _store_pair(out_blk, left, x6, x7, scale, sign_ptr, 3, G, SUB, BG, SIGNS, STORE)
 
 
 @triton.jit
