@@ -449,7 +449,8 @@ def _d8(q_blk, offs, g_mask, h, SUB: tl.constexpr, HADAMARD: tl.constexpr, DOT_M
 
 @triton.jit
 def _join2(a, b):
-    """[R, W] and [R, W] -> [R, 2W], a's columns then b's (a register relabelling)."""
+    """[R, W] and [R, W] -> [R, 2W], a's columns then b's. Done in registers: decompress
+    compiles to as many shared-memory stores and loads as with one store per sub-block."""
     return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))
 
 
