@@ -228,6 +228,16 @@ def test_kernels_compile_for_hopper(case):
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
+def test_every_launch_step_has_every_setting():
+    """The launcher looks each kernel's warps, stages and programs per SM up by one step name
+    (compress, decompress and the three sum steps); a missing entry is a KeyError on the GPU only."""
+    from taco_accel.codec import triton_kernels as tk
+
+    steps = {"compress", "decompress", "sum_pair", "sum", "sum_many"}
+    for key in ("num_warps", "num_stages", "programs_per_sm"):
+        assert set(tk.TUNING[key]) == steps, key
+
+
 @pytest.mark.parametrize("group_size", [64, 256])
 def test_evict_first_stores_match_plain_stores(group_size, monkeypatch):
     """Evict-first stores of the decoded values write what plain stores write."""

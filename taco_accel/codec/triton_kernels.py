@@ -69,8 +69,8 @@ STORE_PLAIN, STORE_STREAM = 0, 1
 # Launch settings (benchmarks/RESULTS.md has the sweeps); the benchmark overrides them.
 # block_elems: values per tile; num_warps: per kernel, for tiles of block_elems values
 # ("sum_pair", "sum", "sum_many": the sum of 2, of 3-4 and of more inputs); programs_per_sm:
-# persistent programs per SM (None: as many as fit at once, 0: one program per tile; one "sum"
-# entry for all sums); num_stages: tiles in flight per program; payload_dot: decode with fp8 /
+# persistent programs per SM, per kernel as num_warps (None: as many as fit at once, 0: one
+# program per tile); num_stages: tiles in flight per program; payload_dot: decode with fp8 /
 # int8 products; balance: as many programs as give every program the same number of tiles;
 # stores: how decompress stores (STORE_*). Bulk (TMA) copies were measured and not kept:
 # stores of decoded values (decompress 0.62 of copy bandwidth against 0.81), loads of the
@@ -79,7 +79,7 @@ STORE_PLAIN, STORE_STREAM = 0, 1
 TUNING = {"block_elems": 8192,
           "num_warps": {"compress": 4, "decompress": 8, "sum_pair": 8, "sum": 4, "sum_many": 8},
           "dot_mode": DOT_BF16X2,
-          "programs_per_sm": {"compress": None, "decompress": 2, "sum": None},
+          "programs_per_sm": {"compress": None, "decompress": 2, "sum_pair": None, "sum": None, "sum_many": None},
           "num_stages": {"compress": 3, "decompress": 3, "sum_pair": 1, "sum": 2, "sum_many": 2},
           "payload_dot": True,
           "balance": False, "stores": STORE_PLAIN}
@@ -696,7 +696,7 @@ def sum_into(stacked: torch.Tensor, layout: WireLayout, config: TacoConfig, out:
     tiles, common = _common(layout, config, step)
     fmt_dtype = PAYLOAD_DTYPES[config.format]
     args = (stacked.view(fmt_dtype), stacked.view(torch.float32), out.view(fmt_dtype), out.view(torch.float32))
-    _run(_sum_kernel, "sum", tiles, args, dict(
+    _run(_sum_kernel, step, tiles, args, dict(
         input_stride=stacked.stride(0), **common, PAD=layout.chunk_bytes - layout.used_bytes, P=stacked.shape[0],
         FMT=FMT_CODE[config.format], QMAX=config.qmax, DUAL=config.scales == "dual",
         ADAPTIVE=config.adaptive_scale, EMULATE_ROUND=_interpreting(),
