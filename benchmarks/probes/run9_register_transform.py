@@ -1,0 +1,241 @@
+"""Run 9 probe: the transform as butterflies in registers instead of tensor-core products.
+
+G = 128, one group per thread, one program per tile of BG groups, no shared memory, no persistent
+loop: the group's 128 values are NSUB = 128 / SUB sub-block tensors [BG, SUB] (SUB = 8 or 16, a
+whole sub-block row per thread), H_SUB inside each by reshape / split / join (registers only),
+H_NSUB as butterflies between sub-blocks of one layout. Compiled for sm_90 (triton 3.9): no
+shared memory, no barriers, 1456-1464 SASS instructions per thread and group for decompress,
+2168-2192 for compress. bf16 / e4m3 / single scale / no signs: enough to time the idea.
+
+    PYTHONPATH=. python benchmarks/probes/run9_register_transform.py                     # H200
+    TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/probes/run9_register_transform.py  # CPU check
+
+On the GPU: checked against the committed kernels, then timed alternately with them (CUDA
+graphs, rotated inputs, median of 2 rounds). Without CUDA: checked against the reference only.
+Result (benchmarks/RESULTS.md, ninth run): 0.28-0.59 of copy bandwidth, the committed kernels
+0.75-0.91. Each warp load / store touches 32 rows, so nothing is coalesced.
+"""
+import importlib.util
+import statistics
+import sys
+import tempfile
+
+import torch
+import triton
+
+from taco_accel.codec import TacoConfig, WireLayout, compress, decompress
+from taco_accel.codec import triton_kernels as tk
+
+HELPERS = '''
+import triton
+import triton.language as tl
+from taco_accel.codec.triton_kernels import (_chunk_tile, _payload_offsets, _row_stats, _scale_offsets, _scales,
+                                             _store_padding, _store_payload, _store_scales, _tile_values)
+
+
+@triton.jit
+def _stage(x, BG: tl.constexpr, W: tl.constexpr, H: tl.constexpr):
+    # one butterfly stage on each row of x [BG, W]: pairs (i, i + H) inside blocks of 2H values
+    if W > H:
+        x = tl.reshape(x, (BG, W // (2 * H), 2, H))
+        a, b = tl.split(tl.permute(x, (0, 1, 3, 2)))
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (BG, W))
+    return x
+
+
+@triton.jit
+def _hw(x, BG: tl.constexpr, W: tl.constexpr):
+    # Sylvester H_W (W = 8 or 16) on each row, unnormalised
+    x = _stage(x, BG, W, 1)
+    x = _stage(x, BG, W, 2)
+    x = _stage(x, BG, W, 4)
+    return _stage(x, BG, W, 8)
+
+
+@triton.jit
+def _bf(a, b):
+    return a + b, a - b
+
+
+@triton.jit
+def _st_dec(out_blk, offs8, left, x, scale, j: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr):
+    # decoded sub-block j as [BG, 8] pieces: 8 values per thread, one 16-byte bf16 store
+    x = x * scale[:, None]
+    if SUB == 8:
+        tl.store(out_blk + offs8 + j * 8, x.to(out_blk.dtype.element_ty), mask=offs8 + j * 8 < left)
+    else:
+        a, b = tl.split(tl.permute(tl.reshape(x, (BG, 2, SUB // 2)), (0, 2, 1)))
+        o = offs8 + j * SUB
+        tl.store(out_blk + o, a.to(out_blk.dtype.element_ty), mask=o < left)
+        tl.store(out_blk + o + 8, b.to(out_blk.dtype.element_ty), mask=o + 8 < left)
+'''
+
+
+def _cross(n: int, var: str) -> list[str]:
+    """Butterflies between n sub-block tensors: H_n across them, Sylvester order."""
+    lines, h = [], 1
+    while h < n:
+        lines += [f"    {var}{i}, {var}{i + h} = _bf({var}{i}, {var}{i + h})" for i in range(n) if not i & h]
+        h *= 2
+    return lines
+
+
+def _kernels(sub: int) -> str:
+    n = 128 // sub
+    head = '''
+
+@triton.jit
+def _{kind}_reg{sub}_kernel({ptrs}, numel, gpc, chunk_bytes, tiles_per_chunk, G: tl.constexpr, BG: tl.constexpr{extra}):
+    c, r0, g_mask = _chunk_tile(tl.program_id(0), tiles_per_chunk, gpc, BG)'''
+    dec = [head.format(kind="dec", sub=sub, ptrs="q_ptr, s_ptr, out_ptr", extra=""),
+           "    scale = tl.load(s_ptr + _scale_offsets(c, r0, gpc, chunk_bytes, G, BG), mask=g_mask, other=0.0) * (G**-0.5)",
+           f"    out_blk, offs, left = _tile_values(out_ptr, c, r0, gpc, numel, G, {sub}, BG)",
+           "    _, offs8, _ = _tile_values(out_ptr, c, r0, gpc, numel, G, 8, BG)",
+           "    q_blk = q_ptr + _payload_offsets(c, r0, chunk_bytes, G)"]
+    dec += [f"    x{j} = _hw(tl.load(q_blk + offs + {j * sub}, mask=g_mask[:, None]).to(tl.float32), BG, {sub})"
+            for j in range(n)]
+    dec += _cross(n, "x") + [f"    _st_dec(out_blk, offs8, left, x{j}, scale, {j}, {sub}, BG)" for j in range(n)]
+    comp = [head.format(kind="comp", sub=sub, ptrs="x_ptr, q_ptr, s_ptr",
+                        extra=", PAD: tl.constexpr, EMULATE_ROUND: tl.constexpr"),
+            f"    x_blk, offs, left = _tile_values(x_ptr, c, r0, gpc, numel, G, {sub}, BG)",
+            "    q_blk = q_ptr + _payload_offsets(c, r0, chunk_bytes, G)"]
+    comp += [f"    y{j} = _hw(tl.load(x_blk + offs + {j * sub}, mask=offs + {j * sub} < left, other=0.0)"
+             f".to(tl.float32), BG, {sub})" for j in range(n)]
+    comp += _cross(n, "y") + ["    amax = tl.zeros((BG,), tl.float32)", "    sumsq = tl.zeros((BG,), tl.float32)"]
+    comp += [f"    amax, sumsq = _row_stats(y{j}, amax, sumsq, False)" for j in range(n)]
+    comp += ["    a, s, mult, bad = _scales(amax, sumsq, tl.zeros((BG,), tl.int1), G**-0.5, G, 448.0, False, False)"]
+    comp += [f"    _store_payload(q_blk, offs + {j * sub}, y{j}, mult, bad, g_mask[:, None], 0, 448.0, EMULATE_ROUND)"
+             for j in range(n)]
+    comp += ["    _store_scales(s_ptr, c, r0, g_mask, s, a, gpc, chunk_bytes, G, BG, False)",
+             "    _store_padding(q_ptr, c, r0, gpc, chunk_bytes, PAD, BG)"]
+    return "\n".join(dec + comp) + "\n"
+
+
+def _load_probe():
+    """Write the kernels to a file (triton reads a kernel's source from its file) and import it."""
+    path = tempfile.mkdtemp() + "/register_transform.py"
+    with open(path, "w") as f:
+        f.write(HELPERS + _kernels(8) + _kernels(16))
+    spec = importlib.util.spec_from_file_location("register_transform", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CPU = not torch.cuda.is_available()
+dev = torch.device("cpu" if CPU else "cuda")
+cfg = TacoConfig(backend="triton")
+G = 128
+fp = _load_probe()
+
+
+def reg_compress(kern, bg, warps):
+    def run(x, buf, lay):
+        tiles = triton.cdiv(lay.groups_per_chunk, bg)
+        kern[(tiles * lay.chunks,)](x, buf.view(torch.float8_e4m3fn), buf.view(torch.float32), lay.numel,
+                                    lay.groups_per_chunk, lay.chunk_bytes, tiles, G=G, BG=bg,
+                                    PAD=lay.chunk_bytes - lay.used_bytes, EMULATE_ROUND=CPU, num_warps=warps)
+    return run
+
+
+def reg_decompress(kern, bg, warps):
+    def run(buf, lay, out):
+        tiles = triton.cdiv(lay.groups_per_chunk, bg)
+        kern[(tiles * lay.chunks,)](buf.view(torch.float8_e4m3fn), buf.view(torch.float32), out, lay.numel,
+                                    lay.groups_per_chunk, lay.chunk_bytes, tiles, G=G, BG=bg, num_warps=warps)
+    return run
+
+
+# "r16 w2": sub-blocks of 16, tiles of 64 groups, 2 warps (one group per thread throughout)
+COMP = {"base": lambda x, buf, lay: tk.compress_into(x, buf, lay, cfg),
+        "r8 w4": reg_compress(fp._comp_reg8_kernel, 128, 4),
+        "r16 w4": reg_compress(fp._comp_reg16_kernel, 128, 4),
+        "r16 w2": reg_compress(fp._comp_reg16_kernel, 64, 2),
+        "r16 w1": reg_compress(fp._comp_reg16_kernel, 32, 1)}
+DEC = {"base": lambda buf, lay, out: tk.decompress_into(buf, lay, cfg, out),
+       "r8 w4": reg_decompress(fp._dec_reg8_kernel, 128, 4),
+       "r16 w4": reg_decompress(fp._dec_reg16_kernel, 128, 4),
+       "r16 w2": reg_decompress(fp._dec_reg16_kernel, 64, 2),
+       "r8 w1": reg_decompress(fp._dec_reg8_kernel, 32, 1),
+       "r16 w1": reg_decompress(fp._dec_reg16_kernel, 32, 1)}
+
+if CPU:  # the probe kernels against the reference codec, in the interpreter
+    ref_cfg = cfg.replace(backend="torch")
+    for numel in (128 * 40 + 17, 128 * 3):
+        x = (torch.randn(numel) * torch.logspace(-3, 2, numel)).to(torch.bfloat16)
+        lay = WireLayout.for_tensor(numel, cfg)
+        ref = compress(x, ref_cfg)
+        want = decompress(ref)
+        for name, fn in COMP.items():
+            buf = torch.full((lay.total_bytes,), 0xAB, dtype=torch.uint8)
+            fn(x, buf, lay)
+            differ = (buf != ref.buffer).float().mean().item()
+            print(f"{numel} compress {name}: bytes differing from the reference {differ:.1e}")
+            assert differ < 0.01
+        for name, fn in DEC.items():
+            out = torch.full((numel,), float("nan"), dtype=torch.bfloat16)
+            fn(ref.buffer, lay, out)
+            err = ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
+            print(f"{numel} decompress {name}: max |diff| / max against the reference {err:.1e}")
+            assert torch.isfinite(out).all() and err < 1e-2
+    sys.exit(0)
+
+from taco_accel.bench.codec import Rotating, copy_bandwidth, timer  # noqa: E402
+
+M = 2**20
+copy_bw = copy_bandwidth(dev)
+print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} "
+      f"copy {copy_bw / 1e9:.0f} GB/s", flush=True)
+rows = []
+
+
+def time_all(label, n, fns, nbytes, rounds=2):
+    res = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            res[k].append(nbytes / timer(fn, dev) / copy_bw)
+    med = {k: statistics.median(v) for k, v in res.items()}
+    rows.append((n, label, med))
+    print(f"{n:4d}M {label:>17s}: " + "  ".join(f"{k} {v:.3f}" for k, v in med.items()), flush=True)
+
+
+for n in (16, 64, 256):
+    numel = n * M
+    lay = WireLayout.for_tensor(numel, cfg)
+    wire = lay.total_bytes
+    xs = Rotating(lambda: torch.randn(numel, device=dev, dtype=torch.bfloat16) * 0.02, numel * 2, dev)
+    packs = Rotating(lambda: compress(torch.randn(numel, device=dev, dtype=torch.bfloat16), cfg).buffer, wire, dev)
+    bufs = {k: torch.full((wire,), 0xAB, dtype=torch.uint8, device=dev) for k in COMP}
+    outs = {k: torch.full((numel,), float("nan"), dtype=torch.bfloat16, device=dev) for k in DEC}
+    for k, fn in COMP.items():
+        fn(xs.items[0], bufs[k], lay)
+    for k, fn in DEC.items():
+        fn(packs.items[0], lay, outs[k])
+    torch.cuda.synchronize()
+    ref = outs["base"].float()
+    for k in COMP:
+        differ = (bufs[k] != bufs["base"]).float().mean().item()
+        print(f"{n:4d}M check compress {k}: bytes differing from base {differ:.2e}", flush=True)
+        assert differ < 1e-3, k
+    for k in DEC:
+        err = ((outs[k].float() - ref).abs().max() / ref.abs().max()).item()
+        print(f"{n:4d}M check decompress {k}: max |diff| / max {err:.2e}, all written "
+              f"{bool(torch.isfinite(outs[k]).all())}", flush=True)
+        assert err < 1e-2 and torch.isfinite(outs[k]).all(), k
+    nb = numel * 2 + wire
+    time_all("compress", n, {k: (lambda fn=fn, k=k: fn(xs.next(), bufs[k], lay)) for k, fn in COMP.items()}, nb)
+    time_all("decompress", n, {k: (lambda fn=fn, k=k: fn(packs.next(), lay, outs[k])) for k, fn in DEC.items()}, nb)
+    if n == 16:  # one output buffer stays in the L2 cache between calls at this size
+        outs8 = Rotating(lambda: torch.empty(numel, dtype=torch.bfloat16, device=dev), numel * 2, dev)
+        time_all("decompress 8 outs", n, {k: (lambda fn=fn: fn(packs.next(), lay, outs8.next()))
+                                          for k, fn in DEC.items()}, nb)
+        del outs8
+    del xs, packs, bufs, outs
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+names = list(dict.fromkeys(list(COMP) + list(DEC)))
+print("\nfraction of the 1 GiB copy, median of 2 alternating rounds")
+print(f"{'M':>5} {'step':>18}  " + "  ".join(f"{k:>7}" for k in names))
+for n, label, med in rows:
+    print(f"{n:5d} {label:>18}  " + "  ".join(f"{med[k]:7.3f}" if k in med else f"{'':>7}" for k in names))
