@@ -15,14 +15,12 @@ graphs, rotated inputs, median of 2 rounds). Without CUDA: checked against the r
 Result (benchmarks/RESULTS.md, ninth run): 0.28-0.59 of copy bandwidth, the committed kernels
 0.75-0.91. Each warp load / store touches 32 rows, so nothing is coalesced.
 """
-import importlib.util
-import statistics
 import sys
-import tempfile
 
 import torch
 import triton
 
+from _probe import Timings, codec_rows, load_module
 from taco_accel.codec import TacoConfig, WireLayout, compress, decompress
 from taco_accel.codec import triton_kernels as tk
 
@@ -111,22 +109,11 @@ def _{kind}_reg{sub}_kernel({ptrs}, numel, gpc, chunk_bytes, tiles_per_chunk, G:
     return "\n".join(dec + comp) + "\n"
 
 
-def _load_probe():
-    """Write the kernels to a file (triton reads a kernel's source from its file) and import it."""
-    path = tempfile.mkdtemp() + "/register_transform.py"
-    with open(path, "w") as f:
-        f.write(HELPERS + _kernels(8) + _kernels(16))
-    spec = importlib.util.spec_from_file_location("register_transform", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 CPU = not torch.cuda.is_available()
 dev = torch.device("cpu" if CPU else "cuda")
 cfg = TacoConfig(backend="triton")
 G = 128
-fp = _load_probe()
+fp = load_module("register_transform", HELPERS + _kernels(8) + _kernels(16))
 
 
 def reg_compress(kern, bg, warps):
@@ -180,62 +167,13 @@ if CPU:  # the probe kernels against the reference codec, in the interpreter
             assert torch.isfinite(out).all() and err < 1e-2
     sys.exit(0)
 
-from taco_accel.bench.codec import Rotating, copy_bandwidth, timer  # noqa: E402
+from taco_accel.bench.codec import copy_bandwidth  # noqa: E402
 
-M = 2**20
 copy_bw = copy_bandwidth(dev)
 print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} "
       f"copy {copy_bw / 1e9:.0f} GB/s", flush=True)
-rows = []
-
-
-def time_all(label, n, fns, nbytes, rounds=2):
-    res = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            res[k].append(nbytes / timer(fn, dev) / copy_bw)
-    med = {k: statistics.median(v) for k, v in res.items()}
-    rows.append((n, label, med))
-    print(f"{n:4d}M {label:>17s}: " + "  ".join(f"{k} {v:.3f}" for k, v in med.items()), flush=True)
-
-
+timings = Timings(dev, copy_bw, rounds=2)
 for n in (16, 64, 256):
-    numel = n * M
-    lay = WireLayout.for_tensor(numel, cfg)
-    wire = lay.total_bytes
-    xs = Rotating(lambda: torch.randn(numel, device=dev, dtype=torch.bfloat16) * 0.02, numel * 2, dev)
-    packs = Rotating(lambda: compress(torch.randn(numel, device=dev, dtype=torch.bfloat16), cfg).buffer, wire, dev)
-    bufs = {k: torch.full((wire,), 0xAB, dtype=torch.uint8, device=dev) for k in COMP}
-    outs = {k: torch.full((numel,), float("nan"), dtype=torch.bfloat16, device=dev) for k in DEC}
-    for k, fn in COMP.items():
-        fn(xs.items[0], bufs[k], lay)
-    for k, fn in DEC.items():
-        fn(packs.items[0], lay, outs[k])
-    torch.cuda.synchronize()
-    ref = outs["base"].float()
-    for k in COMP:
-        differ = (bufs[k] != bufs["base"]).float().mean().item()
-        print(f"{n:4d}M check compress {k}: bytes differing from base {differ:.2e}", flush=True)
-        assert differ < 1e-3, k
-    for k in DEC:
-        err = ((outs[k].float() - ref).abs().max() / ref.abs().max()).item()
-        print(f"{n:4d}M check decompress {k}: max |diff| / max {err:.2e}, all written "
-              f"{bool(torch.isfinite(outs[k]).all())}", flush=True)
-        assert err < 1e-2 and torch.isfinite(outs[k]).all(), k
-    nb = numel * 2 + wire
-    time_all("compress", n, {k: (lambda fn=fn, k=k: fn(xs.next(), bufs[k], lay)) for k, fn in COMP.items()}, nb)
-    time_all("decompress", n, {k: (lambda fn=fn, k=k: fn(packs.next(), lay, outs[k])) for k, fn in DEC.items()}, nb)
-    if n == 16:  # one output buffer stays in the L2 cache between calls at this size
-        outs8 = Rotating(lambda: torch.empty(numel, dtype=torch.bfloat16, device=dev), numel * 2, dev)
-        time_all("decompress 8 outs", n, {k: (lambda fn=fn: fn(packs.next(), lay, outs8.next()))
-                                          for k, fn in DEC.items()}, nb)
-        del outs8
-    del xs, packs, bufs, outs
-    torch.cuda.synchronize()
+    codec_rows(timings, n, n * 2**20, cfg, COMP, DEC)
     torch.cuda.empty_cache()
-
-names = list(dict.fromkeys(list(COMP) + list(DEC)))
-print("\nfraction of the 1 GiB copy, median of 2 alternating rounds")
-print(f"{'M':>5} {'step':>18}  " + "  ".join(f"{k:>7}" for k in names))
-for n, label, med in rows:
-    print(f"{n:5d} {label:>18}  " + "  ".join(f"{med[k]:7.3f}" if k in med else f"{'':>7}" for k in names))
+timings.table(list(dict.fromkeys(list(COMP) + list(DEC))))

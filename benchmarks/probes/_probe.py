@@ -1,0 +1,89 @@
+"""What the kernel probes share: loading kernel source as a module, checking variants of compress
+and decompress against the committed kernels, and timing them alternately.
+
+A variant is a callable with the committed kernels' `_into` signature minus the config:
+``compress(x, buffer, layout)`` and ``decompress(buffer, layout, out)``; the dicts passed here
+hold the committed kernels under "base".
+"""
+import importlib.util
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+
+from taco_accel.bench.codec import Rotating, timer
+from taco_accel.codec import TacoConfig, WireLayout, compress
+
+
+def load_module(name: str, source: str):
+    """Import ``source`` as module ``name`` from a file (triton reads a kernel's source from its file)."""
+    path = os.path.join(tempfile.mkdtemp(), name.rpartition(".")[2] + ".py")
+    with open(path, "w") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+class Timings:
+    """Fractions of ``copy_bw`` for named callables, timed in turn for ``rounds`` rounds (median)."""
+
+    def __init__(self, device: torch.device, copy_bw: float, rounds: int):
+        self.device, self.copy_bw, self.rounds, self.rows = device, copy_bw, rounds, []
+
+    def time(self, label: str, n: int, fns: dict, nbytes: int) -> None:
+        res = {k: [] for k in fns}
+        for _ in range(self.rounds):
+            for k, fn in fns.items():
+                res[k].append(nbytes / timer(fn, self.device) / self.copy_bw)
+        med = {k: statistics.median(v) for k, v in res.items()}
+        spread = max(max(v) - min(v) for v in res.values())
+        self.rows.append((n, label, med))
+        print(f"{n:4d}M {label:>17s}: " + "  ".join(f"{k} {v:.3f}" for k, v in med.items())
+              + f"  (spread {spread:.3f})", flush=True)
+
+    def table(self, names: list[str]) -> None:
+        print(f"\nfraction of the 1 GiB copy, median of {self.rounds} alternating rounds")
+        print(f"{'M':>5} {'step':>18}  " + "  ".join(f"{k:>11}" for k in names))
+        for n, label, med in self.rows:
+            print(f"{n:5d} {label:>18}  " + "  ".join(f"{med[k]:11.3f}" if k in med else f"{'':>11}" for k in names))
+
+
+def codec_rows(timings: Timings, n: int, numel: int, cfg: TacoConfig, comp: dict, dec: dict) -> tuple:
+    """Check every compress / decompress variant against "base" on poisoned outputs, then time them
+    (and decompress into 8 outputs in turn at 16M, where one output stays in the L2 cache).
+    Returns the bf16 inputs and packed buffers, for rows of the caller's own."""
+    dev = timings.device
+    lay = WireLayout.for_tensor(numel, cfg)
+    wire = lay.total_bytes
+    xs = Rotating(lambda: torch.randn(numel, device=dev, dtype=torch.bfloat16) * 0.02, numel * 2, dev)
+    packs = Rotating(lambda: compress(torch.randn(numel, device=dev, dtype=torch.bfloat16), cfg).buffer, wire, dev)
+    bufs = {k: torch.full((wire,), 0xAB, dtype=torch.uint8, device=dev) for k in comp}
+    outs = {k: torch.full((numel,), float("nan"), dtype=torch.bfloat16, device=dev) for k in dec}
+    for k, fn in comp.items():
+        fn(xs.items[0], bufs[k], lay)
+    for k, fn in dec.items():
+        fn(packs.items[0], lay, outs[k])
+    ref = outs["base"].float()
+    for k in comp:
+        differ = (bufs[k] != bufs["base"]).float().mean().item()
+        print(f"{n:4d}M check compress {k}: bytes differing from base {differ:.2e}", flush=True)
+        assert differ < 1e-3, k
+    for k in dec:
+        err = ((outs[k].float() - ref).abs().max() / ref.abs().max()).item()
+        print(f"{n:4d}M check decompress {k}: max |diff| / max {err:.2e}, all written "
+              f"{bool(torch.isfinite(outs[k]).all())}", flush=True)
+        assert err < 1e-2 and torch.isfinite(outs[k]).all(), k
+    nbytes = numel * 2 + wire
+    timings.time("compress", n, {k: (lambda fn=fn, k=k: fn(xs.next(), bufs[k], lay)) for k, fn in comp.items()}, nbytes)
+    timings.time("decompress", n, {k: (lambda fn=fn, k=k: fn(packs.next(), lay, outs[k])) for k, fn in dec.items()},
+                 nbytes)
+    if n == 16:
+        outs8 = Rotating(lambda: torch.empty(numel, dtype=torch.bfloat16, device=dev), numel * 2, dev)
+        timings.time("decompress 8 outs", n, {k: (lambda fn=fn: fn(packs.next(), lay, outs8.next()))
+                                              for k, fn in dec.items()}, nbytes)
+    return xs, packs
