@@ -7,6 +7,7 @@ disagree by one fp8 step on a few values; on a GPU the same tests run the compil
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -226,6 +227,80 @@ def test_kernels_compile_for_hopper(case):
     done = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, json.dumps(case)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+GLUON_COMPILE_SCRIPT = """
+import sys, json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from taco_accel.codec import gluon_kernels as gk
+
+fn = gk._decompress_rows_kernel
+for G, fmt, out, flags in json.loads(sys.argv[1]):
+    constexprs = dict(G=G, NW=gk.WARPS, Q_BYTES=1, OUT_BYTES={"bf16": 2, "fp16": 2, "fp32": 4}[out],
+                      **{"HADAMARD": True, "SIGNS": False, "DUAL": False, "CHUNKED": False, "WIDE": False, **flags})
+    signature = dict(q_ptr="*" + fmt, s_ptr="*fp32", out_ptr="*" + out, sign_ptr="*fp32", numel="i32", gpc="i32",
+                     chunk_bytes="i32", **{k: "constexpr" for k in constexprs})
+    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in signature.items() if v != "constexpr"}
+    k = triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": gk.WARPS})
+    ptx = k.asm["ptx"]
+    # 16 bytes per lane and access: the payload and the output move whole rows per warp
+    assert ptx.count("ld.global.v4") >= G // 16 and ptx.count("st.global.v4") >= G * (2 if out != "fp32" else 4) // 16, ptx
+    assert ".local" not in ptx, "a group per thread should stay in registers"
+print("compiled")
+"""
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the GPU run compiles it for real")
+def test_gluon_decoder_compiles_for_hopper():
+    """The one-group-per-thread decoder (Gluon, which the interpreter cannot run) builds for sm_90
+    at every group size it serves, each payload format and output type, with signs and dual scales."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from taco_accel.codec import gluon_kernels
+
+    if not gluon_kernels.AVAILABLE:
+        pytest.skip("this triton has no Gluon")
+    cases = [(128, "fp8e4nv", "bf16", {}), (64, "fp8e5", "fp32", dict(HADAMARD=False, CHUNKED=True)),
+             (32, "i8", "fp16", dict(DUAL=True, SIGNS=True, WIDE=True)),
+             (128, "fp8e4nv", "fp32", dict(DUAL=True, SIGNS=True, CHUNKED=True))]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    done = subprocess.run([sys.executable, "-c", GLUON_COMPILE_SCRIPT, json.dumps(cases)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="Gluon kernels run on a GPU only")
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_gluon_decoder_matches_tensor_core_decoder(group_size, monkeypatch):
+    """Both decoders of one buffer (1 or 3 chunks, a partial last group, a NaN group) agree for every
+    variant and output type: equal NaNs, values within the tensor-core kernel's fp8 accumulation
+    (3e-5 relative, RESULTS.md) and a few values one output rounding step apart."""
+    from taco_accel.codec import triton_kernels as tk
+
+    x = sample((6, (3 * 45 * group_size - 3) // 6), torch.float32).reshape(-1)
+    x[5] = float("nan")
+    for variant, chunks in itertools.product(VARIANTS, (1, 3)):
+        ref_cfg, tri_cfg = configs(group_size, variant)
+        assert tk._decodes_by_rows(tri_cfg, x)
+        for dtype in DTYPES:
+            packed = as_triton(compress(x.to(dtype), ref_cfg, chunks=chunks), tri_cfg)
+            rows = torch.full((x.numel(),), 7.0, dtype=dtype, device=DEVICE)
+            decompress(packed, rows)
+            monkeypatch.setitem(tk.TUNING, "rows_max_group", 0)
+            tiles = torch.full_like(rows, 7.0)
+            decompress(packed, tiles)
+            monkeypatch.undo()
+            assert torch.equal(rows.isnan(), tiles.isnan()) and rows[:group_size].isnan().all(), (variant, chunks, dtype)
+            rows, tiles = rows.float().nan_to_num(), tiles.float().nan_to_num()
+            tol = {torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 4e-3}[dtype]
+            assert (rows - tiles).norm() <= tol * tiles.norm(), (variant, chunks, dtype)
 
 
 def test_every_launch_step_has_every_setting():

@@ -12,8 +12,9 @@ import sys
 import tempfile
 
 import torch
+import triton
 
-from taco_accel.bench.codec import Rotating, timer
+from taco_accel.bench.codec import Rotating, copy_bandwidth, timer
 from taco_accel.codec import TacoConfig, WireLayout, compress
 
 
@@ -51,6 +52,43 @@ class Timings:
         print(f"{'M':>5} {'step':>18}  " + "  ".join(f"{k:>11}" for k in names))
         for n, label, med in self.rows:
             print(f"{n:5d} {label:>18}  " + "  ".join(f"{med[k]:11.3f}" if k in med else f"{'':>11}" for k in names))
+
+
+def gpu_timings(rounds: int) -> Timings:
+    """`Timings` on the GPU against the 1 GiB copy, after a line naming the GPU, the versions and the copy."""
+    dev = torch.device("cuda")
+    copy_bw = copy_bandwidth(dev)
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} "
+          f"copy {copy_bw / 1e9:.0f} GB/s", flush=True)
+    return Timings(dev, copy_bw, rounds)
+
+
+def codec_table(timings: Timings, cfg: TacoConfig, comp: dict, dec: dict, sizes=(16, 64, 256)) -> None:
+    """`codec_rows` at each size (M values), then the table of every variant."""
+    for n in sizes:
+        codec_rows(timings, n, n * 2**20, cfg, comp, dec)
+        torch.cuda.empty_cache()
+    timings.table(list(dict.fromkeys(list(comp) + list(dec))))
+
+
+def decoder_rows(timings: Timings, label: str, n: int, cfg: TacoConfig, dec: dict, check=None) -> None:
+    """Decode rotated payloads of ``n`` M bf16 values with each of ``dec`` once (``check`` gets the
+    outputs by name), then time them into one output each and into 8 outputs in turn."""
+    dev, numel = timings.device, n * 2**20
+    lay = WireLayout.for_tensor(numel, cfg)
+    packs = Rotating(lambda: compress(torch.randn(numel, device=dev, dtype=torch.bfloat16), cfg).buffer,
+                     lay.total_bytes, dev)
+    outs = {k: torch.empty(numel, dtype=torch.bfloat16, device=dev) for k in dec}
+    for k, fn in dec.items():
+        fn(packs.items[0], lay, outs[k])
+    if check is not None:
+        check(outs)
+    nbytes = numel * 2 + lay.total_bytes
+    timings.time(f"{label}decompress", n, {k: (lambda fn=fn, k=k: fn(packs.next(), lay, outs[k]))
+                                           for k, fn in dec.items()}, nbytes)
+    outs8 = Rotating(lambda: torch.empty(numel, dtype=torch.bfloat16, device=dev), numel * 2, dev)
+    timings.time(f"{label}8 outputs", n, {k: (lambda fn=fn: fn(packs.next(), lay, outs8.next()))
+                                          for k, fn in dec.items()}, nbytes)
 
 
 def codec_rows(timings: Timings, n: int, numel: int, cfg: TacoConfig, comp: dict, dec: dict) -> tuple:

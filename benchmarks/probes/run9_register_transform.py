@@ -20,7 +20,7 @@ import sys
 import torch
 import triton
 
-from _probe import Timings, codec_rows, load_module
+from _probe import codec_table, gpu_timings, load_module
 from taco_accel.codec import TacoConfig, WireLayout, compress, decompress
 from taco_accel.codec import triton_kernels as tk
 
@@ -167,13 +167,4 @@ if CPU:  # the probe kernels against the reference codec, in the interpreter
             assert torch.isfinite(out).all() and err < 1e-2
     sys.exit(0)
 
-from taco_accel.bench.codec import copy_bandwidth  # noqa: E402
-
-copy_bw = copy_bandwidth(dev)
-print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} "
-      f"copy {copy_bw / 1e9:.0f} GB/s", flush=True)
-timings = Timings(dev, copy_bw, rounds=2)
-for n in (16, 64, 256):
-    codec_rows(timings, n, n * 2**20, cfg, COMP, DEC)
-    torch.cuda.empty_cache()
-timings.table(list(dict.fromkeys(list(COMP) + list(DEC))))
+codec_table(gpu_timings(rounds=2), cfg, COMP, DEC)

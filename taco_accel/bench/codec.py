@@ -189,11 +189,13 @@ def sweep_variants(tk) -> list[tuple[str, str, dict]]:
     variants += [("all resident", "bf16", override(per_sm=None)), ("one per tile", "bf16", override(per_sm=0))]
     variants += [(f"{n} per SM", "bf16", override(per_sm=n)) for n in (2, 3, 4)]
     variants += [(f"{n} warps", "bf16", override(num_warps=dict.fromkeys(base["num_warps"], n))) for n in (4, 8)]
-    variants += [("bf16 decode", "bf16", override(payload_dot=False)),
+    tiles = dict(rows_max_group=0)  # decompress variants of the tensor-core kernel, not the Gluon decoder
+    variants += [("tensor-core decode", "bf16", tiles),
+                 ("bf16 decode", "bf16", override(payload_dot=False, **tiles)),
                  ("16K per tile", "bf16", override(block_elems=16384)),
                  ("balanced grid", "bf16", override(balance=True)),
-                 ("evict-first st", "bf16", override(stores=tk.STORE_STREAM)),
-                 ("evict-first 3/SM", "bf16", dict(programs_per_sm=decompress_on(3), stores=tk.STORE_STREAM))]
+                 ("evict-first st", "bf16", override(stores=tk.STORE_STREAM, **tiles)),
+                 ("evict-first 3/SM", "bf16", dict(programs_per_sm=decompress_on(3), stores=tk.STORE_STREAM, **tiles))]
     variants += [(f"fp32 {name}", "fp32", override(dot_mode=mode)) for name, mode in (("tf32", tk.DOT_TF32),
                                                                                       ("bf16x2", tk.DOT_BF16X2))]
     return variants
@@ -202,27 +204,30 @@ def sweep_variants(tk) -> list[tuple[str, str, dict]]:
 def sweep(device: torch.device, numel: int, copy_bw: float, names: set[str] | None = None) -> None:
     """Time launch variants at one size, G=128, against the defaults in TUNING (`sweep_variants`:
     pipeline stages, resident programs per SM, all that fit, or one program per tile instead of a
-    persistent grid, decoding with bf16 instead of fp8 products, twice the values per tile, 4 or 8
-    warps in every kernel, a grid balanced to equal tile counts, evict-first stores of decoded
-    values, and on fp32 input tf32 against two bf16 products); ``names``: only these."""
+    persistent grid, the tensor-core decoder instead of the Gluon one (G <= 128 decodes with
+    `gluon_kernels` on CUDA, so the launch settings of the tensor-core kernel change the decompress
+    column only where a variant names that kernel), decoding with bf16 instead of fp8 products,
+    twice the values per tile, 4 or 8 warps in every kernel, a grid balanced to equal tile counts,
+    evict-first stores of decoded values, and on fp32 input tf32 against two bf16 products);
+    ``names``: only these."""
     from ..codec import triton_kernels as tk
 
     base = {k: dict(v) if isinstance(v, dict) else v for k, v in tk.TUNING.items()}
     cfg = TacoConfig(backend="triton")
     variants = [v for v in sweep_variants(tk) if names is None or v[0] in names]
     print(f"\nsweep at {numel / 2**20:.0f}M elements, G=128 (fraction of copy bandwidth); defaults: {base}")
-    print(f"{'variant':>14s} {'compress':>9s} {'decomp':>7s} {'sum P=2':>8s} {'sum P=8':>8s}")
+    print(f"{'variant':>18s} {'compress':>9s} {'decomp':>7s} {'sum P=2':>8s} {'sum P=8':>8s}")
     for name, dname, change in variants:
         tk.TUNING.update(change)
         try:
             rows = bench_case(numel, cfg, DTYPES[dname], device, (2, 8), backends=("triton",), eager=False)
         except Exception as e:  # a variant that does not compile is a result too
-            print(f"{name:>14s}  failed: {type(e).__name__}: {str(e)[:80]}")
+            print(f"{name:>18s}  failed: {type(e).__name__}: {str(e)[:80]}")
             continue
         finally:
             tk.TUNING.update(base)
         frac = {r["step"]: r["bytes"] / r["seconds"] / copy_bw for r in rows}
-        print(f"{name:>14s} {frac['compress']:9.2f} {frac['decompress']:7.2f} {frac['sum P=2']:8.2f} "
+        print(f"{name:>18s} {frac['compress']:9.2f} {frac['decompress']:7.2f} {frac['sum P=2']:8.2f} "
               f"{frac['sum P=8']:8.2f}", flush=True)
 
 

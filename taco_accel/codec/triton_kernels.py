@@ -9,6 +9,11 @@ makes the Hadamard matrix once, from the indices. On an H200 the kernels had bee
 their loads, one tile per program at a time (59-62% of copy bandwidth); pipelined they reach
 75-101% at 16M-256M values (benchmarks/RESULTS.md).
 
+On NVIDIA GPUs groups of up to 128 values decode elsewhere, one group per thread
+(`gluon_kernels`: 0.88-0.97 of copy bandwidth against 0.75-0.87 here); the decoder below
+serves larger groups, other GPUs, the CPU interpreter and a triton whose Gluon cannot build
+that one.
+
 The Hadamard transform runs on the tensor cores as one dense product with H_SUB,
 SUB = min(G, 64), per sub-block of SUB values: a tile [BG, SUB] @ [SUB, SUB]. Larger groups
 are 2, 4 or 8 sub-blocks combined by butterflies (adds and subtracts of whole tiles), since
@@ -47,6 +52,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from . import gluon_kernels
 from .config import TacoConfig
 from .hadamard import device_signs
 from .layout import PAYLOAD_DTYPES, WireLayout
@@ -72,7 +78,8 @@ STORE_PLAIN, STORE_STREAM = 0, 1
 # persistent programs per SM, per kernel as num_warps (None: as many as fit at once, 0: one
 # program per tile); num_stages: tiles in flight per program; payload_dot: decode with fp8 /
 # int8 products; balance: as many programs as give every program the same number of tiles;
-# stores: how decompress stores (STORE_*). Bulk (TMA) copies were measured and not kept:
+# stores: how decompress stores (STORE_*); rows_max_group: the largest G decoded one group per
+# thread by `gluon_kernels` on CUDA (0: the tensor-core kernel here decodes every G). Bulk (TMA) copies were measured and not kept:
 # stores of decoded values (decompress 0.62 of copy bandwidth against 0.81), loads of the
 # payload (0.72-0.82 against 0.77-0.83 with plain loads, 8M-64M values), of compress's input
 # and of the sums' inputs (RESULTS.md).
@@ -82,7 +89,7 @@ TUNING = {"block_elems": 8192,
           "programs_per_sm": {"compress": None, "decompress": 2, "sum_pair": None, "sum": None, "sum_many": None},
           "num_stages": {"compress": 3, "decompress": 3, "sum_pair": 1, "sum": 2, "sum_many": 2},
           "payload_dot": True,
-          "balance": False, "stores": STORE_PLAIN}
+          "balance": False, "stores": STORE_PLAIN, "rows_max_group": gluon_kernels.MAX_GROUP}
 
 
 def _interpreting() -> bool:
@@ -674,8 +681,21 @@ def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, con
     ))
 
 
+def _decodes_by_rows(config: TacoConfig, out: torch.Tensor) -> bool:
+    """Whether `gluon_kernels` decodes: Gluon compiled for an NVIDIA GPU (not the interpreter), G small
+    enough for one group per thread (faster there at every size measured, RESULTS.md tenth run)."""
+    return (gluon_kernels.AVAILABLE and not _interpreting() and out.is_cuda and torch.version.hip is None
+            and config.group_size <= min(TUNING["rows_max_group"], gluon_kernels.MAX_GROUP))
+
+
 def decompress_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor) -> None:
     """Decode ``buffer`` into the flat contiguous tensor ``out``."""
+    if _decodes_by_rows(config, out):
+        try:
+            gluon_kernels.decompress_rows_into(buffer, layout, config, out)
+            return
+        except triton.compiler.errors.CompilationError as error:  # nothing written yet: decode below
+            gluon_kernels.disable(error)
     signs = device_signs(config, buffer.device)
     tiles, common = _common(layout, config, "decompress")
     mode = _dot_mode(True)
