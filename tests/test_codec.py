@@ -373,6 +373,19 @@ def test_reference_transform_is_plain_fp32_arithmetic(g):
     assert np.array_equal(walsh_hadamard(torch.from_numpy(x)).numpy(), y)
 
 
+def test_reference_divisions_round_once():
+    """The reference's scales and multipliers are quotients rounded once, as the kernels'
+    (`tl.div_rn`): against float64, whichever side the Python number is on. torch's own
+    ``448.0 / t`` is a reciprocal product (torch 2.13: one bit off for about a quarter of fp32
+    values), and on CUDA so is ``t / 448.0``."""
+    from taco_accel.codec.reference import divide
+
+    t = torch.rand(200_000, generator=torch.Generator().manual_seed(0)) * torch.logspace(-30, 30, 200_000)
+    for qmax in (448.0, 57344.0, 127.0):
+        assert torch.equal(divide(qmax, t), (qmax / t.double()).float())
+        assert torch.equal(divide(t, qmax), (t.double() / qmax).float())
+
+
 @pytest.mark.parametrize("numel", (0, 1, 127, 128, 129, 1000, 65536))
 @pytest.mark.parametrize("g", GROUP_SIZES)
 @pytest.mark.parametrize("scales", ("single", "dual"))

@@ -35,10 +35,20 @@ ADAPTIVE_MIN, ADAPTIVE_MAX = 1e-3, 1e3
 TINY_AMAX = 1e-33
 
 
+def divide(num: torch.Tensor | float, den: torch.Tensor | float) -> torch.Tensor:
+    """``num / den`` rounded once, as the kernels divide (`tl.div_rn`), on every device. torch
+    divides a Python number by a tensor as a product with the reciprocal (a quarter of fp32
+    quotients one bit off on the CPU), and on CUDA a tensor by a Python number too."""
+    like = num if isinstance(num, torch.Tensor) else den
+    num, den = (v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=like.dtype, device=like.device)
+                for v in (num, den))
+    return torch.div(num, den)
+
+
 def adaptive_scale(groups: torch.Tensor, qmax: float) -> torch.Tensor:
     """The paper's step 1 per row of ``groups`` [n, G]: ``clamp(qmax / rms, 1e-3, 1e3)``."""
     rms = torch.sqrt(groups.square().mean(dim=1) + ADAPTIVE_EPS)
-    return (qmax / rms).clamp(ADAPTIVE_MIN, ADAPTIVE_MAX)
+    return divide(qmax, rms).clamp(ADAPTIVE_MIN, ADAPTIVE_MAX)
 
 
 def quantize(values: torch.Tensor, fmt: str, qmax: float) -> torch.Tensor:
@@ -61,8 +71,8 @@ def requantize(z: torch.Tensor, bad: torch.Tensor, config: TacoConfig) -> tuple[
     amax = z.abs().amax(dim=1)
     bad = bad | ~torch.isfinite(amax)  # also an fp32 overflow inside the transform
     big = amax >= TINY_AMAX
-    s = torch.where(big, amax / qmax, torch.zeros_like(amax))
-    inv = torch.where(big & ~bad, qmax / torch.where(big, amax, torch.ones_like(amax)), torch.zeros_like(amax))
+    s = torch.where(big, divide(amax, qmax), torch.zeros_like(amax))
+    inv = torch.where(big & ~bad, divide(qmax, torch.where(big, amax, torch.ones_like(amax))), torch.zeros_like(amax))
     q = torch.where(bad[:, None], torch.zeros_like(z), z * inv[:, None])
     s = torch.where(bad, torch.full_like(s, float("nan")), s)
     if config.scales == "dual":
