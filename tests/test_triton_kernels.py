@@ -159,10 +159,21 @@ def test_extreme_magnitudes():
 # toolchain, so CI catches a kernel that would not build on the H100/H200. It runs in a fresh
 # process because this one defined the kernels for the interpreter.
 
-COMPILE_SCRIPT = """
+HOPPER_PRELUDE = """
 import sys, json
 import triton
 from triton.backends.compiler import GPUTarget
+
+def compile_for_hopper(source_cls, fn, signature, constexprs, num_warps):
+    signature = dict(signature, **{k: "constexpr" for k in constexprs})
+    # what the launcher specialises at run time: 16-byte aligned pointers and sizes
+    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in signature.items()
+             if v != "constexpr"}
+    return triton.compile(source_cls(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps})
+"""
+
+COMPILE_SCRIPT = HOPPER_PRELUDE + """
 from triton.compiler import ASTSource
 from taco_accel.codec import triton_kernels as tk
 
@@ -176,12 +187,7 @@ ints = dict(chunks="i32", gpc="i32", chunk_bytes="i32", tiles_per_chunk="i32")
 launch = dict(PAD=4, NUM_STAGES=2)
 
 def build(fn, signature, constexprs, step):
-    signature = dict(signature, **{k: "constexpr" for k in constexprs})
-    # what the launcher specialises at run time: 16-byte aligned pointers and sizes
-    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in signature.items()
-             if v != "constexpr"}
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps[step]})
+    return compile_for_hopper(ASTSource, fn, signature, constexprs, warps[step])
 
 k = build(tk._compress_kernel,
           dict(x_ptr="*" + dtype, q_ptr="*" + fmt, s_ptr="*fp32", sign_ptr="*fp32", numel="i32", **ints),
@@ -213,26 +219,28 @@ print("compiled")
     ids=["G128-bf16-e4m3", "G512-fp32-e5m2-dual-signs", "G32-fp16-int8"],
 )
 def test_kernels_compile_for_hopper(case):
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+    except ImportError:
+        pytest.skip("this triton cannot compile ahead of time")
+    compile_in_fresh_process(COMPILE_SCRIPT, case)
+
+
+def compile_in_fresh_process(script: str, arg) -> None:
+    """Run ``script`` (prints "compiled") with ``arg`` as JSON, without the interpreter."""
     import json
     import os
     import subprocess
     import sys
 
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-    except ImportError:
-        pytest.skip("this triton cannot compile ahead of time")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    done = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, json.dumps(case)], env=env,
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(arg)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
-GLUON_COMPILE_SCRIPT = """
-import sys, json
-import triton
-from triton.backends.compiler import GPUTarget
+GLUON_COMPILE_SCRIPT = HOPPER_PRELUDE + """
 from triton.experimental.gluon._runtime import GluonASTSource
 from taco_accel.codec import gluon_kernels as gk
 
@@ -241,10 +249,8 @@ for G, fmt, out, flags in json.loads(sys.argv[1]):
     constexprs = dict(G=G, NW=gk.WARPS, Q_BYTES=1, OUT_BYTES={"bf16": 2, "fp16": 2, "fp32": 4}[out],
                       **{"HADAMARD": True, "SIGNS": False, "DUAL": False, "CHUNKED": False, "WIDE": False, **flags})
     signature = dict(q_ptr="*" + fmt, s_ptr="*fp32", out_ptr="*" + out, sign_ptr="*fp32", numel="i32", gpc="i32",
-                     chunk_bytes="i32", **{k: "constexpr" for k in constexprs})
-    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in signature.items() if v != "constexpr"}
-    k = triton.compile(GluonASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": gk.WARPS})
+                     chunk_bytes="i32")
+    k = compile_for_hopper(GluonASTSource, fn, signature, constexprs, gk.WARPS)
     ptx = k.asm["ptx"]
     # 16 bytes per lane and access: the payload and the output move whole rows per warp
     assert ptx.count("ld.global.v4") >= G // 16 and ptx.count("st.global.v4") >= G * (2 if out != "fp32" else 4) // 16, ptx
@@ -257,11 +263,6 @@ print("compiled")
 def test_gluon_decoder_compiles_for_hopper():
     """The one-group-per-thread decoder (Gluon, which the interpreter cannot run) builds for sm_90
     at every group size it serves, each payload format and output type, with signs and dual scales."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     from taco_accel.codec import gluon_kernels
 
     if not gluon_kernels.AVAILABLE:
@@ -269,11 +270,7 @@ def test_gluon_decoder_compiles_for_hopper():
     cases = [(128, "fp8e4nv", "bf16", {}), (64, "fp8e5", "fp32", dict(HADAMARD=False, CHUNKED=True)),
              (32, "i8", "fp16", dict(DUAL=True, SIGNS=True, WIDE=True)),
              (128, "fp8e4nv", "fp32", dict(DUAL=True, SIGNS=True, CHUNKED=True))]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    done = subprocess.run([sys.executable, "-c", GLUON_COMPILE_SCRIPT, json.dumps(cases)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    compile_in_fresh_process(GLUON_COMPILE_SCRIPT, cases)
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="Gluon kernels run on a GPU only")

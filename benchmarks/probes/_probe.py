@@ -71,6 +71,21 @@ def codec_table(timings: Timings, cfg: TacoConfig, comp: dict, dec: dict, sizes=
     timings.table(list(dict.fromkeys(list(comp) + list(dec))))
 
 
+def library_decoder(cfg: TacoConfig, rows_max_group: int | None = None):
+    """`triton_kernels.decompress_into` as a variant; ``rows_max_group`` set for the call (0: the
+    tensor-core decoder at every G; None: the library's choice)."""
+    from taco_accel.codec import triton_kernels as tk
+
+    def run(buf, lay, out):
+        saved = tk.TUNING["rows_max_group"]
+        tk.TUNING["rows_max_group"] = saved if rows_max_group is None else rows_max_group
+        try:
+            tk.decompress_into(buf, lay, cfg, out)
+        finally:
+            tk.TUNING["rows_max_group"] = saved
+    return run
+
+
 def decoder_rows(timings: Timings, label: str, n: int, cfg: TacoConfig, dec: dict, check=None) -> None:
     """Decode rotated payloads of ``n`` M bf16 values with each of ``dec`` once (``check`` gets the
     outputs by name), then time them into one output each and into 8 outputs in turn."""

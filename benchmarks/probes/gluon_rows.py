@@ -109,6 +109,22 @@ def _issue(ring, slot, ptr, tile, tiles, numel, gpc, G: gl.constexpr, ROWS: gl.c
 
 
 @gluon.jit
+def _refill(ring, k, ptr, tile, step, tiles, numel, gpc, G: gl.constexpr, ROWS: gl.constexpr, L: gl.constexpr,
+            ROW_MASK: gl.constexpr, STAGES: gl.constexpr):
+    # copy the tile STAGES - 1 steps ahead into the slot iteration k - 1 read
+    gl.thread_barrier()  # every lane has read the slot the next copy overwrites
+    _issue(ring, (k + STAGES - 1) % STAGES, ptr, tile + (STAGES - 1) * step, tiles, numel, gpc, G, ROWS, L, ROW_MASK)
+
+
+@gluon.jit
+def _landed(ring, k, STAGES: gl.constexpr):
+    # this iteration's slot, once every lane's copies into it have landed
+    async_copy.wait_group(STAGES - 1)
+    gl.thread_barrier()
+    return ring.index(k % STAGES)
+
+
+@gluon.jit
 def compress_rows_ring(x_ptr, q_ptr, s_ptr, numel, gpc, G: gl.constexpr, NW: gl.constexpr, QMAX: gl.constexpr,
                        TINY: gl.constexpr, X_BYTES: gl.constexpr, chunk_bytes, PAD: gl.constexpr,
                        STAGES: gl.constexpr):
@@ -123,12 +139,8 @@ def compress_rows_ring(x_ptr, q_ptr, s_ptr, numel, gpc, G: gl.constexpr, NW: gl.
         _issue(ring, i, x_ptr, pid + i * step, tiles, numel, gpc, G, ROWS, L_X, False)
     k = 0
     for tile in range(pid, tiles, step):
-        gl.thread_barrier()  # every lane has read the slot the next copy overwrites
-        _issue(ring, (k + STAGES - 1) % STAGES, x_ptr, tile + (STAGES - 1) * step, tiles, numel, gpc, G, ROWS, L_X,
-               False)
-        async_copy.wait_group(STAGES - 1)
-        gl.thread_barrier()  # the other lanes' copies of this tile have landed too
-        y = _walsh(ring.index(k % STAGES).load(L_ROW).to(gl.float32), L_ROW, ROWS, G)
+        _refill(ring, k, x_ptr, tile, step, tiles, numel, gpc, G, ROWS, L_X, False, STAGES)
+        y = _walsh(_landed(ring, k, STAGES).load(L_ROW).to(gl.float32), L_ROW, ROWS, G)
         _encode_store(y, tile * ROWS, q_ptr, s_ptr, gpc, chunk_bytes, G, NW, QMAX, TINY, PAD)
         k += 1
     async_copy.wait_group(0)
@@ -149,15 +161,11 @@ def decompress_rows_ring(q_ptr, s_ptr, out_ptr, numel, gpc, G: gl.constexpr, NW:
         _issue(ring, i, q_ptr, pid + i * step, tiles, numel, gpc, G, ROWS, L_Q, True)
     k = 0
     for tile in range(pid, tiles, step):
-        gl.thread_barrier()
-        _issue(ring, (k + STAGES - 1) % STAGES, q_ptr, tile + (STAGES - 1) * step, tiles, numel, gpc, G, ROWS, L_Q,
-               True)
+        _refill(ring, k, q_ptr, tile, step, tiles, numel, gpc, G, ROWS, L_Q, True, STAGES)
         r0 = tile * ROWS
         srows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_ROW))
         scale = gl.load(s_ptr + gpc * (G // 4) + srows, mask=srows < gpc, other=0.0) * (G**-0.5)
-        async_copy.wait_group(STAGES - 1)
-        gl.thread_barrier()
-        y = _walsh(ring.index(k % STAGES).load(L_ROW).to(gl.float32), L_ROW, ROWS, G)
+        y = _walsh(_landed(ring, k, STAGES).load(L_ROW).to(gl.float32), L_ROW, ROWS, G)
         x = gl.convert_layout((y * scale[:, None]).to(out_ptr.dtype.element_ty), L_OUT)
         rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_OUT))
         offs = rows[:, None] * G + gl.arange(0, G, layout=gl.SliceLayout(0, L_OUT))[None, :]

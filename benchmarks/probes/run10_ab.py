@@ -12,11 +12,10 @@ tenth run). The committed kernel was not timed here again: its outputs are check
 import torch
 import triton
 
-from _probe import decoder_rows, gpu_timings
+from _probe import decoder_rows, gpu_timings, library_decoder
 from gluon_rows import decompress_rows
 from taco_accel.codec import TacoConfig
 from taco_accel.codec import gluon_kernels as gk
-from taco_accel.codec import triton_kernels as tk
 from taco_accel.codec.hadamard import device_signs
 
 dev = torch.device("cuda")
@@ -29,12 +28,6 @@ def probe(buf, lay, out):
         G=128, NW=1, OUT_BYTES=2, num_warps=1)
 
 
-def tensor_core(buf, lay, out):
-    tk.TUNING["rows_max_group"] = 0
-    tk.decompress_into(buf, lay, cfg, out)
-    tk.TUNING["rows_max_group"] = 128
-
-
 signs = device_signs(cfg, dev)
 
 
@@ -45,8 +38,8 @@ def kernel_direct(buf, lay, out):  # the library's kernel without its Python wra
         CHUNKED=False, WIDE=False, num_warps=1)
 
 
-dec = {"probe": probe, "library": lambda buf, lay, out: tk.decompress_into(buf, lay, cfg, out),
-       "kernel direct": kernel_direct, "tensor core": tensor_core}
+dec = {"probe": probe, "library": library_decoder(cfg), "kernel direct": kernel_direct,
+       "tensor core": library_decoder(cfg, 0)}
 
 
 def same_output(outs):

@@ -8,20 +8,8 @@ rotated payloads (CUDA graphs, median of 3 rounds), into one output buffer and i
 """
 import torch
 
-from _probe import decoder_rows, gpu_timings
+from _probe import decoder_rows, gpu_timings, library_decoder
 from taco_accel.codec import TacoConfig
-from taco_accel.codec import triton_kernels as tk
-
-
-
-def decoder(cfg, rows_max_group):
-    def run(buf, lay, out):
-        tk.TUNING["rows_max_group"] = rows_max_group
-        try:
-            tk.decompress_into(buf, lay, cfg, out)
-        finally:
-            tk.TUNING["rows_max_group"] = 128
-    return run
 
 
 def report(g, n):
@@ -35,7 +23,7 @@ def report(g, n):
 timings = gpu_timings(rounds=3)
 for g in (32, 64, 128):
     cfg = TacoConfig(group_size=g, backend="triton")
-    dec = {"gluon": decoder(cfg, 128), "tensor core": decoder(cfg, 0)}
+    dec = {"gluon": library_decoder(cfg), "tensor core": library_decoder(cfg, 0)}
     for n in (16, 64, 256):
         decoder_rows(timings, f"G={g} ", n, cfg, dec, check=report(g, n))
         torch.cuda.empty_cache()

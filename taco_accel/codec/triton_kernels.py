@@ -79,10 +79,10 @@ STORE_PLAIN, STORE_STREAM = 0, 1
 # program per tile); num_stages: tiles in flight per program; payload_dot: decode with fp8 /
 # int8 products; balance: as many programs as give every program the same number of tiles;
 # stores: how decompress stores (STORE_*); rows_max_group: the largest G decoded one group per
-# thread by `gluon_kernels` on CUDA (0: the tensor-core kernel here decodes every G). Bulk (TMA) copies were measured and not kept:
-# stores of decoded values (decompress 0.62 of copy bandwidth against 0.81), loads of the
-# payload (0.72-0.82 against 0.77-0.83 with plain loads, 8M-64M values), of compress's input
-# and of the sums' inputs (RESULTS.md).
+# thread by `gluon_kernels` on CUDA (0: the tensor-core kernel here decodes every G). Bulk (TMA)
+# copies were measured and not kept: stores of decoded values (decompress 0.62 of copy bandwidth
+# against 0.81), loads of the payload (0.72-0.82 against 0.77-0.83 with plain loads, 8M-64M
+# values), of compress's input and of the sums' inputs (RESULTS.md).
 TUNING = {"block_elems": 8192,
           "num_warps": {"compress": 4, "decompress": 8, "sum_pair": 8, "sum": 4, "sum_many": 8},
           "dot_mode": DOT_BF16X2,
