@@ -244,33 +244,50 @@ GLUON_COMPILE_SCRIPT = HOPPER_PRELUDE + """
 from triton.experimental.gluon._runtime import GluonASTSource
 from taco_accel.codec import gluon_kernels as gk
 
-fn = gk._decompress_rows_kernel
-for G, fmt, out, flags in json.loads(sys.argv[1]):
-    constexprs = dict(G=G, NW=gk.WARPS, Q_BYTES=1, OUT_BYTES={"bf16": 2, "fp16": 2, "fp32": 4}[out],
+BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+decode, encode = json.loads(sys.argv[1])
+for G, fmt, out, flags in decode:
+    constexprs = dict(G=G, NW=gk.WARPS, Q_BYTES=1, OUT_BYTES=BYTES[out],
                       **{"HADAMARD": True, "SIGNS": False, "DUAL": False, "CHUNKED": False, "WIDE": False, **flags})
     signature = dict(q_ptr="*" + fmt, s_ptr="*fp32", out_ptr="*" + out, sign_ptr="*fp32", numel="i32", gpc="i32",
                      chunk_bytes="i32")
-    k = compile_for_hopper(GluonASTSource, fn, signature, constexprs, gk.WARPS)
+    k = compile_for_hopper(GluonASTSource, gk._decompress_rows_kernel, signature, constexprs, gk.WARPS)
     ptx = k.asm["ptx"]
     # 16 bytes per lane and access: the payload and the output move whole rows per warp
-    assert ptx.count("ld.global.v4") >= G // 16 and ptx.count("st.global.v4") >= G * (2 if out != "fp32" else 4) // 16, ptx
+    assert ptx.count("ld.global.v4") >= G // 16 and ptx.count("st.global.v4") >= G * BYTES[out] // 16, ptx
+    assert ".local" not in ptx, "a group per thread should stay in registers"
+for G, x, fmt, flags in encode:
+    words = flags.get("WORDS", False)
+    constexprs = dict(G=G, NW=gk.WARPS, X_BYTES=BYTES[x], FMT={"fp8e4nv": 0, "fp8e5": 1, "i8": 2}[fmt], QMAX=127.0,
+                      **{"WORDS": False, "HADAMARD": True, "SIGNS": False, "DUAL": False, "ADAPTIVE": True,
+                         "ZERO_NONFINITE": False, "CHUNKED": False, "WIDE": False, "PAD": 4, **flags})
+    signature = dict(x_ptr="*i32" if words else "*" + x, q_ptr="*" + fmt, s_ptr="*fp32", sign_ptr="*fp32",
+                     numel="i32", gpc="i32", chunk_bytes="i32")
+    k = compile_for_hopper(GluonASTSource, gk._compress_rows_kernel, signature, constexprs, gk.WARPS)
+    ptx = k.asm["ptx"]
+    assert ptx.count("ld.global.v4") >= G * BYTES[x] // 16 and ptx.count("st.global.v4") >= G // 16, ptx
     assert ".local" not in ptx, "a group per thread should stay in registers"
 print("compiled")
 """
 
 
-@pytest.mark.skipif(DEVICE.type == "cuda", reason="the GPU run compiles it for real")
-def test_gluon_decoder_compiles_for_hopper():
-    """The one-group-per-thread decoder (Gluon, which the interpreter cannot run) builds for sm_90
-    at every group size it serves, each payload format and output type, with signs and dual scales."""
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the GPU run compiles them for real")
+def test_gluon_kernels_compile_for_hopper():
+    """The one-group-per-thread decoder and encoder (Gluon, which the interpreter cannot run) build
+    for sm_90 at every group size they serve, each payload format, input and output type, with
+    signs, dual scales, chunks, 64-bit offsets and bf16 read as words or as values."""
     from taco_accel.codec import gluon_kernels
 
     if not gluon_kernels.AVAILABLE:
         pytest.skip("this triton has no Gluon")
-    cases = [(128, "fp8e4nv", "bf16", {}), (64, "fp8e5", "fp32", dict(HADAMARD=False, CHUNKED=True)),
-             (32, "i8", "fp16", dict(DUAL=True, SIGNS=True, WIDE=True)),
-             (128, "fp8e4nv", "fp32", dict(DUAL=True, SIGNS=True, CHUNKED=True))]
-    compile_in_fresh_process(GLUON_COMPILE_SCRIPT, cases)
+    decode = [(128, "fp8e4nv", "bf16", {}), (64, "fp8e5", "fp32", dict(HADAMARD=False, CHUNKED=True)),
+              (32, "i8", "fp16", dict(DUAL=True, SIGNS=True, WIDE=True)),
+              (128, "fp8e4nv", "fp32", dict(DUAL=True, SIGNS=True, CHUNKED=True))]
+    encode = [(128, "bf16", "fp8e4nv", dict(WORDS=True)), (128, "bf16", "fp8e4nv", dict(DUAL=True, ADAPTIVE=False)),
+              (64, "fp32", "fp8e5", dict(DUAL=True, SIGNS=True, CHUNKED=True)),
+              (32, "bf16", "i8", dict(WORDS=True, SIGNS=True, ZERO_NONFINITE=True, WIDE=True, CHUNKED=True)),
+              (128, "fp16", "i8", dict(HADAMARD=False, ZERO_NONFINITE=True))]
+    compile_in_fresh_process(GLUON_COMPILE_SCRIPT, [decode, encode])
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="Gluon kernels run on a GPU only")
@@ -285,7 +302,7 @@ def test_gluon_decoder_matches_tensor_core_decoder(group_size, monkeypatch):
     x[5] = float("nan")
     for variant, chunks in itertools.product(VARIANTS, (1, 3)):
         ref_cfg, tri_cfg = configs(group_size, variant)
-        assert tk._decodes_by_rows(tri_cfg, x)
+        assert tk._codes_by_rows(tri_cfg, x)
         for dtype in DTYPES:
             packed = as_triton(compress(x.to(dtype), ref_cfg, chunks=chunks), tri_cfg)
             rows = torch.full((x.numel(),), 7.0, dtype=dtype, device=DEVICE)
@@ -298,6 +315,33 @@ def test_gluon_decoder_matches_tensor_core_decoder(group_size, monkeypatch):
             rows, tiles = rows.float().nan_to_num(), tiles.float().nan_to_num()
             tol = {torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 4e-3}[dtype]
             assert (rows - tiles).norm() <= tol * tiles.norm(), (variant, chunks, dtype)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="Gluon kernels run on a GPU only")
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_gluon_encoder_matches_reference(group_size):
+    """The one-group-per-thread encoder against the reference (1 or 3 chunks, a partial last group,
+    a NaN group, an Inf group, a group past fp32's range once transformed) for every variant and
+    input type, bf16 read as words and, from an odd start or of odd length, as values; also under
+    nonfinite="zero". The payload equals the reference's but for values at a rounding tie."""
+    from taco_accel.codec import triton_kernels as tk
+
+    x = sample((6, (3 * 45 * group_size - 4) // 6), torch.float32).reshape(-1)
+    x[5] = float("nan")
+    x[group_size * 3 + 1] = -float("inf")
+    x[group_size * 7: group_size * 8] = 3e38
+    odd = sample((1, 3 * group_size + 3), torch.float32).reshape(-1)
+    for variant, chunks in itertools.product(VARIANTS, (1, 3)):
+        ref_cfg, tri_cfg = configs(group_size, variant)
+        assert tk._codes_by_rows(tri_cfg, x)
+        cases = [(x.to(dtype), tri_cfg) for dtype in DTYPES] + [(x.to(torch.bfloat16)[1:-1], tri_cfg),
+                                                                (odd.to(torch.bfloat16), tri_cfg),
+                                                                (x, tri_cfg.replace(nonfinite="zero"))]
+        for values, cfg in cases:
+            ref = compress(values, ref_cfg.replace(nonfinite=cfg.nonfinite), chunks=chunks)
+            got = compress(values, cfg, chunks=chunks)
+            assert_payload_close(ref, got, cfg.format)
+            assert not ref.layout.padding(got.buffer).any(), (variant, chunks, values.dtype)
 
 
 def test_every_launch_step_has_every_setting():

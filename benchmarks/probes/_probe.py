@@ -71,6 +71,24 @@ def codec_table(timings: Timings, cfg: TacoConfig, comp: dict, dec: dict, sizes=
     timings.table(list(dict.fromkeys(list(comp) + list(dec))))
 
 
+_grid = {}
+
+
+def persistent(kern, tiles, nw, args, kwargs):
+    """Launch ``kern`` with as many programs as fit on the GPU at once (registers, shared memory)."""
+    key = (kern, nw, tuple(sorted(kwargs.items())))
+    if key not in _grid:
+        compiled = kern[(1,)](*args, **kwargs, num_warps=nw)
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        regs = -(-compiled.n_regs * 32 // 256) * 256 * nw
+        per_sm = min(65536 // regs, props.shared_memory_per_multiprocessor // (compiled.metadata.shared + 1024),
+                     2048 // (32 * nw), 32)
+        _grid[key] = per_sm * props.multi_processor_count
+        print(f"{kern.fn.__name__} w{nw} {kwargs.get('STAGES')} stages: {compiled.n_regs} registers, "
+              f"{compiled.metadata.shared} B shared, {per_sm} programs per SM", flush=True)
+    kern[(min(tiles, _grid[key]),)](*args, **kwargs, num_warps=nw)
+
+
 def library_decoder(cfg: TacoConfig, rows_max_group: int | None = None):
     """`triton_kernels.decompress_into` as a variant; ``rows_max_group`` set for the call (0: the
     tensor-core decoder at every G; None: the library's choice)."""

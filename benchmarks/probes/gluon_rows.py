@@ -17,12 +17,23 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from taco_accel.codec.gluon_kernels import _coalesced as _layouts
-from taco_accel.codec.gluon_kernels import _walsh
+from taco_accel.codec.gluon_kernels import _walsh, _zero_padding
 
 
 @gluon.jit
 def _max_nan(a, b):
     return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@gluon.jit
+def _group_scales(y, G: gl.constexpr, QMAX: gl.constexpr, TINY: gl.constexpr):
+    # per row of y: the scale s, the payload's multiplier and whether the group is bad
+    amax = gl.reduce(gl.abs(y), 1, _max_nan) * (G**-0.5)
+    bad = (amax != amax) | (amax == float("inf"))
+    big = amax >= TINY
+    s = gl.where(bad, float("nan"), gl.where(big, gl.div_rn(amax, QMAX), 0.0))
+    mult = gl.where(big & (~bad), gl.div_rn(QMAX, gl.where(big, amax, 1.0)), 0.0) * (G**-0.5)
+    return s, mult, bad
 
 
 @gluon.jit
@@ -32,37 +43,34 @@ def _encode_store(y, r0, q_ptr, s_ptr, gpc, chunk_bytes, G: gl.constexpr, NW: gl
     ROWS: gl.constexpr = 32 * NW
     L_ROW: gl.constexpr = gl.BlockedLayout([1, G], [32, 1], [NW, 1], [1, 0])
     L_Q: gl.constexpr = _layouts(G, NW, 1)
-    amax = gl.reduce(gl.abs(y), 1, _max_nan) * (G**-0.5)
-    bad = (amax != amax) | (amax == float("inf"))
-    big = amax >= TINY
-    s = gl.where(bad, float("nan"), gl.where(big, gl.div_rn(amax, QMAX), 0.0))
-    mult = gl.where(big & (~bad), gl.div_rn(QMAX, gl.where(big, amax, 1.0)), 0.0) * (G**-0.5)
+    s, mult, bad = _group_scales(y, G, QMAX, TINY)
     q = gl.convert_layout(gl.where(bad[:, None], 0.0, y * mult[:, None]).to(q_ptr.dtype.element_ty), L_Q)
     qrows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_Q))
     qoffs = qrows[:, None] * G + gl.arange(0, G, layout=gl.SliceLayout(0, L_Q))[None, :]
     gl.store(q_ptr + qoffs, q, mask=qrows[:, None] < gpc)
     srows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_ROW))
     gl.store(s_ptr + gpc * (G // 4) + srows, s, mask=srows < gpc)
-    if PAD > 0:  # the chunk's unused last bytes, from the program that holds its last group
-        L_PAD: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-        k = gl.arange(0, 16, layout=L_PAD)
-        last = (r0 + ROWS >= gpc).to(gl.int32)
-        gl.store(q_ptr + chunk_bytes - PAD + k, gl.zeros([16], gl.float32, L_PAD).to(q_ptr.dtype.element_ty),
-                 mask=k < PAD * last)
+    _zero_padding(q_ptr, r0, gpc, chunk_bytes, NW, PAD)  # the chunk's unused last bytes
 
 
 @gluon.jit
 def compress_rows(x_ptr, q_ptr, s_ptr, numel, gpc, G: gl.constexpr, NW: gl.constexpr, QMAX: gl.constexpr,
                   TINY: gl.constexpr, X_BYTES: gl.constexpr, chunk_bytes, PAD: gl.constexpr):
+    r0 = gl.program_id(0) * (32 * NW)
+    y = _load_transform(x_ptr, r0, numel, G, NW, X_BYTES)
+    _encode_store(y, r0, q_ptr, s_ptr, gpc, chunk_bytes, G, NW, QMAX, TINY, PAD)
+
+
+@gluon.jit
+def _load_transform(x_ptr, r0, numel, G: gl.constexpr, NW: gl.constexpr, X_BYTES: gl.constexpr):
+    # rows r0.. of x (zeros past numel), transformed: fp32 [32 NW, G] in the row layout
     ROWS: gl.constexpr = 32 * NW
     L_ROW: gl.constexpr = gl.BlockedLayout([1, G], [32, 1], [NW, 1], [1, 0])
     L_X: gl.constexpr = _layouts(G, NW, X_BYTES)
-    r0 = gl.program_id(0) * ROWS
     rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_X))
     offs = rows[:, None] * G + gl.arange(0, G, layout=gl.SliceLayout(0, L_X))[None, :]
     x = gl.load(x_ptr + offs, mask=offs < numel, other=0.0)
-    y = _walsh(gl.convert_layout(x, L_ROW).to(gl.float32), L_ROW, ROWS, G)
-    _encode_store(y, r0, q_ptr, s_ptr, gpc, chunk_bytes, G, NW, QMAX, TINY, PAD)
+    return _walsh(gl.convert_layout(x, L_ROW).to(gl.float32), L_ROW, ROWS, G)
 
 
 @gluon.jit

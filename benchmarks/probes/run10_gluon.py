@@ -10,7 +10,7 @@ import sys
 import torch
 import triton
 
-from _probe import codec_table, gpu_timings
+from _probe import codec_table, gpu_timings, persistent
 from gluon_rows import compress_rows, compress_rows_ring, decompress_rows, decompress_rows_ring
 from taco_accel.codec import TacoConfig, WireLayout, compress, decompress
 from taco_accel.codec import triton_kernels as tk
@@ -39,24 +39,6 @@ def g_decompress(nw):
             buf.view(torch.float8_e4m3fn), buf.view(torch.float32), out, lay.numel, lay.groups_per_chunk,
             G=G, NW=nw, OUT_BYTES=out.element_size(), num_warps=nw)
     return run
-
-
-_grid = {}
-
-
-def persistent(kern, tiles, nw, args, kwargs):
-    """Launch ``kern`` with as many programs as fit on the GPU at once (registers, shared memory)."""
-    key = (kern, nw, tuple(sorted(kwargs.items())))
-    if key not in _grid:
-        compiled = kern[(1,)](*args, **kwargs, num_warps=nw)
-        props = torch.cuda.get_device_properties(dev)
-        regs = -(-compiled.n_regs * 32 // 256) * 256 * nw
-        per_sm = min(65536 // regs, props.shared_memory_per_multiprocessor // (compiled.metadata.shared + 1024),
-                     2048 // (32 * nw), 32)
-        _grid[key] = per_sm * props.multi_processor_count
-        print(f"{kern.fn.__name__} w{nw} {kwargs.get('STAGES')} stages: {compiled.n_regs} registers, "
-              f"{compiled.metadata.shared} B shared, {per_sm} programs per SM", flush=True)
-    kern[(min(tiles, _grid[key]),)](*args, **kwargs, num_warps=nw)
 
 
 def ring_compress(nw, stages):

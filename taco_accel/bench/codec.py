@@ -176,10 +176,10 @@ def sweep_variants(tk) -> list[tuple[str, str, dict]]:
     """(name, input dtype, TUNING changes) of every launch variant `sweep` can time."""
     base = tk.TUNING
 
-    def override(stages=None, per_sm=..., **kw):
+    def override(stages=None, per_sm=..., **kw):  # the tensor-core kernels' settings: G <= 128 codes in Gluon
         stages = base["num_stages"] if stages is None else dict(base["num_stages"], compress=stages, decompress=stages)
         programs = base["programs_per_sm"] if per_sm is ... else dict.fromkeys(base["programs_per_sm"], per_sm)
-        return dict(num_stages=stages, programs_per_sm=programs, **kw)
+        return dict(num_stages=stages, programs_per_sm=programs, rows_max_group=0, **kw)
 
     def decompress_on(per_sm):
         return dict(base["programs_per_sm"], decompress=per_sm)
@@ -189,12 +189,12 @@ def sweep_variants(tk) -> list[tuple[str, str, dict]]:
     variants += [("all resident", "bf16", override(per_sm=None)), ("one per tile", "bf16", override(per_sm=0))]
     variants += [(f"{n} per SM", "bf16", override(per_sm=n)) for n in (2, 3, 4)]
     variants += [(f"{n} warps", "bf16", override(num_warps=dict.fromkeys(base["num_warps"], n))) for n in (4, 8)]
-    tiles = dict(rows_max_group=0)  # decompress variants of the tensor-core kernel, not the Gluon decoder
-    variants += [("tensor-core decode", "bf16", tiles),
-                 ("bf16 decode", "bf16", override(payload_dot=False, **tiles)),
+    tiles = dict(rows_max_group=0)
+    variants += [("tensor-core kernels", "bf16", tiles),
+                 ("bf16 decode", "bf16", override(payload_dot=False)),
                  ("16K per tile", "bf16", override(block_elems=16384)),
                  ("balanced grid", "bf16", override(balance=True)),
-                 ("evict-first st", "bf16", override(stores=tk.STORE_STREAM, **tiles)),
+                 ("evict-first st", "bf16", override(stores=tk.STORE_STREAM)),
                  ("evict-first 3/SM", "bf16", dict(programs_per_sm=decompress_on(3), stores=tk.STORE_STREAM, **tiles))]
     variants += [(f"fp32 {name}", "fp32", override(dot_mode=mode)) for name, mode in (("tf32", tk.DOT_TF32),
                                                                                       ("bf16x2", tk.DOT_BF16X2))]
@@ -204,9 +204,9 @@ def sweep_variants(tk) -> list[tuple[str, str, dict]]:
 def sweep(device: torch.device, numel: int, copy_bw: float, names: set[str] | None = None) -> None:
     """Time launch variants at one size, G=128, against the defaults in TUNING (`sweep_variants`:
     pipeline stages, resident programs per SM, all that fit, or one program per tile instead of a
-    persistent grid, the tensor-core decoder instead of the Gluon one (G <= 128 decodes with
-    `gluon_kernels` on CUDA, so the launch settings of the tensor-core kernel change the decompress
-    column only where a variant names that kernel), decoding with bf16 instead of fp8 products,
+    persistent grid, the tensor-core kernels instead of the Gluon ones (G <= 128 compresses and
+    decompresses with `gluon_kernels` on CUDA, so the variants of launch settings run the
+    tensor-core kernels), decoding with bf16 instead of fp8 products,
     twice the values per tile, 4 or 8 warps in every kernel, a grid balanced to equal tile counts,
     evict-first stores of decoded values, and on fp32 input tf32 against two bf16 products);
     ``names``: only these."""

@@ -1,22 +1,26 @@
-"""Decompress with one group per thread, in Gluon (Triton's language with explicit layouts).
+"""Compress and decompress with one group per thread, in Gluon (Triton's language with explicit
+layouts).
 
-For G <= 128 on NVIDIA GPUs this is the decoder `triton_kernels.decompress_into` launches; the
-tensor-core kernel of `triton_kernels` decodes larger groups and runs in the CPU interpreter,
-which cannot run Gluon. Both implement the same formula as `reference.decompress_into`.
+For G <= 128 on NVIDIA GPUs these are the kernels `triton_kernels.compress_into` and
+`decompress_into` launch; the tensor-core kernels of `triton_kernels` code larger groups and run
+in the CPU interpreter, which cannot run Gluon. Both implement the formulas of `reference`.
 
 Each thread holds a whole group in registers and transforms it with log2(G) butterfly stages
 (G/2 adds and G/2 subtracts each, in the reference's order: stride 1 first), so there are no
 tensor-core products, no cross-lane reductions and no software pipeline. Memory is touched in
-layouts where a warp covers whole rows, 16 bytes per lane; one layout conversion each way moves
-the tile through shared memory. A warp decodes 32 groups per program; with about 170 registers
-per thread 12 warps fit on an SM, and their independent programs keep the loads in flight.
+layouts where a warp covers whole rows, 16 bytes per lane; the tile crosses shared memory once
+each way into the layout where a thread holds its group. A warp codes 32 groups per program;
+with 158-167 registers per thread 12 warps fit on an SM, and their independent programs keep the
+loads in flight. The encoder reads bf16 as int32 words (two values each, the pair of the first
+butterfly) and writes a bad group's zeros under a branch that no warp without one takes: 1784
+instructions a group on sm_90 against 2032 for values loaded as bf16 with a select on each.
 
-H200, bf16 output, G = 128, against the tensor-core kernel (benchmarks/RESULTS.md, tenth run):
-0.88 / 0.94 / 0.97 of copy bandwidth at 16M / 64M / 256M values, against 0.75 / 0.84 / 0.87.
-Triton's block language can say the same arithmetic but places values on lanes itself: loaded
-sub-block by sub-block it made every lane read a different row (0.3-0.6 of copy bandwidth,
-ninth run), loaded whole it compiles to extra shuffles and conversions (about 20% more
-instructions, 194 registers, tenth run).
+H200, bf16, G = 128, fraction of copy bandwidth at 16M / 64M / 256M values (benchmarks/RESULTS.md,
+tenth and eleventh runs): decompress 0.88 / 0.93-0.94 / 0.97 against the tensor-core kernel's 0.75
+/ 0.84 / 0.87; compress 0.80 / 0.93-0.96 / 0.94-0.99 against 0.80 / 0.89-0.90 / 0.90. Triton's
+block language can say the same arithmetic but places values on lanes itself: loaded sub-block by
+sub-block it made every lane read a different row (0.3-0.6 of copy bandwidth, ninth run), loaded
+whole it compiles to extra shuffles and conversions (about 20% more instructions, tenth run).
 """
 
 from __future__ import annotations
@@ -25,10 +29,12 @@ import warnings
 
 import torch
 import triton
+import triton.language as tl
 
 from .config import TacoConfig
 from .hadamard import device_signs
-from .layout import PAYLOAD_DTYPES, WireLayout
+from .layout import FORMAT_CODES, PAYLOAD_DTYPES, WireLayout
+from .reference import ADAPTIVE_EPS, ADAPTIVE_MAX, ADAPTIVE_MIN, TINY_AMAX
 
 try:  # experimental in triton; used here as in 3.6 (the H200's) and 3.9 (compiled in CPU tests)
     from triton.experimental import gluon
@@ -38,7 +44,7 @@ try:  # experimental in triton; used here as in 3.6 (the H200's) and 3.9 (compil
 except ImportError:  # pragma: no cover - old triton: the tensor-core kernel decodes every group size
     AVAILABLE = False
 
-MAX_GROUP = 128  # a group's G fp32 values live in one thread: 167 registers at 128, G = 256 cannot fit
+MAX_GROUP = 128  # a group's G fp32 values live in one thread: 158-167 registers at 128, G = 256 cannot fit
 
 if AVAILABLE:
 
@@ -113,19 +119,176 @@ if AVAILABLE:
         gl.store(out_ptr + offs, x, mask=mask)
 
 
+    # the reference's constants, as compile-time values the kernels may read
+    _EPS = tl.constexpr(ADAPTIVE_EPS)
+    _A_MIN = tl.constexpr(ADAPTIVE_MIN)
+    _A_MAX = tl.constexpr(ADAPTIVE_MAX)
+    _TINY = tl.constexpr(TINY_AMAX)
+    # the names of triton 3.9, else of 3.6 (an H200's)
+    _barrier = getattr(gl, "barrier", None) or getattr(gl, "thread_barrier")
+
+    @gluon.constexpr_function
+    def _swizzled(elem_bytes):
+        """Shared rows whose 16-byte pieces are permuted by row % 8: a lane reading its own row and
+        a warp writing whole rows both hit 8 different bank groups per 8 lanes."""
+        return gl.SwizzledSharedLayout(16 // elem_bytes, 1, 8, [1, 0])
+
+    @gluon.jit
+    def _through_shared(x, layout: gl.constexpr, ELEM_BYTES: gl.constexpr):
+        """``x`` in ``layout``, by 16-byte stores and loads through a shared tile of its own.
+        `gl.convert_layout` would go through a smaller scratch in rounds, with register moves to
+        gather each 16-byte store (64 more instructions a group for compress's input)."""
+        tile = gl.allocate_shared_memory(x.dtype, x.shape, _swizzled(ELEM_BYTES), x)
+        _barrier()
+        return tile.load(layout)
+
+    @gluon.jit
+    def _max_nan(a, b):
+        return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @gluon.jit
+    def _zero_padding(q_ptr, r0, gpc, chunk_bytes, NW: gl.constexpr, PAD: gl.constexpr):
+        """Zero the chunk's PAD unused last bytes, from the program whose rows r0.. hold its last group."""
+        if PAD > 0:
+            L_PAD: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+            k = gl.arange(0, 16, layout=L_PAD)
+            last = (r0 + 32 * NW >= gpc).to(gl.int32)
+            gl.store(q_ptr + chunk_bytes - PAD + k, gl.zeros([16], gl.float32, L_PAD).to(q_ptr.dtype.element_ty),
+                     mask=k < PAD * last)
+
+    @gluon.jit
+    def _compress_rows_kernel(
+        x_ptr, q_ptr, s_ptr, sign_ptr, numel, gpc, chunk_bytes,
+        G: gl.constexpr, NW: gl.constexpr, X_BYTES: gl.constexpr, WORDS: gl.constexpr, FMT: gl.constexpr,
+        QMAX: gl.constexpr, HADAMARD: gl.constexpr, SIGNS: gl.constexpr, DUAL: gl.constexpr,
+        ADAPTIVE: gl.constexpr, ZERO_NONFINITE: gl.constexpr, CHUNKED: gl.constexpr, WIDE: gl.constexpr,
+        PAD: gl.constexpr,
+    ):
+        """Encode groups r0.. (32 * NW of them, one per thread) of chunk c; grid (tiles of a chunk,
+        chunks) as in the decoder. WORDS: bf16 input read as int32 words (x_ptr, numel: words),
+        two values each, which a shift and a mask make fp32; the two are the first butterfly's
+        pair. Loaded as bf16 they cost 64 more instructions a group on sm_90 (1848 against 1784),
+        packing and unpacking 16-bit values around the layout change."""
+        ROWS: gl.constexpr = 32 * NW
+        L_ROW: gl.constexpr = gl.BlockedLayout([1, G], [32, 1], [NW, 1], [1, 0])
+        L_Q: gl.constexpr = _coalesced(G, NW, 1)
+        c = gl.program_id(1)
+        r0 = gl.program_id(0) * ROWS
+        if WIDE:
+            c = c.to(gl.int64)
+            r0 = r0.to(gl.int64)
+        if WORDS:
+            V: gl.constexpr = G // 2  # loaded values (words) per group
+            L_V: gl.constexpr = gl.BlockedLayout([1, V], [32, 1], [NW, 1], [1, 0])
+            L_X: gl.constexpr = _coalesced(V, NW, 4)
+        else:
+            V: gl.constexpr = G
+            L_V: gl.constexpr = L_ROW
+            L_X: gl.constexpr = _coalesced(G, NW, X_BYTES)
+        left = numel  # values (words) of x from the chunk's first on
+        if CHUNKED:
+            x_ptr += c * gpc * V
+            q_ptr += c * chunk_bytes
+            s_ptr += c * (chunk_bytes // 4)
+            left = numel - c * gpc * V
+
+        rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_X))
+        cols = gl.arange(0, V, layout=gl.SliceLayout(0, L_X))
+        offs = rows[:, None] * V + cols[None, :]
+        mask = offs < left  # past the input's end: zeros, the padding of the last group
+        if CHUNKED:  # rows past gpc are the next chunk's
+            mask = mask & (rows < gpc)[:, None]
+        x = gl.load(x_ptr + offs, mask=mask, other=0)
+        if SIGNS:  # +-1 before the transform: a flipped sign bit, exact
+            if WORDS:
+                lo = gl.where(gl.load(sign_ptr + 2 * cols) < 0, 0x8000, 0)
+                x = x ^ (lo | gl.where(gl.load(sign_ptr + 2 * cols + 1) < 0, -2147483648, 0))[None, :]
+            else:
+                x = x * gl.load(sign_ptr + cols).to(x.dtype)[None, :]
+        x = _through_shared(x, L_V, 4 if WORDS else X_BYTES)
+        if WORDS:
+            lo = (x << 16).to(gl.float32, bitcast=True)  # value 2k: the word's low half
+            hi = (x & -65536).to(gl.float32, bitcast=True)  # value 2k + 1
+        else:
+            y = x.to(gl.float32)
+        if ZERO_NONFINITE:
+            if WORDS:
+                lo = gl.where(gl.abs(lo) < float("inf"), lo, 0.0)
+                hi = gl.where(gl.abs(hi) < float("inf"), hi, 0.0)
+            else:
+                y = gl.where(gl.abs(y) < float("inf"), y, 0.0)
+        if HADAMARD:
+            if WORDS:  # stage 1 on each word's pair, then the rest
+                y = gl.reshape(gl.join(lo + hi, lo - hi), [ROWS, G])
+                for i in gl.static_range(1, G.bit_length() - 1):
+                    y = _stage(y, ROWS, G, 1 << i)
+                y = gl.convert_layout(y, L_ROW)  # renumbers registers only
+            else:
+                y = _walsh(y, L_ROW, ROWS, G)
+        elif WORDS:
+            y = gl.convert_layout(gl.reshape(gl.join(lo, hi), [ROWS, G]), L_ROW)
+
+        # the scales: `reference.requantize` with the transform's 1 / sqrt(G) folded in (NORM)
+        NORM: gl.constexpr = G**-0.5 if HADAMARD else 1.0
+        amax = gl.reduce(gl.abs(y), 1, _max_nan) * NORM
+        if DUAL and ADAPTIVE:
+            rms = gl.sqrt_rn(gl.sum(y * y, axis=1) * (NORM * NORM) / G + _EPS)
+            a = gl.minimum(gl.maximum(gl.div_rn(QMAX, rms), _A_MIN), _A_MAX)
+            amax = amax * a  # == max |a * y|: scaling by a > 0 commutes with rounding and max
+        bad = (amax != amax) | (amax == float("inf"))  # NaN or Inf in the group, or an overflow
+        big = amax >= _TINY
+        s = gl.where(bad, float("nan"), gl.where(big, gl.div_rn(amax, QMAX), 0.0))
+        mult = gl.where(big & (~bad), gl.div_rn(QMAX, gl.where(big, amax, 1.0)), 0.0)
+        if DUAL and ADAPTIVE:
+            a = gl.where(bad, 1.0, a)
+            mult = mult * a
+        q = y * (mult * NORM)[:, None]  # a bad group: 0, or NaN where y is not finite (zeroed below)
+        if FMT == 2:  # int8: clamp, round half to even (1.5 * 2**23 holds no fraction bits)
+            q = gl.minimum(gl.maximum(q, -QMAX), QMAX)
+            q = ((q + 12582912.0) - 12582912.0).to(gl.int8)
+        else:
+            q = q.to(q_ptr.dtype.element_ty)  # saturating conversion
+        q = _through_shared(q, L_Q, 1)
+
+        q_rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_Q))
+        q_offs = q_rows[:, None] * G + gl.arange(0, G, layout=gl.SliceLayout(0, L_Q))[None, :]
+        gl.store(q_ptr + q_offs, q, mask=(q_rows < gpc)[:, None])
+        if gl.max(bad.to(gl.int32), axis=0) > 0:  # rare: zeros over the bad groups' payload, not a
+            bad_q = gl.convert_layout(bad, gl.SliceLayout(1, L_Q))  # select on every value
+            zero = gl.zeros([ROWS, G], gl.float32, L_Q).to(q_ptr.dtype.element_ty)
+            gl.store(q_ptr + q_offs, zero, mask=(bad_q & (q_rows < gpc))[:, None])
+        s_rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_ROW))
+        gl.store(s_ptr + gpc * (G // 4) + s_rows, s, mask=s_rows < gpc)
+        if DUAL:
+            if ADAPTIVE:
+                gl.store(s_ptr + gpc * (G // 4 + 1) + s_rows, a, mask=s_rows < gpc)
+            else:
+                gl.store(s_ptr + gpc * (G // 4 + 1) + s_rows, gl.full([ROWS], 1.0, gl.float32,
+                                                                      gl.SliceLayout(1, L_ROW)), mask=s_rows < gpc)
+        _zero_padding(q_ptr, r0, gpc, chunk_bytes, NW, PAD)
+
+
 # Warps per program: one (32 groups) measured best on an H200, before 2 and 4 (RESULTS.md, tenth run).
 WARPS = 1
+# Registers per thread each kernel may use (None: the compiler's choice). Fewer fit more warps on an
+# SM; on an H200 144 (14 warps) changed nothing and 128 (spills) lost 0.1-0.2 (RESULTS.md, eleventh run).
+MAX_REGISTERS = {"compress": None, "decompress": None}
+
+
+def _register_cap(kernel: str) -> dict:
+    cap = MAX_REGISTERS[kernel]
+    return {} if cap is None else {"maxnreg": cap}
 
 
 def disable(error: Exception) -> None:
-    """Stop using this decoder (this triton's Gluon could not build it), with one warning."""
+    """Stop using these kernels (this triton's Gluon could not build one), with one warning."""
     global AVAILABLE
     AVAILABLE = False
     first = (str(error).strip().splitlines() or [type(error).__name__])[-1]
-    warnings.warn(f"taco_accel: the Gluon decoder does not compile with triton {triton.__version__} ({first}); "
-                  "decompress falls back to the tensor-core kernel (about 0.1 of copy bandwidth slower on an "
-                  "H200). Gluon's API changes between triton releases: please report your triton version.",
-                  RuntimeWarning, stacklevel=3)
+    warnings.warn(f"taco_accel: the Gluon codec kernels do not compile with triton {triton.__version__} ({first}); "
+                  "compress and decompress fall back to the tensor-core kernels (on an H200 about 0.05 of copy "
+                  "bandwidth slower to compress at 64M values and more, 0.1 to decompress). Gluon's API changes "
+                  "between triton releases: please report your triton version.", RuntimeWarning, stacklevel=3)
 
 
 def decompress_rows_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor) -> None:
@@ -139,5 +302,27 @@ def decompress_rows_into(buffer: torch.Tensor, layout: WireLayout, config: TacoC
         layout.numel, layout.groups_per_chunk, layout.chunk_bytes,
         G=config.group_size, NW=WARPS, Q_BYTES=payload.element_size(), OUT_BYTES=out.element_size(),
         HADAMARD=config.hadamard, SIGNS=config.random_signs, DUAL=config.scales == "dual",
-        CHUNKED=layout.chunks > 1, WIDE=wide >= 2**31, num_warps=WARPS,
+        CHUNKED=layout.chunks > 1, WIDE=wide >= 2**31, num_warps=WARPS, **_register_cap("decompress"),
+    )
+
+
+def _reads_words(x: torch.Tensor) -> bool:
+    """Whether bf16 ``x`` (flat, contiguous) can be read as int32 words: whole words, 4-byte aligned."""
+    return x.dtype == torch.bfloat16 and x.numel() % 2 == 0 and x.data_ptr() % 4 == 0
+
+
+def compress_rows_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, config: TacoConfig) -> None:
+    """Encode the flat contiguous tensor ``x`` into ``buffer``; G <= `MAX_GROUP`, CUDA only."""
+    rows = 32 * WARPS
+    per_chunk = triton.cdiv(layout.groups_per_chunk, rows)
+    words = _reads_words(x)
+    values = x.view(torch.int32) if words else x
+    wide = max(layout.total_bytes, layout.chunks * layout.groups_per_chunk * config.group_size * x.element_size())
+    _compress_rows_kernel[(max(1, per_chunk), layout.chunks)](
+        values, buffer.view(PAYLOAD_DTYPES[config.format]), buffer.view(torch.float32),
+        device_signs(config, buffer.device), values.numel(), layout.groups_per_chunk, layout.chunk_bytes,
+        G=config.group_size, NW=WARPS, X_BYTES=x.element_size(), WORDS=words, FMT=FORMAT_CODES[config.format],
+        QMAX=config.qmax, HADAMARD=config.hadamard, SIGNS=config.random_signs, DUAL=config.scales == "dual",
+        ADAPTIVE=config.adaptive_scale, ZERO_NONFINITE=config.nonfinite == "zero", CHUNKED=layout.chunks > 1,
+        WIDE=wide >= 2**31, PAD=layout.chunk_bytes - layout.used_bytes, num_warps=WARPS, **_register_cap("compress"),
     )

@@ -38,6 +38,7 @@ PAYLOAD_DTYPES = {
     "e5m2": torch.float8_e5m2,
     "int8": torch.int8,
 }
+FORMAT_CODES = {"e4m3": 0, "e5m2": 1, "int8": 2}  # the kernels' FMT argument
 
 
 @dataclass(frozen=True)

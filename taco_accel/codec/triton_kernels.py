@@ -9,10 +9,10 @@ makes the Hadamard matrix once, from the indices. On an H200 the kernels had bee
 their loads, one tile per program at a time (59-62% of copy bandwidth); pipelined they reach
 75-101% at 16M-256M values (benchmarks/RESULTS.md).
 
-On NVIDIA GPUs groups of up to 128 values decode elsewhere, one group per thread
-(`gluon_kernels`: 0.88-0.97 of copy bandwidth against 0.75-0.87 here); the decoder below
-serves larger groups, other GPUs, the CPU interpreter and a triton whose Gluon cannot build
-that one.
+On NVIDIA GPUs groups of up to 128 values are compressed and decompressed elsewhere, one group
+per thread (`gluon_kernels`; H200, bf16, 16M-256M values: decompress 0.88-0.97 of copy bandwidth
+against 0.75-0.87 here, compress 0.80-0.99 against 0.80-0.90); the encoder and decoder below
+serve larger groups, other GPUs, the CPU interpreter and a triton whose Gluon cannot build those.
 
 The Hadamard transform runs on the tensor cores as one dense product with H_SUB,
 SUB = min(G, 64), per sub-block of SUB values: a tile [BG, SUB] @ [SUB, SUB]. Larger groups
@@ -55,10 +55,9 @@ from triton.language.extra import libdevice
 from . import gluon_kernels
 from .config import TacoConfig
 from .hadamard import device_signs
-from .layout import PAYLOAD_DTYPES, WireLayout
+from .layout import FORMAT_CODES, PAYLOAD_DTYPES, WireLayout
 from .reference import ADAPTIVE_EPS, ADAPTIVE_MAX, ADAPTIVE_MIN, TINY_AMAX
 
-FMT_CODE = {"e4m3": 0, "e5m2": 1, "int8": 2}
 # DOT_MODE: 0 = fp32 (interpreter), 1 = tf32, 2 = two bf16 products (hi + lo), 3 = one bf16
 # product (operand already exact in bf16), 4 = the payload's own type (fp8 or int8; decoding).
 DOT_FP32, DOT_TF32, DOT_BF16X2, DOT_BF16, DOT_PAYLOAD = 0, 1, 2, 3, 4
@@ -78,8 +77,9 @@ STORE_PLAIN, STORE_STREAM = 0, 1
 # persistent programs per SM, per kernel as num_warps (None: as many as fit at once, 0: one
 # program per tile); num_stages: tiles in flight per program; payload_dot: decode with fp8 /
 # int8 products; balance: as many programs as give every program the same number of tiles;
-# stores: how decompress stores (STORE_*); rows_max_group: the largest G decoded one group per
-# thread by `gluon_kernels` on CUDA (0: the tensor-core kernel here decodes every G). Bulk (TMA)
+# stores: how decompress stores (STORE_*); rows_max_group: the largest G compressed and decompressed
+# one group per thread by `gluon_kernels` on CUDA (0: the tensor-core kernels here code every G;
+# the settings above are theirs, except the sums', which always run here). Bulk (TMA)
 # copies were measured and not kept: stores of decoded values (decompress 0.62 of copy bandwidth
 # against 0.81), loads of the payload (0.72-0.82 against 0.77-0.83 with plain loads, 8M-64M
 # values), of compress's input and of the sums' inputs (RESULTS.md).
@@ -666,31 +666,37 @@ def _dot_mode(exact_in_bf16: bool) -> int:
     return DOT_BF16 if exact_in_bf16 and mode == DOT_BF16X2 else mode
 
 
+def _codes_by_rows(config: TacoConfig, tensor: torch.Tensor) -> bool:
+    """Whether `gluon_kernels` encodes and decodes: Gluon compiled for an NVIDIA GPU (not the
+    interpreter), G small enough for one group per thread (RESULTS.md, tenth and eleventh runs)."""
+    return (gluon_kernels.AVAILABLE and not _interpreting() and tensor.is_cuda and torch.version.hip is None
+            and config.group_size <= min(TUNING["rows_max_group"], gluon_kernels.MAX_GROUP))
+
+
 def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, config: TacoConfig) -> None:
     """Encode the flat tensor ``x`` into ``buffer``; same contract as the reference."""
     x = x.contiguous()
+    if _codes_by_rows(config, x):
+        try:
+            gluon_kernels.compress_rows_into(x.view(-1), buffer, layout, config)
+            return
+        except triton.compiler.errors.CompilationError as error:  # nothing written yet: encode below
+            gluon_kernels.disable(error)
     signs = device_signs(config, x.device)  # read only with random signs (SIGNS)
     tiles, common = _common(layout, config, "compress")
     args = (x, buffer.view(PAYLOAD_DTYPES[config.format]), buffer.view(torch.float32), signs)
     _run(_compress_kernel, "compress", tiles, args, dict(
         numel=layout.numel, **common, PAD=layout.chunk_bytes - layout.used_bytes, SUB=min(config.group_size, SUB_MAX),
-        FMT=FMT_CODE[config.format], QMAX=config.qmax, HADAMARD=config.hadamard,
+        FMT=FORMAT_CODES[config.format], QMAX=config.qmax, HADAMARD=config.hadamard,
         SIGNS=config.random_signs, DUAL=config.scales == "dual", ADAPTIVE=config.adaptive_scale,
         ZERO_NONFINITE=config.nonfinite == "zero", DOT_MODE=_dot_mode(x.dtype == torch.bfloat16),
         EMULATE_ROUND=_interpreting(),
     ))
 
 
-def _decodes_by_rows(config: TacoConfig, out: torch.Tensor) -> bool:
-    """Whether `gluon_kernels` decodes: Gluon compiled for an NVIDIA GPU (not the interpreter), G small
-    enough for one group per thread (faster there at every size measured, RESULTS.md tenth run)."""
-    return (gluon_kernels.AVAILABLE and not _interpreting() and out.is_cuda and torch.version.hip is None
-            and config.group_size <= min(TUNING["rows_max_group"], gluon_kernels.MAX_GROUP))
-
-
 def decompress_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor) -> None:
     """Decode ``buffer`` into the flat contiguous tensor ``out``."""
-    if _decodes_by_rows(config, out):
+    if _codes_by_rows(config, out):
         try:
             gluon_kernels.decompress_rows_into(buffer, layout, config, out)
             return
@@ -718,6 +724,6 @@ def sum_into(stacked: torch.Tensor, layout: WireLayout, config: TacoConfig, out:
     args = (stacked.view(fmt_dtype), stacked.view(torch.float32), out.view(fmt_dtype), out.view(torch.float32))
     _run(_sum_kernel, step, tiles, args, dict(
         input_stride=stacked.stride(0), **common, PAD=layout.chunk_bytes - layout.used_bytes, P=stacked.shape[0],
-        FMT=FMT_CODE[config.format], QMAX=config.qmax, DUAL=config.scales == "dual",
+        FMT=FORMAT_CODES[config.format], QMAX=config.qmax, DUAL=config.scales == "dual",
         ADAPTIVE=config.adaptive_scale, EMULATE_ROUND=_interpreting(),
     ))

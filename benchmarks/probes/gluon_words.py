@@ -1,0 +1,185 @@
+"""Run 11 probe kernels (Gluon): the run 10 encoder (`gluon_rows.py`, one group per thread) with
+fewer instructions per group, and two persistent forms, for compress at 16M values.
+
+On sm_90 the run 10 encoder is 2032 instructions per group against the decoder's 1592. The flags:
+
+- WORDS (`compress_words`): bf16 values travel as int32 words (two values each) through the load
+  and the layout change, and each word becomes its two fp32 values with one shift and one mask.
+  Loaded as bf16 they cost a PRMT to pack them for shared memory, a PRMT and a shift to unpack
+  the upper one (about 275 instructions a group instead of 128). The two values of a word are
+  the pair of the first butterfly stage.
+- RARE_BAD: a group with NaN or Inf gets multiplier 0, and its payload (NaN where the
+  coefficients are not finite) is overwritten with zeros under a branch the whole warp skips
+  when none of its 32 groups is bad, instead of a select on every value (128 a group).
+- SMEM: the tiles cross swizzled shared buffers of their own (16-byte stores and loads) instead
+  of `convert_layout`'s scratch (4 rounds of stmatrix, each after 16 register moves).
+
+Persistent: `compress_words_ring` copies the next tile to shared memory with cp.async while one
+is encoded; `compress_words_prefetch` loads it into registers. Single chunk, single scale, no
+signs, bf16 input: the default config, enough to time the ideas. The library's encoder
+(`codec/gluon_kernels.py`) is WORDS + RARE_BAD + SMEM with every option of the codec.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+from gluon_rows import _encode_store, _group_scales, _load_transform, _ring_layout
+from taco_accel.codec.gluon_kernels import _barrier, _stage, _zero_padding
+from taco_accel.codec.gluon_kernels import _coalesced as _layouts
+
+
+# triton 3.9's name, else 3.6's (the H200's)
+_async_copy = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+
+@gluon.jit
+def _words_to_rows(w, ROWS: gl.constexpr, G: gl.constexpr):
+    """Words [ROWS, G / 2] (row layout) -> the rows' first butterfly stage, fp32 [ROWS, G]."""
+    lo = (w << 16).to(gl.float32, bitcast=True)  # value 2k: the word's low half
+    hi = (w & -65536).to(gl.float32, bitcast=True)  # value 2k + 1
+    return gl.reshape(gl.join(lo + hi, lo - hi), [ROWS, G])
+
+
+@gluon.jit
+def _encode_store_rare(y, r0, q_ptr, s_ptr, gpc, chunk_bytes, G: gl.constexpr, NW: gl.constexpr,
+                       QMAX: gl.constexpr, TINY: gl.constexpr, PAD: gl.constexpr, SMEM: gl.constexpr):
+    """`gluon_rows._encode_store` with the bad groups' zeros written under a warp-uniform branch;
+    SMEM: the payload crosses a swizzled shared buffer of its own."""
+    ROWS: gl.constexpr = 32 * NW
+    L_ROW: gl.constexpr = gl.BlockedLayout([1, G], [32, 1], [NW, 1], [1, 0])
+    L_Q: gl.constexpr = _layouts(G, NW, 1)
+    s, mult, bad = _group_scales(y, G, QMAX, TINY)
+    q = (y * mult[:, None]).to(q_ptr.dtype.element_ty)
+    if SMEM:
+        tile = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [ROWS, G], _ring_layout(1))
+        tile.store(q)
+        _barrier()
+        q = tile.load(L_Q)
+    else:
+        q = gl.convert_layout(q, L_Q)
+    qrows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_Q))
+    qoffs = qrows[:, None] * G + gl.arange(0, G, layout=gl.SliceLayout(0, L_Q))[None, :]
+    gl.store(q_ptr + qoffs, q, mask=qrows[:, None] < gpc)
+    if gl.max(bad.to(gl.int32), axis=0) > 0:  # rare: zeros over the payload of the bad groups
+        bad_q = gl.convert_layout(bad, gl.SliceLayout(1, L_Q))
+        zero = gl.zeros([ROWS, G], gl.float32, L_Q).to(q_ptr.dtype.element_ty)
+        gl.store(q_ptr + qoffs, zero, mask=(bad_q & (qrows < gpc))[:, None])
+    srows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_ROW))
+    gl.store(s_ptr + gpc * (G // 4) + srows, s, mask=srows < gpc)
+    _zero_padding(q_ptr, r0, gpc, chunk_bytes, NW, PAD)  # the chunk's unused last bytes
+
+
+@gluon.jit
+def _encode(y, r0, q_ptr, s_ptr, gpc, chunk_bytes, G: gl.constexpr, NW: gl.constexpr, QMAX: gl.constexpr,
+            TINY: gl.constexpr, PAD: gl.constexpr, RARE_BAD: gl.constexpr, SMEM: gl.constexpr):
+    if RARE_BAD:
+        _encode_store_rare(y, r0, q_ptr, s_ptr, gpc, chunk_bytes, G, NW, QMAX, TINY, PAD, SMEM)
+    else:
+        _encode_store(y, r0, q_ptr, s_ptr, gpc, chunk_bytes, G, NW, QMAX, TINY, PAD)
+
+
+@gluon.jit
+def compress_words(w_ptr, q_ptr, s_ptr, nwords, gpc, G: gl.constexpr, NW: gl.constexpr, QMAX: gl.constexpr,
+                   TINY: gl.constexpr, chunk_bytes, PAD: gl.constexpr, RARE_BAD: gl.constexpr,
+                   SMEM: gl.constexpr):
+    """bf16 values read as int32 words (w_ptr: the input viewed as int32; even numel). SMEM: the
+    tile crosses a swizzled shared buffer of its own (16-byte stores and loads) instead of
+    `convert_layout`'s scratch (4 rounds of stmatrix, each after 16 register moves)."""
+    ROWS: gl.constexpr = 32 * NW
+    W: gl.constexpr = G // 2
+    L_ROWW: gl.constexpr = gl.BlockedLayout([1, W], [32, 1], [NW, 1], [1, 0])
+    L_ROW: gl.constexpr = gl.BlockedLayout([1, G], [32, 1], [NW, 1], [1, 0])
+    L_XW: gl.constexpr = _layouts(W, NW, 4)
+    r0 = gl.program_id(0) * ROWS
+    rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_XW))
+    k = rows[:, None] * W + gl.arange(0, W, layout=gl.SliceLayout(0, L_XW))[None, :]
+    w = gl.load(w_ptr + k, mask=k < nwords, other=0)
+    if SMEM:
+        tile = gl.allocate_shared_memory(gl.int32, [ROWS, W], _ring_layout(4))
+        tile.store(w)
+        _barrier()
+        w = tile.load(L_ROWW)
+    else:
+        w = gl.convert_layout(w, L_ROWW)
+    y = _words_to_rows(w, ROWS, G)
+    for i in gl.static_range(1, G.bit_length() - 1):
+        y = _stage(y, ROWS, G, 1 << i)
+    _encode(gl.convert_layout(y, L_ROW), r0, q_ptr, s_ptr, gpc, chunk_bytes, G, NW, QMAX, TINY, PAD, RARE_BAD, SMEM)
+
+
+@gluon.jit
+def compress_rows_rare(x_ptr, q_ptr, s_ptr, numel, gpc, G: gl.constexpr, NW: gl.constexpr, QMAX: gl.constexpr,
+                       TINY: gl.constexpr, X_BYTES: gl.constexpr, chunk_bytes, PAD: gl.constexpr):
+    """`gluon_rows.compress_rows` (values loaded as bf16) with RARE_BAD only."""
+    r0 = gl.program_id(0) * (32 * NW)
+    y = _load_transform(x_ptr, r0, numel, G, NW, X_BYTES)
+    _encode_store_rare(y, r0, q_ptr, s_ptr, gpc, chunk_bytes, G, NW, QMAX, TINY, PAD, False)
+
+
+@gluon.jit
+def compress_words_ring(w_ptr, q_ptr, s_ptr, nwords, gpc, G: gl.constexpr, NW: gl.constexpr, QMAX: gl.constexpr,
+                        TINY: gl.constexpr, chunk_bytes, PAD: gl.constexpr, STAGES: gl.constexpr,
+                        RARE_BAD: gl.constexpr, SMEM: gl.constexpr):
+    """Persistent: the next STAGES - 1 tiles' words copied to shared memory (cp.async) while one is
+    encoded (`gluon_rows.compress_rows_ring` with words)."""
+    ROWS: gl.constexpr = 32 * NW
+    W: gl.constexpr = G // 2
+    L_ROWW: gl.constexpr = gl.BlockedLayout([1, W], [32, 1], [NW, 1], [1, 0])
+    L_ROW: gl.constexpr = gl.BlockedLayout([1, G], [32, 1], [NW, 1], [1, 0])
+    L_XW: gl.constexpr = _layouts(W, NW, 4)
+    ring = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, W], _ring_layout(4))
+    tiles = gl.cdiv(gpc, ROWS)
+    pid = gl.program_id(0)
+    step = gl.num_programs(0)
+    for i in gl.static_range(STAGES - 1):
+        _issue_words(ring, i, w_ptr, pid + i * step, tiles, nwords, W, ROWS, L_XW)
+    k = 0
+    for tile in range(pid, tiles, step):
+        _barrier()  # every lane has read the slot the next copy overwrites
+        _issue_words(ring, (k + STAGES - 1) % STAGES, w_ptr, tile + (STAGES - 1) * step, tiles, nwords, W,
+                     ROWS, L_XW)
+        async_copy.wait_group(STAGES - 1)
+        _barrier()
+        w = ring.index(k % STAGES).load(L_ROWW)
+        y = _words_to_rows(w, ROWS, G)
+        for i in gl.static_range(1, G.bit_length() - 1):
+            y = _stage(y, ROWS, G, 1 << i)
+        _encode(gl.convert_layout(y, L_ROW), tile * ROWS, q_ptr, s_ptr, gpc, chunk_bytes, G, NW, QMAX, TINY, PAD,
+                RARE_BAD, SMEM)
+        k += 1
+    async_copy.wait_group(0)
+
+
+@gluon.jit
+def _issue_words(ring, slot, w_ptr, tile, tiles, nwords, W: gl.constexpr, ROWS: gl.constexpr, L: gl.constexpr):
+    rows = tile * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L))
+    k = rows[:, None] * W + gl.arange(0, W, layout=gl.SliceLayout(0, L))[None, :]
+    _async_copy(ring.index(slot), w_ptr + k, mask=(k < nwords) & (tile < tiles))
+    async_copy.commit_group()
+
+
+@gluon.jit
+def compress_words_prefetch(w_ptr, q_ptr, s_ptr, nwords, gpc, G: gl.constexpr, NW: gl.constexpr,
+                            QMAX: gl.constexpr, TINY: gl.constexpr, chunk_bytes, PAD: gl.constexpr):
+    """Persistent: each program loads its next tile's words into registers before it encodes this
+    one, so that its loads stay in flight while it computes (no shared-memory ring, no cp.async)."""
+    ROWS: gl.constexpr = 32 * NW
+    W: gl.constexpr = G // 2
+    L_ROWW: gl.constexpr = gl.BlockedLayout([1, W], [32, 1], [NW, 1], [1, 0])
+    L_ROW: gl.constexpr = gl.BlockedLayout([1, G], [32, 1], [NW, 1], [1, 0])
+    L_XW: gl.constexpr = _layouts(W, NW, 4)
+    tiles = gl.cdiv(gpc, ROWS)
+    pid = gl.program_id(0)
+    step = gl.num_programs(0)
+    rows = pid * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_XW))
+    k = rows[:, None] * W + gl.arange(0, W, layout=gl.SliceLayout(0, L_XW))[None, :]
+    w = gl.load(w_ptr + k, mask=k < nwords, other=0)
+    for tile in range(pid, tiles, step):
+        k = k + step * (ROWS * W)
+        w_next = gl.load(w_ptr + k, mask=k < nwords, other=0)
+        y = _words_to_rows(gl.convert_layout(w, L_ROWW), ROWS, G)
+        for i in gl.static_range(1, G.bit_length() - 1):
+            y = _stage(y, ROWS, G, 1 << i)
+        _encode_store_rare(gl.convert_layout(y, L_ROW), tile * ROWS, q_ptr, s_ptr, gpc, chunk_bytes, G, NW, QMAX,
+                           TINY, PAD, False)
+        w = w_next
