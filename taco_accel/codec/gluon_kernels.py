@@ -308,7 +308,8 @@ def decompress_rows_into(buffer: torch.Tensor, layout: WireLayout, config: TacoC
 
 def _reads_words(x: torch.Tensor) -> bool:
     """Whether bf16 ``x`` (flat, contiguous) can be read as int32 words: whole words, 4-byte aligned."""
-    return x.dtype == torch.bfloat16 and x.numel() % 2 == 0 and x.data_ptr() % 4 == 0
+    return (x.dtype == torch.bfloat16 and x.numel() % 2 == 0 and x.data_ptr() % 4 == 0
+            and x.storage_offset() % 2 == 0)  # what `Tensor.view(torch.int32)` asks
 
 
 def compress_rows_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, config: TacoConfig) -> None:
