@@ -89,6 +89,40 @@ def persistent(kern, tiles, nw, args, kwargs):
     kern[(min(tiles, _grid[key]),)](*args, **kwargs, num_warps=nw)
 
 
+def encoder_reference_check(cfg: TacoConfig, comp: dict, sizes=(128 * 1000 + 128 * 4, 128 * 12345 + 64)) -> None:
+    """Each compress variant against the reference codec on bf16 values with NaN, +-Inf, 3e38,
+    1e-35 and zero groups (``sizes``: values; the defaults end inside a group and a tile, a
+    variant that needs whole groups gets sizes that are multiples of G): payload bytes must
+    equal the reference's or those of "base" (the library's encoder, listed first); differing
+    scale and padding bytes are printed."""
+    dev, g = torch.device("cuda"), cfg.group_size
+    ref_cfg = cfg.replace(backend="torch")
+    torch.manual_seed(0)
+    for numel in sizes:
+        x = torch.randn(numel, device=dev) * torch.logspace(-6, 6, numel, device=dev)
+        x[g * 7 + 3] = float("nan")
+        x[g * 9 + 5] = float("inf")
+        x[g * 40 + 1] = -float("inf")
+        x[g * 41: g * 42] = 3e38
+        x[g * 11: g * 12] = 1e-35
+        x[g * 13: g * 14] = 0.0
+        x = x.to(torch.bfloat16)
+        lay = WireLayout.for_tensor(numel, cfg)
+        ref = compress(x, ref_cfg).buffer
+        payload = lay.groups_per_chunk * g
+        bufs = {}
+        for name, fn in comp.items():
+            buf = bufs[name] = torch.full((lay.total_bytes,), 0xAB, dtype=torch.uint8, device=dev)
+            fn(x, buf, lay)
+            diff = (buf != ref).nonzero().flatten()
+            pay = diff[diff < payload]
+            print(f"ref check {numel} compress {name}: {len(diff)} bytes differ from the reference: payload groups "
+                  f"{(pay // g).unique().tolist()[:12]}, scale / padding bytes {diff[diff >= payload].tolist()[:12]}",
+                  flush=True)
+            # a tie may round either way: equal to the reference's payload or to the library's
+            assert len(pay) == 0 or torch.equal(buf[:payload], bufs["base"][:payload]), name
+
+
 def library_decoder(cfg: TacoConfig, rows_max_group: int | None = None):
     """`triton_kernels.decompress_into` as a variant; ``rows_max_group`` set for the call (0: the
     tensor-core decoder at every G; None: the library's choice)."""

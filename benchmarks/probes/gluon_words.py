@@ -183,3 +183,56 @@ def compress_words_prefetch(w_ptr, q_ptr, s_ptr, nwords, gpc, G: gl.constexpr, N
         _encode_store_rare(gl.convert_layout(y, L_ROW), tile * ROWS, q_ptr, s_ptr, gpc, chunk_bytes, G, NW, QMAX,
                            TINY, PAD, False)
         w = w_next
+
+
+# --- persistent with bulk (TMA) copies: one lane asks for the next tiles, no per-lane addresses
+
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma  # noqa: E402
+
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # triton 3.9, else 3.6
+
+
+@gluon.jit
+def _tma_issue(w_desc, ring, bars, slot, tile, tiles, ROWS: gl.constexpr):
+    # the tile's two 128-byte halves of each row (a 128-byte swizzle holds rows of 128 bytes at most)
+    ok = tile < tiles
+    mbarrier.expect(bars.index(slot), 2 * w_desc.block_type.nbytes, pred=ok)
+    _tma_load(w_desc, [tile * ROWS, 0], bars.index(slot), ring.index(2 * slot), pred=ok)
+    _tma_load(w_desc, [tile * ROWS, 32], bars.index(slot), ring.index(2 * slot + 1), pred=ok)
+
+
+@gluon.jit
+def compress_words_tma(w_desc, q_ptr, s_ptr, gpc, G: gl.constexpr, QMAX: gl.constexpr, TINY: gl.constexpr,
+                       chunk_bytes, PAD: gl.constexpr, STAGES: gl.constexpr):
+    """Persistent, one warp: STAGES tiles in flight as bulk copies of the words ([32, 32] boxes of
+    the input viewed as [groups, G / 2] int32, zeros past its end), each lane reading its row from
+    the swizzled ring. G = 128, even numel, whole groups."""
+    ROWS: gl.constexpr = 32
+    L_HALF: gl.constexpr = gl.BlockedLayout([1, 32], [32, 1], [1, 1], [1, 0])
+    L_ROW: gl.constexpr = gl.BlockedLayout([1, G], [32, 1], [1, 1], [1, 0])
+    ring = gl.allocate_shared_memory(gl.int32, [2 * STAGES, ROWS, 32], w_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    tiles = gl.cdiv(gpc, ROWS)
+    pid = gl.program_id(0)
+    step = gl.num_programs(0)
+    for i in gl.static_range(STAGES):
+        _tma_issue(w_desc, ring, bars, i, pid + i * step, tiles, ROWS)
+    k = 0
+    for tile in range(pid, tiles, step):
+        slot = k % STAGES
+        mbarrier.wait(bars.index(slot), (k // STAGES) & 1)
+        lo = ring.index(2 * slot).load(L_HALF)
+        hi = ring.index(2 * slot + 1).load(L_HALF)
+        _barrier()  # every lane has read the slot: refill it
+        _tma_issue(w_desc, ring, bars, slot, tile + STAGES * step, tiles, ROWS)
+        w = gl.reshape(gl.permute(gl.join(lo, hi), [0, 2, 1]), [ROWS, G // 2])
+        y = _words_to_rows(w, ROWS, G)
+        for i in gl.static_range(1, G.bit_length() - 1):
+            y = _stage(y, ROWS, G, 1 << i)
+        _encode_store_rare(gl.convert_layout(y, L_ROW), tile * ROWS, q_ptr, s_ptr, gpc, chunk_bytes, G, 1, QMAX,
+                           TINY, PAD, True)
+        k += 1
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))

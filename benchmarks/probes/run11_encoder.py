@@ -12,10 +12,10 @@ import sys
 import torch
 import triton
 
-from _probe import codec_table, gpu_timings, persistent
+from _probe import codec_table, encoder_reference_check, gpu_timings, persistent
 from gluon_rows import compress_rows, compress_rows_ring
 from gluon_words import compress_rows_rare, compress_words, compress_words_ring
-from taco_accel.codec import TacoConfig, WireLayout, compress
+from taco_accel.codec import TacoConfig
 from taco_accel.codec import triton_kernels as tk
 from taco_accel.codec.reference import TINY_AMAX
 
@@ -79,30 +79,5 @@ COMP = {"base": lambda x, buf, lay: tk.compress_into(x, buf, lay, cfg),
         "ring words 168": ring_words(True, 168)}
 DEC = {"base": lambda buf, lay, out: tk.decompress_into(buf, lay, cfg, out)}
 
-# against the reference codec: sizes that end inside a group and a tile, groups of every kind
-ref_cfg = cfg.replace(backend="torch")
-torch.manual_seed(0)
-for numel in (128 * 1000 + 128 * 4, 128 * 12345 + 64):
-    x = torch.randn(numel, device=dev) * torch.logspace(-6, 6, numel, device=dev)
-    x[128 * 7 + 3] = float("nan")
-    x[128 * 9 + 5] = float("inf")
-    x[128 * 40 + 1] = -float("inf")
-    x[128 * 41: 128 * 42] = 3e38
-    x[128 * 11: 128 * 12] = 1e-35
-    x[128 * 13: 128 * 14] = 0.0
-    x = x.to(torch.bfloat16)
-    lay = WireLayout.for_tensor(numel, cfg)
-    ref = compress(x, ref_cfg).buffer
-    payload = lay.groups_per_chunk * G
-    for name, fn in COMP.items():
-        buf = torch.full((lay.total_bytes,), 0xAB, dtype=torch.uint8, device=dev)
-        fn(x, buf, lay)
-        diff = (buf != ref).nonzero().flatten()
-        pay = diff[diff < payload]
-        print(f"ref check {numel} compress {name}: {len(diff)} bytes differ from the reference: payload groups "
-              f"{(pay // G).unique().tolist()[:12]}, scale / padding bytes {diff[diff >= payload].tolist()[:12]}",
-              flush=True)
-        if name != "base":
-            assert len(pay) == 0, name
-
+encoder_reference_check(cfg, COMP)
 codec_table(gpu_timings(rounds=3), cfg, COMP, DEC)
