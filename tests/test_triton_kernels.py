@@ -324,6 +324,7 @@ def test_gluon_encoder_matches_reference(group_size):
     a NaN group, an Inf group, a group past fp32's range once transformed) for every variant and
     input type, bf16 read as words and, from an odd start or of odd length, as values; also under
     nonfinite="zero". The payload equals the reference's but for values at a rounding tie."""
+    from taco_accel.codec import gluon_kernels
     from taco_accel.codec import triton_kernels as tk
 
     x = sample((6, (3 * 45 * group_size - 4) // 6), torch.float32).reshape(-1)
@@ -331,6 +332,9 @@ def test_gluon_encoder_matches_reference(group_size):
     x[group_size * 3 + 1] = -float("inf")
     x[group_size * 7: group_size * 8] = 3e38
     odd = sample((1, 3 * group_size + 3), torch.float32).reshape(-1)
+    words = x.to(torch.bfloat16)
+    assert gluon_kernels._reads_words(words)
+    assert not gluon_kernels._reads_words(words[1:-1]) and not gluon_kernels._reads_words(odd.to(torch.bfloat16))
     for variant, chunks in itertools.product(VARIANTS, (1, 3)):
         ref_cfg, tri_cfg = configs(group_size, variant)
         assert tk._codes_by_rows(tri_cfg, x)
