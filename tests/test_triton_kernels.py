@@ -163,6 +163,9 @@ HOPPER_PRELUDE = """
 import sys, json
 import triton
 from triton.backends.compiler import GPUTarget
+from taco_accel.codec.layout import FORMAT_CODES
+
+FMT = {"fp8e4nv": FORMAT_CODES["e4m3"], "fp8e5": FORMAT_CODES["e5m2"], "i8": FORMAT_CODES["int8"]}  # by payload type
 
 def compile_for_hopper(source_cls, fn, signature, constexprs, num_warps):
     signature = dict(signature, **{k: "constexpr" for k in constexprs})
@@ -178,7 +181,7 @@ from triton.compiler import ASTSource
 from taco_accel.codec import triton_kernels as tk
 
 G, dtype, fmt, extra = json.loads(sys.argv[1])
-code = {"fp8e4nv": 0, "fp8e5": 1, "i8": 2}[fmt]
+code = FMT[fmt]
 flags = {"HADAMARD": True, "SIGNS": False, "DUAL": False, **extra}
 sub, bg = min(G, tk.SUB_MAX), max(64, min(8192 // G, 256))
 tiles = 8192  # TUNING's block_elems: the launcher's warps per kernel (sums of 2 / 4 / 8 inputs: own steps)
@@ -258,7 +261,7 @@ for G, fmt, out, flags in decode:
     assert ".local" not in ptx, "a group per thread should stay in registers"
 for G, x, fmt, flags in encode:
     words = flags.get("WORDS", False)
-    constexprs = dict(G=G, NW=gk.WARPS, X_BYTES=BYTES[x], FMT={"fp8e4nv": 0, "fp8e5": 1, "i8": 2}[fmt], QMAX=127.0,
+    constexprs = dict(G=G, NW=gk.WARPS, X_BYTES=BYTES[x], FMT=FMT[fmt], QMAX=127.0,
                       **{"WORDS": False, "HADAMARD": True, "SIGNS": False, "DUAL": False, "ADAPTIVE": True,
                          "ZERO_NONFINITE": False, "CHUNKED": False, "WIDE": False, "PAD": 4, **flags})
     signature = dict(x_ptr="*i32" if words else "*" + x, q_ptr="*" + fmt, s_ptr="*fp32", sign_ptr="*fp32",

@@ -123,19 +123,27 @@ def encoder_reference_check(cfg: TacoConfig, comp: dict, sizes=(128 * 1000 + 128
             assert len(pay) == 0 or torch.equal(buf[:payload], bufs["base"][:payload]), name
 
 
+def with_setting(table: dict, key, value, fn):
+    """``fn`` with ``table[key] = value`` for the length of each call (a launch setting of the
+    library's, such as `triton_kernels.TUNING` or `gluon_kernels.MAX_REGISTERS`)."""
+    def call(*args):
+        saved = table[key]
+        table[key] = value
+        try:
+            fn(*args)
+        finally:
+            table[key] = saved
+    return call
+
+
 def library_decoder(cfg: TacoConfig, rows_max_group: int | None = None):
     """`triton_kernels.decompress_into` as a variant; ``rows_max_group`` set for the call (0: the
     tensor-core decoder at every G; None: the library's choice)."""
     from taco_accel.codec import triton_kernels as tk
 
     def run(buf, lay, out):
-        saved = tk.TUNING["rows_max_group"]
-        tk.TUNING["rows_max_group"] = saved if rows_max_group is None else rows_max_group
-        try:
-            tk.decompress_into(buf, lay, cfg, out)
-        finally:
-            tk.TUNING["rows_max_group"] = saved
-    return run
+        tk.decompress_into(buf, lay, cfg, out)
+    return run if rows_max_group is None else with_setting(tk.TUNING, "rows_max_group", rows_max_group, run)
 
 
 def decoder_rows(timings: Timings, label: str, n: int, cfg: TacoConfig, dec: dict, check=None) -> None:

@@ -16,6 +16,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from gluon_rows import _scales_of
 from taco_accel.codec.gluon_kernels import _barrier, _coalesced, _swizzled, _zero_padding
 
 
@@ -76,11 +77,7 @@ def compress_mma(x_ptr, q_ptr, s_ptr, numel, gpc, G: gl.constexpr, K: gl.constex
         y = _block_stage(y, NB, 1 << i, K)
 
     # blocks first (in each thread), then columns (in-thread, then 2 shuffles); max, not NaN-propagating
-    amax = gl.max(gl.max(gl.abs(y), axis=0), axis=1) * (G**-0.5)
-    bad = (amax != amax) | (amax == float("inf"))
-    big = amax >= TINY
-    s = gl.where(bad, float("nan"), gl.where(big, gl.div_rn(amax, QMAX), 0.0))
-    mult = gl.where(big & (~bad), gl.div_rn(QMAX, gl.where(big, amax, 1.0)), 0.0) * (G**-0.5)
+    s, mult, _ = _scales_of(gl.max(gl.max(gl.abs(y), axis=0), axis=1), G, QMAX, TINY)
     q = (y * mult[:, None][None, :, :]).to(q_ptr.dtype.element_ty)
     if PERM:
         q = _contiguous_columns(q, NB, K)

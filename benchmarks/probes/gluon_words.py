@@ -23,21 +23,17 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from gluon_rows import _encode_store, _group_scales, _load_transform, _ring_layout
-from taco_accel.codec.gluon_kernels import _barrier, _stage, _zero_padding
+from gluon_rows import _async_copy, _encode_store, _group_scales, _load_transform
+from taco_accel.codec.gluon_kernels import _barrier, _swizzled, _through_shared, _walsh, _zero_padding
 from taco_accel.codec.gluon_kernels import _coalesced as _layouts
 
 
-# triton 3.9's name, else 3.6's (the H200's)
-_async_copy = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-
-
 @gluon.jit
-def _words_to_rows(w, ROWS: gl.constexpr, G: gl.constexpr):
-    """Words [ROWS, G / 2] (row layout) -> the rows' first butterfly stage, fp32 [ROWS, G]."""
+def _words_transformed(w, L_ROW: gl.constexpr, ROWS: gl.constexpr, G: gl.constexpr):
+    """Words [ROWS, G / 2] (row layout) -> the rows transformed, fp32 [ROWS, G] in L_ROW."""
     lo = (w << 16).to(gl.float32, bitcast=True)  # value 2k: the word's low half
     hi = (w & -65536).to(gl.float32, bitcast=True)  # value 2k + 1
-    return gl.reshape(gl.join(lo + hi, lo - hi), [ROWS, G])
+    return _walsh(gl.reshape(gl.join(lo + hi, lo - hi), [ROWS, G]), L_ROW, ROWS, G, 1)  # stage 1: the pairs
 
 
 @gluon.jit
@@ -51,10 +47,7 @@ def _encode_store_rare(y, r0, q_ptr, s_ptr, gpc, chunk_bytes, G: gl.constexpr, N
     s, mult, bad = _group_scales(y, G, QMAX, TINY)
     q = (y * mult[:, None]).to(q_ptr.dtype.element_ty)
     if SMEM:
-        tile = gl.allocate_shared_memory(q_ptr.dtype.element_ty, [ROWS, G], _ring_layout(1))
-        tile.store(q)
-        _barrier()
-        q = tile.load(L_Q)
+        q = _through_shared(q, L_Q, 1)
     else:
         q = gl.convert_layout(q, L_Q)
     qrows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_Q))
@@ -95,16 +88,11 @@ def compress_words(w_ptr, q_ptr, s_ptr, nwords, gpc, G: gl.constexpr, NW: gl.con
     k = rows[:, None] * W + gl.arange(0, W, layout=gl.SliceLayout(0, L_XW))[None, :]
     w = gl.load(w_ptr + k, mask=k < nwords, other=0)
     if SMEM:
-        tile = gl.allocate_shared_memory(gl.int32, [ROWS, W], _ring_layout(4))
-        tile.store(w)
-        _barrier()
-        w = tile.load(L_ROWW)
+        w = _through_shared(w, L_ROWW, 4)
     else:
         w = gl.convert_layout(w, L_ROWW)
-    y = _words_to_rows(w, ROWS, G)
-    for i in gl.static_range(1, G.bit_length() - 1):
-        y = _stage(y, ROWS, G, 1 << i)
-    _encode(gl.convert_layout(y, L_ROW), r0, q_ptr, s_ptr, gpc, chunk_bytes, G, NW, QMAX, TINY, PAD, RARE_BAD, SMEM)
+    y = _words_transformed(w, L_ROW, ROWS, G)
+    _encode(y, r0, q_ptr, s_ptr, gpc, chunk_bytes, G, NW, QMAX, TINY, PAD, RARE_BAD, SMEM)
 
 
 @gluon.jit
@@ -127,7 +115,7 @@ def compress_words_ring(w_ptr, q_ptr, s_ptr, nwords, gpc, G: gl.constexpr, NW: g
     L_ROWW: gl.constexpr = gl.BlockedLayout([1, W], [32, 1], [NW, 1], [1, 0])
     L_ROW: gl.constexpr = gl.BlockedLayout([1, G], [32, 1], [NW, 1], [1, 0])
     L_XW: gl.constexpr = _layouts(W, NW, 4)
-    ring = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, W], _ring_layout(4))
+    ring = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, W], _swizzled(4))
     tiles = gl.cdiv(gpc, ROWS)
     pid = gl.program_id(0)
     step = gl.num_programs(0)
@@ -140,11 +128,8 @@ def compress_words_ring(w_ptr, q_ptr, s_ptr, nwords, gpc, G: gl.constexpr, NW: g
                      ROWS, L_XW)
         async_copy.wait_group(STAGES - 1)
         _barrier()
-        w = ring.index(k % STAGES).load(L_ROWW)
-        y = _words_to_rows(w, ROWS, G)
-        for i in gl.static_range(1, G.bit_length() - 1):
-            y = _stage(y, ROWS, G, 1 << i)
-        _encode(gl.convert_layout(y, L_ROW), tile * ROWS, q_ptr, s_ptr, gpc, chunk_bytes, G, NW, QMAX, TINY, PAD,
+        y = _words_transformed(ring.index(k % STAGES).load(L_ROWW), L_ROW, ROWS, G)
+        _encode(y, tile * ROWS, q_ptr, s_ptr, gpc, chunk_bytes, G, NW, QMAX, TINY, PAD,
                 RARE_BAD, SMEM)
         k += 1
     async_copy.wait_group(0)
@@ -177,10 +162,8 @@ def compress_words_prefetch(w_ptr, q_ptr, s_ptr, nwords, gpc, G: gl.constexpr, N
     for tile in range(pid, tiles, step):
         k = k + step * (ROWS * W)
         w_next = gl.load(w_ptr + k, mask=k < nwords, other=0)
-        y = _words_to_rows(gl.convert_layout(w, L_ROWW), ROWS, G)
-        for i in gl.static_range(1, G.bit_length() - 1):
-            y = _stage(y, ROWS, G, 1 << i)
-        _encode_store_rare(gl.convert_layout(y, L_ROW), tile * ROWS, q_ptr, s_ptr, gpc, chunk_bytes, G, NW, QMAX,
+        y = _words_transformed(gl.convert_layout(w, L_ROWW), L_ROW, ROWS, G)
+        _encode_store_rare(y, tile * ROWS, q_ptr, s_ptr, gpc, chunk_bytes, G, NW, QMAX,
                            TINY, PAD, False)
         w = w_next
 
@@ -228,10 +211,8 @@ def compress_words_tma(w_desc, q_ptr, s_ptr, gpc, G: gl.constexpr, QMAX: gl.cons
         _barrier()  # every lane has read the slot: refill it
         _tma_issue(w_desc, ring, bars, slot, tile + STAGES * step, tiles, ROWS)
         w = gl.reshape(gl.permute(gl.join(lo, hi), [0, 2, 1]), [ROWS, G // 2])
-        y = _words_to_rows(w, ROWS, G)
-        for i in gl.static_range(1, G.bit_length() - 1):
-            y = _stage(y, ROWS, G, 1 << i)
-        _encode_store_rare(gl.convert_layout(y, L_ROW), tile * ROWS, q_ptr, s_ptr, gpc, chunk_bytes, G, 1, QMAX,
+        y = _words_transformed(w, L_ROW, ROWS, G)
+        _encode_store_rare(y, tile * ROWS, q_ptr, s_ptr, gpc, chunk_bytes, G, 1, QMAX,
                            TINY, PAD, True)
         k += 1
     for i in gl.static_range(STAGES):

@@ -7,29 +7,16 @@ spilled to local memory in compress).
 """
 import torch
 
-from _probe import codec_table, gpu_timings
+from _probe import codec_table, gpu_timings, with_setting
 from taco_accel.codec import TacoConfig
 from taco_accel.codec import gluon_kernels as gk
 from taco_accel.codec import triton_kernels as tk
 
 cfg = TacoConfig(backend="triton")
-
-
-def capped(kernel, cap, run):
-    def call(*args):
-        saved = gk.MAX_REGISTERS[kernel]
-        gk.MAX_REGISTERS[kernel] = cap
-        try:
-            run(*args)
-        finally:
-            gk.MAX_REGISTERS[kernel] = saved
-    return call
-
-
 COMP = {"base": lambda x, buf, lay: tk.compress_into(x, buf, lay, cfg)}
 DEC = {"base": lambda buf, lay, out: tk.decompress_into(buf, lay, cfg, out)}
 for cap in (144, 128):
-    COMP[f"cap {cap}"] = capped("compress", cap, COMP["base"])
-    DEC[f"cap {cap}"] = capped("decompress", cap, DEC["base"])
+    COMP[f"cap {cap}"] = with_setting(gk.MAX_REGISTERS, "compress", cap, COMP["base"])
+    DEC[f"cap {cap}"] = with_setting(gk.MAX_REGISTERS, "decompress", cap, DEC["base"])
 assert torch.cuda.is_available()
 codec_table(gpu_timings(rounds=3), cfg, COMP, DEC)

@@ -6,7 +6,7 @@ scales and stores), bf16, G = 128, 16M / 32M / 64M values.
 """
 import torch
 
-from _probe import gpu_timings
+from _probe import gpu_timings, with_setting
 from taco_accel.bench.codec import Rotating
 from taco_accel.codec import TacoConfig, WireLayout
 from taco_accel.codec import triton_kernels as tk
@@ -17,13 +17,8 @@ plain = cfg.replace(hadamard=False)
 
 def encoder(config, rows_max_group):
     def run(x, buf, lay):
-        saved = tk.TUNING["rows_max_group"]
-        tk.TUNING["rows_max_group"] = rows_max_group
-        try:
-            tk.compress_into(x, buf, lay, config)
-        finally:
-            tk.TUNING["rows_max_group"] = saved
-    return run
+        tk.compress_into(x, buf, lay, config)
+    return with_setting(tk.TUNING, "rows_max_group", rows_max_group, run)
 
 
 variants = {"gluon": encoder(cfg, 128), "gluon, no transform": encoder(plain, 128),

@@ -175,11 +175,12 @@ def check_kernels(device: torch.device, group_sizes: tuple = (32, 64, 128, 256, 
 def sweep_variants(tk) -> list[tuple[str, str, dict]]:
     """(name, input dtype, TUNING changes) of every launch variant `sweep` can time."""
     base = tk.TUNING
+    tiles = dict(rows_max_group=0)  # the tensor-core kernels at G = 128, which Gluon codes by default
 
-    def override(stages=None, per_sm=..., **kw):  # the tensor-core kernels' settings: G <= 128 codes in Gluon
+    def override(stages=None, per_sm=..., **kw):  # the tensor-core kernels' launch settings
         stages = base["num_stages"] if stages is None else dict(base["num_stages"], compress=stages, decompress=stages)
         programs = base["programs_per_sm"] if per_sm is ... else dict.fromkeys(base["programs_per_sm"], per_sm)
-        return dict(num_stages=stages, programs_per_sm=programs, rows_max_group=0, **kw)
+        return dict(num_stages=stages, programs_per_sm=programs, **tiles, **kw)
 
     def decompress_on(per_sm):
         return dict(base["programs_per_sm"], decompress=per_sm)
@@ -189,7 +190,6 @@ def sweep_variants(tk) -> list[tuple[str, str, dict]]:
     variants += [("all resident", "bf16", override(per_sm=None)), ("one per tile", "bf16", override(per_sm=0))]
     variants += [(f"{n} per SM", "bf16", override(per_sm=n)) for n in (2, 3, 4)]
     variants += [(f"{n} warps", "bf16", override(num_warps=dict.fromkeys(base["num_warps"], n))) for n in (4, 8)]
-    tiles = dict(rows_max_group=0)
     variants += [("tensor-core kernels", "bf16", tiles),
                  ("bf16 decode", "bf16", override(payload_dot=False)),
                  ("16K per tile", "bf16", override(block_elems=16384)),

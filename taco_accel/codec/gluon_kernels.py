@@ -63,11 +63,24 @@ if AVAILABLE:
         return gl.reshape(gl.permute(gl.join(a + b, a - b), [0, 1, 3, 2]), [ROWS, G])
 
     @gluon.jit
-    def _walsh(y, L_ROW: gl.constexpr, ROWS: gl.constexpr, G: gl.constexpr):
-        """``y @ H_G`` for the rows of y (unnormalised, Sylvester order), in each thread's registers."""
-        for i in gl.static_range(G.bit_length() - 1):
+    def _walsh(y, L_ROW: gl.constexpr, ROWS: gl.constexpr, G: gl.constexpr, FIRST: gl.constexpr):
+        """``y @ H_G`` for the rows of y (unnormalised, Sylvester order), in each thread's registers;
+        FIRST: how many stages (stride 1, 2, ...) y has been through already."""
+        for i in gl.static_range(FIRST, G.bit_length() - 1):
             y = _stage(y, ROWS, G, 1 << i)
         return gl.convert_layout(y, L_ROW)  # the stages only renumbered registers
+
+    @gluon.jit
+    def _tile_origin(ROWS: gl.constexpr, WIDE: gl.constexpr):
+        """(chunk c, first row r0) of this program's tile; grid (tiles of a chunk, chunks). 64-bit
+        where a buffer passes 2 GiB (WIDE), else 32-bit: 64-bit offsets before the first load cost
+        the decoder 0.04 of copy bandwidth at 16M values (RESULTS.md, tenth run)."""
+        c = gl.program_id(1)
+        r0 = gl.program_id(0) * ROWS
+        if WIDE:
+            c = c.to(gl.int64)
+            r0 = r0.to(gl.int64)
+        return c, r0
 
     @gluon.jit
     def _decompress_rows_kernel(
@@ -83,11 +96,7 @@ if AVAILABLE:
         L_ROW: gl.constexpr = gl.BlockedLayout([1, G], [32, 1], [NW, 1], [1, 0])
         L_Q: gl.constexpr = _coalesced(G, NW, Q_BYTES)
         L_OUT: gl.constexpr = _coalesced(G, NW, OUT_BYTES)
-        c = gl.program_id(1)
-        r0 = gl.program_id(0) * ROWS
-        if WIDE:
-            c = c.to(gl.int64)
-            r0 = r0.to(gl.int64)
+        c, r0 = _tile_origin(ROWS, WIDE)
         if CHUNKED:  # chunk c's payload, scales and values
             q_ptr += c * chunk_bytes
             s_ptr += c * (chunk_bytes // 4)
@@ -103,7 +112,7 @@ if AVAILABLE:
 
         y = gl.convert_layout(q, L_ROW).to(gl.float32)  # the payload's bytes cross shared memory
         if HADAMARD:
-            y = _walsh(y, L_ROW, ROWS, G)
+            y = _walsh(y, L_ROW, ROWS, G, 0)
             scale = scale * (G**-0.5)
         x = gl.convert_layout((y * scale[:, None]).to(out_ptr.dtype.element_ty), L_OUT)
 
@@ -143,6 +152,10 @@ if AVAILABLE:
         return tile.load(layout)
 
     @gluon.jit
+    def _finite_or_zero(v):
+        return gl.where(gl.abs(v) < float("inf"), v, 0.0)
+
+    @gluon.jit
     def _max_nan(a, b):
         return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
@@ -172,11 +185,7 @@ if AVAILABLE:
         ROWS: gl.constexpr = 32 * NW
         L_ROW: gl.constexpr = gl.BlockedLayout([1, G], [32, 1], [NW, 1], [1, 0])
         L_Q: gl.constexpr = _coalesced(G, NW, 1)
-        c = gl.program_id(1)
-        r0 = gl.program_id(0) * ROWS
-        if WIDE:
-            c = c.to(gl.int64)
-            r0 = r0.to(gl.int64)
+        c, r0 = _tile_origin(ROWS, WIDE)
         if WORDS:
             V: gl.constexpr = G // 2  # loaded values (words) per group
             L_V: gl.constexpr = gl.BlockedLayout([1, V], [32, 1], [NW, 1], [1, 0])
@@ -213,18 +222,15 @@ if AVAILABLE:
             y = x.to(gl.float32)
         if ZERO_NONFINITE:
             if WORDS:
-                lo = gl.where(gl.abs(lo) < float("inf"), lo, 0.0)
-                hi = gl.where(gl.abs(hi) < float("inf"), hi, 0.0)
+                lo = _finite_or_zero(lo)
+                hi = _finite_or_zero(hi)
             else:
-                y = gl.where(gl.abs(y) < float("inf"), y, 0.0)
+                y = _finite_or_zero(y)
         if HADAMARD:
             if WORDS:  # stage 1 on each word's pair, then the rest
-                y = gl.reshape(gl.join(lo + hi, lo - hi), [ROWS, G])
-                for i in gl.static_range(1, G.bit_length() - 1):
-                    y = _stage(y, ROWS, G, 1 << i)
-                y = gl.convert_layout(y, L_ROW)  # renumbers registers only
+                y = _walsh(gl.reshape(gl.join(lo + hi, lo - hi), [ROWS, G]), L_ROW, ROWS, G, 1)
             else:
-                y = _walsh(y, L_ROW, ROWS, G)
+                y = _walsh(y, L_ROW, ROWS, G, 0)
         elif WORDS:
             y = gl.convert_layout(gl.reshape(gl.join(lo, hi), [ROWS, G]), L_ROW)
 
@@ -242,6 +248,8 @@ if AVAILABLE:
         if DUAL and ADAPTIVE:
             a = gl.where(bad, 1.0, a)
             mult = mult * a
+        elif DUAL:
+            a = gl.full([ROWS], 1.0, gl.float32, gl.SliceLayout(1, L_ROW))
         q = y * (mult * NORM)[:, None]  # a bad group: 0, or NaN where y is not finite (zeroed below)
         if FMT == 2:  # int8: clamp, round half to even (1.5 * 2**23 holds no fraction bits)
             q = gl.minimum(gl.maximum(q, -QMAX), QMAX)
@@ -260,11 +268,7 @@ if AVAILABLE:
         s_rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_ROW))
         gl.store(s_ptr + gpc * (G // 4) + s_rows, s, mask=s_rows < gpc)
         if DUAL:
-            if ADAPTIVE:
-                gl.store(s_ptr + gpc * (G // 4 + 1) + s_rows, a, mask=s_rows < gpc)
-            else:
-                gl.store(s_ptr + gpc * (G // 4 + 1) + s_rows, gl.full([ROWS], 1.0, gl.float32,
-                                                                      gl.SliceLayout(1, L_ROW)), mask=s_rows < gpc)
+            gl.store(s_ptr + gpc * (G // 4 + 1) + s_rows, a, mask=s_rows < gpc)
         _zero_padding(q_ptr, r0, gpc, chunk_bytes, NW, PAD)
 
 
@@ -288,21 +292,29 @@ def disable(error: Exception) -> None:
     warnings.warn(f"taco_accel: the Gluon codec kernels do not compile with triton {triton.__version__} ({first}); "
                   "compress and decompress fall back to the tensor-core kernels (on an H200 about 0.05 of copy "
                   "bandwidth slower to compress at 64M values and more, 0.1 to decompress). Gluon's API changes "
-                  "between triton releases: please report your triton version.", RuntimeWarning, stacklevel=3)
+                  "between triton releases: please report your triton version.", RuntimeWarning, stacklevel=4)
+
+
+def _grid(layout: WireLayout) -> tuple[int, int]:
+    """(tiles of a chunk, chunks): a program per tile of 32 * WARPS groups."""
+    return max(1, triton.cdiv(layout.groups_per_chunk, 32 * WARPS)), layout.chunks
+
+
+def _wide(layout: WireLayout, values: torch.Tensor) -> bool:
+    """Whether the buffer or the chunks' ``values`` pass 2 GiB (64-bit offsets)."""
+    return max(layout.total_bytes, layout.chunks * layout.groups_per_chunk * layout.group_size
+               * values.element_size()) >= 2**31
 
 
 def decompress_rows_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor) -> None:
     """Decode ``buffer`` into the flat contiguous tensor ``out``; G <= `MAX_GROUP`, CUDA only."""
-    rows = 32 * WARPS
-    per_chunk = triton.cdiv(layout.groups_per_chunk, rows)
     payload = buffer.view(PAYLOAD_DTYPES[config.format])
-    wide = max(layout.total_bytes, layout.chunks * layout.groups_per_chunk * config.group_size * out.element_size())
-    _decompress_rows_kernel[(max(1, per_chunk), layout.chunks)](
+    _decompress_rows_kernel[_grid(layout)](
         payload, buffer.view(torch.float32), out, device_signs(config, buffer.device),
         layout.numel, layout.groups_per_chunk, layout.chunk_bytes,
         G=config.group_size, NW=WARPS, Q_BYTES=payload.element_size(), OUT_BYTES=out.element_size(),
         HADAMARD=config.hadamard, SIGNS=config.random_signs, DUAL=config.scales == "dual",
-        CHUNKED=layout.chunks > 1, WIDE=wide >= 2**31, num_warps=WARPS, **_register_cap("decompress"),
+        CHUNKED=layout.chunks > 1, WIDE=_wide(layout, out), num_warps=WARPS, **_register_cap("decompress"),
     )
 
 
@@ -314,16 +326,13 @@ def _reads_words(x: torch.Tensor) -> bool:
 
 def compress_rows_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, config: TacoConfig) -> None:
     """Encode the flat contiguous tensor ``x`` into ``buffer``; G <= `MAX_GROUP`, CUDA only."""
-    rows = 32 * WARPS
-    per_chunk = triton.cdiv(layout.groups_per_chunk, rows)
     words = _reads_words(x)
     values = x.view(torch.int32) if words else x
-    wide = max(layout.total_bytes, layout.chunks * layout.groups_per_chunk * config.group_size * x.element_size())
-    _compress_rows_kernel[(max(1, per_chunk), layout.chunks)](
+    _compress_rows_kernel[_grid(layout)](
         values, buffer.view(PAYLOAD_DTYPES[config.format]), buffer.view(torch.float32),
         device_signs(config, buffer.device), values.numel(), layout.groups_per_chunk, layout.chunk_bytes,
         G=config.group_size, NW=WARPS, X_BYTES=x.element_size(), WORDS=words, FMT=FORMAT_CODES[config.format],
         QMAX=config.qmax, HADAMARD=config.hadamard, SIGNS=config.random_signs, DUAL=config.scales == "dual",
         ADAPTIVE=config.adaptive_scale, ZERO_NONFINITE=config.nonfinite == "zero", CHUNKED=layout.chunks > 1,
-        WIDE=wide >= 2**31, PAD=layout.chunk_bytes - layout.used_bytes, num_warps=WARPS, **_register_cap("compress"),
+        WIDE=_wide(layout, x), PAD=layout.chunk_bytes - layout.used_bytes, num_warps=WARPS, **_register_cap("compress"),
     )

@@ -673,15 +673,22 @@ def _codes_by_rows(config: TacoConfig, tensor: torch.Tensor) -> bool:
             and config.group_size <= min(TUNING["rows_max_group"], gluon_kernels.MAX_GROUP))
 
 
+def _ran_by_rows(launch, *args) -> bool:
+    """Run a `gluon_kernels` launch; False where this triton's Gluon cannot build the kernel (one
+    warning, and the tensor-core kernels from then on: nothing was written yet)."""
+    try:
+        launch(*args)
+        return True
+    except triton.compiler.errors.CompilationError as error:
+        gluon_kernels.disable(error)
+        return False
+
+
 def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, config: TacoConfig) -> None:
     """Encode the flat tensor ``x`` into ``buffer``; same contract as the reference."""
     x = x.contiguous()
-    if _codes_by_rows(config, x):
-        try:
-            gluon_kernels.compress_rows_into(x.view(-1), buffer, layout, config)
-            return
-        except triton.compiler.errors.CompilationError as error:  # nothing written yet: encode below
-            gluon_kernels.disable(error)
+    if _codes_by_rows(config, x) and _ran_by_rows(gluon_kernels.compress_rows_into, x.view(-1), buffer, layout, config):
+        return
     signs = device_signs(config, x.device)  # read only with random signs (SIGNS)
     tiles, common = _common(layout, config, "compress")
     args = (x, buffer.view(PAYLOAD_DTYPES[config.format]), buffer.view(torch.float32), signs)
@@ -696,12 +703,8 @@ def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, con
 
 def decompress_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor) -> None:
     """Decode ``buffer`` into the flat contiguous tensor ``out``."""
-    if _codes_by_rows(config, out):
-        try:
-            gluon_kernels.decompress_rows_into(buffer, layout, config, out)
-            return
-        except triton.compiler.errors.CompilationError as error:  # nothing written yet: decode below
-            gluon_kernels.disable(error)
+    if _codes_by_rows(config, out) and _ran_by_rows(gluon_kernels.decompress_rows_into, buffer, layout, config, out):
+        return
     signs = device_signs(config, buffer.device)
     tiles, common = _common(layout, config, "decompress")
     mode = _dot_mode(True)
