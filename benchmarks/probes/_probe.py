@@ -123,6 +123,26 @@ def encoder_reference_check(cfg: TacoConfig, comp: dict, sizes=(128 * 1000 + 128
             assert len(pay) == 0 or torch.equal(buf[:payload], bufs["base"][:payload]), name
 
 
+def compress_sizes(timings: Timings, cfg: TacoConfig, comp: dict, sizes, base: str) -> None:
+    """At each size (M bf16 values, rotated inputs) every compress variant of ``comp`` writes what
+    ``base`` (listed first) writes into a poisoned buffer; then they are timed in turn. Then the
+    table."""
+    dev = timings.device
+    for n in sizes:
+        numel = n * 2**20
+        lay = WireLayout.for_tensor(numel, cfg)
+        xs = Rotating(lambda: torch.randn(numel, device=dev, dtype=torch.bfloat16), numel * 2, dev)
+        bufs = {k: torch.full((lay.total_bytes,), 0xAB, dtype=torch.uint8, device=dev) for k in comp}
+        for k, fn in comp.items():
+            fn(xs.items[0], bufs[k], lay)
+            assert torch.equal(bufs[k], bufs[base]), k
+        timings.time("compress", n, {k: (lambda fn=fn, k=k: fn(xs.next(), bufs[k], lay)) for k, fn in comp.items()},
+                     numel * 2 + lay.total_bytes)
+        del xs, bufs
+        torch.cuda.empty_cache()
+    timings.table(list(comp))
+
+
 def with_setting(table: dict, key, value, fn):
     """``fn`` with ``table[key] = value`` for the length of each call (a launch setting of the
     library's, such as `triton_kernels.TUNING` or `gluon_kernels.MAX_REGISTERS`)."""

@@ -19,6 +19,8 @@ is encoded; `compress_words_prefetch` loads it into registers. Single chunk, sin
 signs, bf16 input: the default config, enough to time the ideas. The library's encoder
 (`codec/gluon_kernels.py`) is WORDS + RARE_BAD + SMEM with every option of the codec.
 """
+import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -38,13 +40,16 @@ def _words_transformed(w, L_ROW: gl.constexpr, ROWS: gl.constexpr, G: gl.constex
 
 @gluon.jit
 def _encode_store_rare(y, r0, q_ptr, s_ptr, gpc, chunk_bytes, G: gl.constexpr, NW: gl.constexpr,
-                       QMAX: gl.constexpr, TINY: gl.constexpr, PAD: gl.constexpr, SMEM: gl.constexpr):
+                       QMAX: gl.constexpr, TINY: gl.constexpr, PAD: gl.constexpr, SMEM: gl.constexpr,
+                       MASKED: gl.constexpr = True, t_ptr=None):
     """`gluon_rows._encode_store` with the bad groups' zeros written under a warp-uniform branch;
     SMEM: the payload crosses a swizzled shared buffer of its own."""
     ROWS: gl.constexpr = 32 * NW
     L_ROW: gl.constexpr = gl.BlockedLayout([1, G], [32, 1], [NW, 1], [1, 0])
     L_Q: gl.constexpr = _layouts(G, NW, 1)
     s, mult, bad = _group_scales(y, G, QMAX, TINY)
+    if t_ptr is not None:
+        _stamp(t_ptr, s.to(gl.int32, bitcast=True), 2)  # the scales known: the transform done
     q = (y * mult[:, None]).to(q_ptr.dtype.element_ty)
     if SMEM:
         q = _through_shared(q, L_Q, 1)
@@ -52,7 +57,10 @@ def _encode_store_rare(y, r0, q_ptr, s_ptr, gpc, chunk_bytes, G: gl.constexpr, N
         q = gl.convert_layout(q, L_Q)
     qrows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_Q))
     qoffs = qrows[:, None] * G + gl.arange(0, G, layout=gl.SliceLayout(0, L_Q))[None, :]
-    gl.store(q_ptr + qoffs, q, mask=qrows[:, None] < gpc)
+    if MASKED:
+        gl.store(q_ptr + qoffs, q, mask=qrows[:, None] < gpc)
+    else:
+        gl.store(q_ptr + qoffs, q)
     if gl.max(bad.to(gl.int32), axis=0) > 0:  # rare: zeros over the payload of the bad groups
         bad_q = gl.convert_layout(bad, gl.SliceLayout(1, L_Q))
         zero = gl.zeros([ROWS, G], gl.float32, L_Q).to(q_ptr.dtype.element_ty)
@@ -64,9 +72,10 @@ def _encode_store_rare(y, r0, q_ptr, s_ptr, gpc, chunk_bytes, G: gl.constexpr, N
 
 @gluon.jit
 def _encode(y, r0, q_ptr, s_ptr, gpc, chunk_bytes, G: gl.constexpr, NW: gl.constexpr, QMAX: gl.constexpr,
-            TINY: gl.constexpr, PAD: gl.constexpr, RARE_BAD: gl.constexpr, SMEM: gl.constexpr):
+            TINY: gl.constexpr, PAD: gl.constexpr, RARE_BAD: gl.constexpr, SMEM: gl.constexpr,
+            MASKED: gl.constexpr = True, t_ptr=None):
     if RARE_BAD:
-        _encode_store_rare(y, r0, q_ptr, s_ptr, gpc, chunk_bytes, G, NW, QMAX, TINY, PAD, SMEM)
+        _encode_store_rare(y, r0, q_ptr, s_ptr, gpc, chunk_bytes, G, NW, QMAX, TINY, PAD, SMEM, MASKED, t_ptr)
     else:
         _encode_store(y, r0, q_ptr, s_ptr, gpc, chunk_bytes, G, NW, QMAX, TINY, PAD)
 
@@ -74,25 +83,136 @@ def _encode(y, r0, q_ptr, s_ptr, gpc, chunk_bytes, G: gl.constexpr, NW: gl.const
 @gluon.jit
 def compress_words(w_ptr, q_ptr, s_ptr, nwords, gpc, G: gl.constexpr, NW: gl.constexpr, QMAX: gl.constexpr,
                    TINY: gl.constexpr, chunk_bytes, PAD: gl.constexpr, RARE_BAD: gl.constexpr,
-                   SMEM: gl.constexpr):
+                   SMEM: gl.constexpr, MASKED: gl.constexpr = True, EVICT: gl.constexpr = "",
+                   HADAMARD: gl.constexpr = True, t_ptr=None, STAGGER: gl.constexpr = 0, sms=1, ahead=0,
+                   PREFETCH: gl.constexpr = False):
     """bf16 values read as int32 words (w_ptr: the input viewed as int32; even numel). SMEM: the
     tile crosses a swizzled shared buffer of its own (16-byte stores and loads) instead of
-    `convert_layout`'s scratch (4 rounds of stmatrix, each after 16 register moves)."""
+    `convert_layout`'s scratch (4 rounds of stmatrix, each after 16 register moves). Run 12:
+    MASKED=False drops the bounds masks (whole tiles only), EVICT is the input loads' eviction
+    policy, t_ptr (int64 [programs, 5]) takes each program's `_stamp`s, STAGGER > 0 makes the
+    programs of the first wave (the first ``sms`` * 12) wait their round in it times STAGGER ns,
+    PREFETCH: each program asks the L2 for the tile of the program ``ahead`` places later."""
     ROWS: gl.constexpr = 32 * NW
     W: gl.constexpr = G // 2
     L_ROWW: gl.constexpr = gl.BlockedLayout([1, W], [32, 1], [NW, 1], [1, 0])
     L_ROW: gl.constexpr = gl.BlockedLayout([1, G], [32, 1], [NW, 1], [1, 0])
     L_XW: gl.constexpr = _layouts(W, NW, 4)
     r0 = gl.program_id(0) * ROWS
+    one = gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_ROW))  # a value per thread
+    if t_ptr is not None:
+        _stamp(t_ptr, one, 0)
     rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_XW))
     k = rows[:, None] * W + gl.arange(0, W, layout=gl.SliceLayout(0, L_XW))[None, :]
-    w = gl.load(w_ptr + k, mask=k < nwords, other=0)
+    if STAGGER > 0:
+        nwords = _after_sleep(nwords, gl.program_id(0), sms, STAGGER, one)
+    if MASKED:
+        w = gl.load(w_ptr + k, mask=k < nwords, other=0, eviction_policy=EVICT)
+    else:
+        w = gl.load(w_ptr + k, eviction_policy=EVICT)
+    if PREFETCH:
+        _prefetch_tile(w_ptr, gl.program_id(0) + ahead, nwords // (ROWS * W), ROWS * W, one)
     if SMEM:
         w = _through_shared(w, L_ROWW, 4)
     else:
         w = gl.convert_layout(w, L_ROWW)
-    y = _words_transformed(w, L_ROW, ROWS, G)
-    _encode(y, r0, q_ptr, s_ptr, gpc, chunk_bytes, G, NW, QMAX, TINY, PAD, RARE_BAD, SMEM)
+    if t_ptr is not None:
+        _stamp(t_ptr, gl.convert_layout(_first_column(w, ROWS, W), gl.SliceLayout(1, L_ROW)), 1)  # the tile arrived
+    if HADAMARD:
+        y = _words_transformed(w, L_ROW, ROWS, G)
+    else:
+        lo = (w << 16).to(gl.float32, bitcast=True)
+        hi = (w & -65536).to(gl.float32, bitcast=True)
+        y = gl.convert_layout(gl.reshape(gl.join(lo, hi), [ROWS, G]), L_ROW)
+    _encode(y, r0, q_ptr, s_ptr, gpc, chunk_bytes, G, NW, QMAX, TINY, PAD, RARE_BAD, SMEM, MASKED, t_ptr)
+    if t_ptr is not None:
+        _stamp(t_ptr, one, 3)
+        _stamp_sm(t_ptr, one)
+
+
+def words_launcher(**flags):
+    """`compress_words` (rare bad groups, smem crossings) with ``flags`` as a variant
+    ``fn(x, buf, layout, t=None)`` of bf16 input, single chunk, e4m3, G = 128."""
+    from taco_accel.codec.reference import TINY_AMAX
+
+    def run(x, buf, lay, t=None):
+        compress_words[(triton.cdiv(lay.groups_per_chunk, 32),)](
+            x.view(torch.int32), buf.view(torch.float8_e4m3fn), buf.view(torch.float32), lay.numel // 2,
+            lay.groups_per_chunk, G=128, NW=1, QMAX=448.0, TINY=TINY_AMAX, chunk_bytes=lay.chunk_bytes,
+            PAD=lay.chunk_bytes - lay.used_bytes, RARE_BAD=True, SMEM=True, t_ptr=t,
+            sms=torch.cuda.get_device_properties(x.device).multi_processor_count, num_warps=1, **flags)
+    return run
+
+
+def prefetch_launcher(waves: float):
+    """`compress_words` whose programs prefetch the tile ``waves`` waves (SMs * 12 programs) ahead."""
+    def run(x, buf, lay, t=None):
+        ahead = int(waves * 12 * torch.cuda.get_device_properties(x.device).multi_processor_count)
+        words_launcher(PREFETCH=True, ahead=ahead)(x, buf, lay, t)
+    return run
+
+
+@gluon.constexpr_function
+def _bulk_prefetch(nbytes):
+    return ("{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], " + str(nbytes)
+            + "; mov.u32 $0, 0; }")
+
+
+@gluon.jit
+def _prefetch_tile(ptr, tile, tiles, TILE: gl.constexpr, one_per_thread):
+    """One lane asks the L2 for ``TILE`` elements of ``ptr`` from tile ``tile`` on (a bulk
+    prefetch: nothing waits for it), if ``tile`` < ``tiles`` (whole tiles inside the tensor)."""
+    lane = gl.arange(0, one_per_thread.shape[0], layout=one_per_thread.type.layout)
+    first = (ptr + tile.to(gl.int64) * TILE + lane * 0).to(gl.int64, bitcast=True)
+    go = ((lane == 0) & (tile < tiles)).to(gl.int32)
+    gl.inline_asm_elementwise(_bulk_prefetch(TILE * ptr.dtype.element_ty.primitive_bitwidth // 8), "=r,l,r",
+                              [first, go], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _after_sleep(limit, pid, sms, STAGGER: gl.constexpr, like):
+    """``limit`` once this program has slept (pid // sms) * STAGGER ns, if it is in the first 12
+    rounds (each thread once: ``like`` holds one value per thread): a clock read after the sleep,
+    or-ed into a value no smaller than ``limit``, that no compiler can fold, so the loads masked
+    by it wait."""
+    ns = gl.where(pid < 12 * sms, pid // sms, 0) * STAGGER + gl.zeros_like(like)
+    t = gl.inline_asm_elementwise("{ nanosleep.u32 $1; mov.u32 $0, %clock; }", "=r,r", [ns], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    lim = gl.min(gl.minimum(limit.to(gl.uint32), (t | 0x7FFFFFFF).to(gl.uint32, bitcast=True)), axis=0).to(gl.int32)
+    return (lim // 16) * 16  # a multiple of 16, as the launcher promises for ``limit``: 16-byte loads
+
+
+@gluon.jit
+def _first_column(w, ROWS: gl.constexpr, W: gl.constexpr):
+    """w[:, 0] of a row-per-thread tile, by splits (register renaming, no instructions)."""
+    for i in gl.static_range(W.bit_length() - 1):
+        w, _ = gl.split(gl.reshape(w, [ROWS, W >> (i + 1), 2]))
+    return gl.reshape(w, [ROWS])
+
+
+@gluon.jit
+def _stamp_store(t_ptr, v, slot: gl.constexpr):
+    lane = gl.arange(0, v.shape[0], layout=v.type.layout)
+    gl.store(t_ptr + gl.program_id(0) * 5 + slot + lane * 0, v, mask=lane == 0)
+
+
+@gluon.jit
+def _stamp_sm(t_ptr, one_per_thread):
+    """This program's SM into its slot 4."""
+    smid = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [one_per_thread], dtype=gl.int32, is_pure=False,
+                                     pack=1)
+    _stamp_store(t_ptr, smid.to(gl.int64), 4)
+
+
+@gluon.jit
+def _stamp(t_ptr, after, slot: gl.constexpr):
+    """%globaltimer (ns) into this program's ``slot``, read once ``after`` (int32, one per thread)
+    is known: the PTX predicates the read on it (in the sm_90 SASS each read sits after the
+    instructions that made its input)."""
+    t = gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $1, 2139095041; mov.u64 $0, 0; @p mov.u64 $0, %globaltimer; }",
+        "=l,r", [after], dtype=gl.int64, is_pure=False, pack=1)
+    _stamp_store(t_ptr, t, slot)
 
 
 @gluon.jit
