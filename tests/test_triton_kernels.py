@@ -263,13 +263,14 @@ for G, x, fmt, flags in encode:
     words = flags.get("WORDS", False)
     constexprs = dict(G=G, NW=gk.WARPS, X_BYTES=BYTES[x], FMT=FMT[fmt], QMAX=127.0,
                       **{"WORDS": False, "HADAMARD": True, "SIGNS": False, "DUAL": False, "ADAPTIVE": True,
-                         "ZERO_NONFINITE": False, "CHUNKED": False, "WIDE": False, "PAD": 4, **flags})
+                         "ZERO_NONFINITE": False, "CHUNKED": False, "WIDE": False, "PAD": 4, "LANES": 1, **flags})
     signature = dict(x_ptr="*i32" if words else "*" + x, q_ptr="*" + fmt, s_ptr="*fp32", sign_ptr="*fp32",
                      numel="i32", gpc="i32", chunk_bytes="i32")
     k = compile_for_hopper(GluonASTSource, gk._compress_rows_kernel, signature, constexprs, gk.WARPS)
-    ptx = k.asm["ptx"]
-    assert ptx.count("ld.global.v4") >= G * BYTES[x] // 16 and ptx.count("st.global.v4") >= G // 16, ptx
-    assert ".local" not in ptx, "a group per thread should stay in registers"
+    ptx, lanes = k.asm["ptx"], constexprs["LANES"]
+    assert ptx.count("ld.global.v4") >= G * BYTES[x] // 16 // lanes and ptx.count("st.global.v4") >= G // 16 // lanes, ptx
+    assert ".local" not in ptx, "a group should stay in registers"
+    assert (ptx.count("shfl.sync.bfly") >= G // lanes) == (lanes > 1), "the last stage crosses lanes by shuffles"
 print("compiled")
 """
 
@@ -287,6 +288,8 @@ def test_gluon_kernels_compile_for_hopper():
               (32, "i8", "fp16", dict(DUAL=True, SIGNS=True, WIDE=True)),
               (128, "fp8e4nv", "fp32", dict(DUAL=True, SIGNS=True, CHUNKED=True))]
     encode = [(128, "bf16", "fp8e4nv", dict(WORDS=True)), (128, "bf16", "fp8e4nv", dict(DUAL=True, ADAPTIVE=False)),
+              (128, "bf16", "fp8e4nv", dict(WORDS=True, LANES=2)),
+              (128, "fp32", "i8", dict(LANES=2, DUAL=True, SIGNS=True, CHUNKED=True, ZERO_NONFINITE=True)),
               (64, "fp32", "fp8e5", dict(DUAL=True, SIGNS=True, CHUNKED=True)),
               (32, "bf16", "i8", dict(WORDS=True, SIGNS=True, ZERO_NONFINITE=True, WIDE=True, CHUNKED=True)),
               (128, "fp16", "i8", dict(HADAMARD=False, ZERO_NONFINITE=True))]
@@ -321,15 +324,17 @@ def test_gluon_decoder_matches_tensor_core_decoder(group_size, monkeypatch):
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="Gluon kernels run on a GPU only")
-@pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_gluon_encoder_matches_reference(group_size):
-    """The one-group-per-thread encoder against the reference (1 or 3 chunks, a partial last group,
-    a NaN group, an Inf group, a group past fp32's range once transformed) for every variant and
-    input type, bf16 read as words and, from an odd start or of odd length, as values; also under
-    nonfinite="zero". The payload equals the reference's but for values at a rounding tie."""
+@pytest.mark.parametrize("group_size, lanes", [(32, 1), (64, 1), (128, 1), (128, 2)])
+def test_gluon_encoder_matches_reference(group_size, lanes, monkeypatch):
+    """The Gluon encoder, a group in one lane or in two, against the reference (1 or 3 chunks, a
+    partial last group, a NaN group, an Inf group, a group past fp32's range once transformed) for
+    every variant and input type, bf16 read as words and, from an odd start or of odd length, as
+    values; also under nonfinite="zero". The payload equals the reference's but for values at a
+    rounding tie."""
     from taco_accel.codec import gluon_kernels
     from taco_accel.codec import triton_kernels as tk
 
+    monkeypatch.setitem(tk.TUNING, "split_max_groups", 2**40 if lanes == 2 else 0)
     x = sample((6, (3 * 45 * group_size - 4) // 6), torch.float32).reshape(-1)
     x[5] = float("nan")
     x[group_size * 3 + 1] = -float("inf")
@@ -341,6 +346,7 @@ def test_gluon_encoder_matches_reference(group_size):
     for variant, chunks in itertools.product(VARIANTS, (1, 3)):
         ref_cfg, tri_cfg = configs(group_size, variant)
         assert tk._codes_by_rows(tri_cfg, x)
+        assert tk._lanes_per_group(WireLayout.for_tensor(x.numel(), tri_cfg, chunks), tri_cfg) == lanes
         cases = [(x.to(dtype), tri_cfg) for dtype in DTYPES] + [(x.to(torch.bfloat16)[1:-1], tri_cfg),
                                                                 (odd.to(torch.bfloat16), tri_cfg),
                                                                 (x, tri_cfg.replace(nonfinite="zero"))]
@@ -349,6 +355,20 @@ def test_gluon_encoder_matches_reference(group_size):
             got = compress(values, cfg, chunks=chunks)
             assert_payload_close(ref, got, cfg.format)
             assert not ref.layout.padding(got.buffer).any(), (variant, chunks, values.dtype)
+
+
+def test_groups_of_128_split_over_two_lanes_up_to_the_threshold():
+    """The Gluon encoder gives a group of 128 two lanes up to TUNING["split_max_groups"] groups
+    (every chunk counted), one lane beyond it and at every other group size."""
+    from taco_accel.codec import triton_kernels as tk
+
+    limit = tk.TUNING["split_max_groups"]
+    cfg = TacoConfig(backend="triton")
+    assert cfg.group_size == 128
+    assert tk._lanes_per_group(WireLayout.for_tensor(limit * 128, cfg), cfg) == 2
+    assert tk._lanes_per_group(WireLayout.for_tensor(limit * 128 + 1, cfg), cfg) == 1
+    assert tk._lanes_per_group(WireLayout.for_tensor(limit * 128 + 1024, cfg, chunks=8), cfg) == 1
+    assert tk._lanes_per_group(WireLayout.for_tensor(4096, cfg.replace(group_size=64)), cfg.replace(group_size=64)) == 1
 
 
 def test_every_launch_step_has_every_setting():

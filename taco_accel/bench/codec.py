@@ -190,7 +190,8 @@ def sweep_variants(tk) -> list[tuple[str, str, dict]]:
     variants += [("all resident", "bf16", override(per_sm=None)), ("one per tile", "bf16", override(per_sm=0))]
     variants += [(f"{n} per SM", "bf16", override(per_sm=n)) for n in (2, 3, 4)]
     variants += [(f"{n} warps", "bf16", override(num_warps=dict.fromkeys(base["num_warps"], n))) for n in (4, 8)]
-    variants += [("tensor-core kernels", "bf16", tiles),
+    variants += [("a group a lane", "bf16", dict(split_max_groups=0)),  # G = 128 in 2 lanes by default up to 24M
+                 ("tensor-core kernels", "bf16", tiles),
                  ("bf16 decode", "bf16", override(payload_dot=False)),
                  ("16K per tile", "bf16", override(block_elems=16384)),
                  ("balanced grid", "bf16", override(balance=True)),
@@ -204,7 +205,8 @@ def sweep_variants(tk) -> list[tuple[str, str, dict]]:
 def sweep(device: torch.device, numel: int, copy_bw: float, names: set[str] | None = None) -> None:
     """Time launch variants at one size, G=128, against the defaults in TUNING (`sweep_variants`:
     pipeline stages, resident programs per SM, all that fit, or one program per tile instead of a
-    persistent grid, the tensor-core kernels instead of the Gluon ones (G <= 128 compresses and
+    persistent grid, each group of the Gluon encoder in one lane at every size, the tensor-core
+    kernels instead of the Gluon ones (G <= 128 compresses and
     decompresses with `gluon_kernels` on CUDA, so the variants of launch settings run the
     tensor-core kernels), decoding with bf16 instead of fp8 products,
     twice the values per tile, 4 or 8 warps in every kernel, a grid balanced to equal tile counts,

@@ -7,20 +7,24 @@ in the CPU interpreter, which cannot run Gluon. Both implement the formulas of `
 
 Each thread holds a whole group in registers and transforms it with log2(G) butterfly stages
 (G/2 adds and G/2 subtracts each, in the reference's order: stride 1 first), so there are no
-tensor-core products, no cross-lane reductions and no software pipeline. Memory is touched in
+tensor-core products, no cross-lane reductions (but for the two-lane split below) and no software
+pipeline. Memory is touched in
 layouts where a warp covers whole rows, 16 bytes per lane; the tile crosses shared memory once
 each way into the layout where a thread holds its group. A warp codes 32 groups per program;
 with 158-167 registers per thread 12 warps fit on an SM, and their independent programs keep the
 loads in flight. The encoder reads bf16 as int32 words (two values each, the pair of the first
 butterfly) and writes a bad group's zeros under a branch that no warp without one takes: 1784
-instructions a group on sm_90 against 2032 for values loaded as bf16 with a select on each.
+instructions a group on sm_90 against 2032 for values loaded as bf16 with a select on each. Up to
+`SPLIT_MAX_GROUPS` groups of 128 the encoder gives each group two lanes (LANES = 2): 64 values a
+lane, the last butterfly stage between the two by shuffles, 80 registers.
 
 H200, bf16, G = 128, fraction of copy bandwidth at 16M / 64M / 256M values (benchmarks/RESULTS.md,
-tenth and eleventh runs): decompress 0.88 / 0.93-0.94 / 0.97 against the tensor-core kernel's 0.75
-/ 0.84 / 0.87; compress 0.80 / 0.93-0.96 / 0.94-0.99 against 0.80 / 0.89-0.90 / 0.90. Triton's
-block language can say the same arithmetic but places values on lanes itself: loaded sub-block by
-sub-block it made every lane read a different row (0.3-0.6 of copy bandwidth, ninth run), loaded
-whole it compiles to extra shuffles and conversions (about 20% more instructions, tenth run).
+tenth to twelfth runs): decompress 0.88 / 0.93-0.94 / 0.97 against the tensor-core kernel's 0.75
+/ 0.84 / 0.87; compress 0.82-0.83 / 0.93-0.96 / 0.94-0.99 (0.80 at 16M a group a lane) against
+0.80 / 0.89-0.90 / 0.90. Triton's block language can say the same arithmetic but places values on
+lanes itself: loaded sub-block by sub-block it made every lane read a different row (0.3-0.6 of
+copy bandwidth, ninth run), loaded whole it compiles to extra shuffles and conversions (about 20%
+more instructions, tenth run).
 """
 
 from __future__ import annotations
@@ -62,13 +66,36 @@ if AVAILABLE:
         a, b = gl.split(gl.permute(x, [0, 1, 3, 2]))
         return gl.reshape(gl.permute(gl.join(a + b, a - b), [0, 1, 3, 2]), [ROWS, G])
 
+    @gluon.constexpr_function
+    def _butterfly_shuffle(xor):
+        return f"shfl.sync.bfly.b32 $0, $1, {xor}, 31, -1;"
+
     @gluon.jit
-    def _walsh(y, L_ROW: gl.constexpr, ROWS: gl.constexpr, G: gl.constexpr, FIRST: gl.constexpr):
-        """``y @ H_G`` for the rows of y (unnormalised, Sylvester order), in each thread's registers;
-        FIRST: how many stages (stride 1, 2, ...) y has been through already."""
-        for i in gl.static_range(FIRST, G.bit_length() - 1):
+    def _cross_lane_stage(y, L_ROW: gl.constexpr, ROWS: gl.constexpr, J: gl.constexpr):
+        """The butterfly stage whose pairs sit at the same registers of lanes lane and lane ^ 2^J:
+        the partner's value by a butterfly shuffle, then ``sign * own + partner`` in one fma (sign
+        -1 in the lane holding the pair's second value: a - b, rounded once as the add is)."""
+        one_per_thread = gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_ROW))
+        lane = gl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [one_per_thread], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+        sign = 1.0 - 2.0 * ((lane >> J) & 1).to(gl.float32)
+        partner = gl.inline_asm_elementwise(_butterfly_shuffle(1 << J), "=f,f", [y], dtype=gl.float32,
+                                            is_pure=True, pack=1)
+        return gl.fma(y, sign[:, None], partner)
+
+    @gluon.jit
+    def _walsh(y, L_ROW: gl.constexpr, ROWS: gl.constexpr, G: gl.constexpr, FIRST: gl.constexpr,
+               LANES: gl.constexpr = 1):
+        """``y @ H_G`` for the rows of y (unnormalised, Sylvester order); FIRST: how many stages
+        (stride 1, 2, ...) y has been through already. A row lies in LANES lanes (G / LANES
+        consecutive values each): the first stages run in each lane's registers, the last
+        log2(LANES) between lanes, in the reference's order throughout."""
+        for i in gl.static_range(FIRST, (G // LANES).bit_length() - 1):
             y = _stage(y, ROWS, G, 1 << i)
-        return gl.convert_layout(y, L_ROW)  # the stages only renumbered registers
+        y = gl.convert_layout(y, L_ROW)  # the stages only renumbered registers
+        for j in gl.static_range(LANES.bit_length() - 1):
+            y = _cross_lane_stage(y, L_ROW, ROWS, j)
+        return y
 
     @gluon.jit
     def _tile_origin(ROWS: gl.constexpr, WIDE: gl.constexpr):
@@ -160,12 +187,13 @@ if AVAILABLE:
         return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @gluon.jit
-    def _zero_padding(q_ptr, r0, gpc, chunk_bytes, NW: gl.constexpr, PAD: gl.constexpr):
-        """Zero the chunk's PAD unused last bytes, from the program whose rows r0.. hold its last group."""
+    def _zero_padding(q_ptr, r0, gpc, chunk_bytes, NW: gl.constexpr, PAD: gl.constexpr, LANES: gl.constexpr = 1):
+        """Zero the chunk's PAD unused last bytes, from the program whose rows r0.. (32 * NW / LANES
+        of them) hold its last group."""
         if PAD > 0:
             L_PAD: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
             k = gl.arange(0, 16, layout=L_PAD)
-            last = (r0 + 32 * NW >= gpc).to(gl.int32)
+            last = (r0 + 32 * NW // LANES >= gpc).to(gl.int32)
             gl.store(q_ptr + chunk_bytes - PAD + k, gl.zeros([16], gl.float32, L_PAD).to(q_ptr.dtype.element_ty),
                      mask=k < PAD * last)
 
@@ -175,20 +203,20 @@ if AVAILABLE:
         G: gl.constexpr, NW: gl.constexpr, X_BYTES: gl.constexpr, WORDS: gl.constexpr, FMT: gl.constexpr,
         QMAX: gl.constexpr, HADAMARD: gl.constexpr, SIGNS: gl.constexpr, DUAL: gl.constexpr,
         ADAPTIVE: gl.constexpr, ZERO_NONFINITE: gl.constexpr, CHUNKED: gl.constexpr, WIDE: gl.constexpr,
-        PAD: gl.constexpr,
+        PAD: gl.constexpr, LANES: gl.constexpr,
     ):
-        """Encode groups r0.. (32 * NW of them, one per thread) of chunk c; grid (tiles of a chunk,
-        chunks) as in the decoder. WORDS: bf16 input read as int32 words (x_ptr, numel: words),
-        two values each, which a shift and a mask make fp32; the two are the first butterfly's
-        pair. Loaded as bf16 they cost 64 more instructions a group on sm_90 (1848 against 1784),
-        packing and unpacking 16-bit values around the layout change."""
-        ROWS: gl.constexpr = 32 * NW
-        L_ROW: gl.constexpr = gl.BlockedLayout([1, G], [32, 1], [NW, 1], [1, 0])
+        """Encode groups r0.. (32 * NW / LANES of them, each in LANES lanes) of chunk c; grid (tiles
+        of a chunk, chunks) as in the decoder. WORDS: bf16 input read as int32 words (x_ptr,
+        numel: words), two values each, which a shift and a mask make fp32; the two are the first
+        butterfly's pair. Loaded as bf16 they cost 64 more instructions a group on sm_90 (1848
+        against 1784), packing and unpacking 16-bit values around the layout change."""
+        ROWS: gl.constexpr = 32 * NW // LANES
+        L_ROW: gl.constexpr = gl.BlockedLayout([1, G // LANES], [32 // LANES, LANES], [NW, 1], [1, 0])
         L_Q: gl.constexpr = _coalesced(G, NW, 1)
         c, r0 = _tile_origin(ROWS, WIDE)
         if WORDS:
             V: gl.constexpr = G // 2  # loaded values (words) per group
-            L_V: gl.constexpr = gl.BlockedLayout([1, V], [32, 1], [NW, 1], [1, 0])
+            L_V: gl.constexpr = gl.BlockedLayout([1, V // LANES], [32 // LANES, LANES], [NW, 1], [1, 0])
             L_X: gl.constexpr = _coalesced(V, NW, 4)
         else:
             V: gl.constexpr = G
@@ -228,9 +256,9 @@ if AVAILABLE:
                 y = _finite_or_zero(y)
         if HADAMARD:
             if WORDS:  # stage 1 on each word's pair, then the rest
-                y = _walsh(gl.reshape(gl.join(lo + hi, lo - hi), [ROWS, G]), L_ROW, ROWS, G, 1)
+                y = _walsh(gl.reshape(gl.join(lo + hi, lo - hi), [ROWS, G]), L_ROW, ROWS, G, 1, LANES)
             else:
-                y = _walsh(y, L_ROW, ROWS, G, 0)
+                y = _walsh(y, L_ROW, ROWS, G, 0, LANES)
         elif WORDS:
             y = gl.convert_layout(gl.reshape(gl.join(lo, hi), [ROWS, G]), L_ROW)
 
@@ -269,11 +297,18 @@ if AVAILABLE:
         gl.store(s_ptr + gpc * (G // 4) + s_rows, s, mask=s_rows < gpc)
         if DUAL:
             gl.store(s_ptr + gpc * (G // 4 + 1) + s_rows, a, mask=s_rows < gpc)
-        _zero_padding(q_ptr, r0, gpc, chunk_bytes, NW, PAD)
+        _zero_padding(q_ptr, r0, gpc, chunk_bytes, NW, PAD, LANES)
 
 
 # Warps per program: one (32 groups) measured best on an H200, before 2 and 4 (RESULTS.md, tenth run).
 WARPS = 1
+# Up to this many groups of 128 (24M values) the encoder splits each group over 2 lanes: 64
+# values, 80 registers and half the instructions a lane, for 25 warps of 16 groups an SM instead
+# of 12 of 32. On an H200 (RESULTS.md, twelfth run) that takes compress at 16M values from 0.80 to
+# 0.82-0.83 of copy bandwidth (the kernel's ends wait on warps' transforms, issued at one
+# instruction a cycle each) and wins up to 24M; it is 0.005 behind at 28M-32M and 0.02-0.04 from
+# 48M on (the cross-lane stage's shuffles: 16% more instructions a group).
+SPLIT_MAX_GROUPS = 3 * 2**16
 # Registers per thread each kernel may use (None: the compiler's choice). Fewer fit more warps on an
 # SM; on an H200 144 (14 warps) changed nothing and 128 (spills) lost 0.1-0.2 (RESULTS.md, eleventh run).
 MAX_REGISTERS = {"compress": None, "decompress": None}
@@ -295,9 +330,9 @@ def disable(error: Exception) -> None:
                   "between triton releases: please report your triton version.", RuntimeWarning, stacklevel=4)
 
 
-def _grid(layout: WireLayout) -> tuple[int, int]:
-    """(tiles of a chunk, chunks): a program per tile of 32 * WARPS groups."""
-    return max(1, triton.cdiv(layout.groups_per_chunk, 32 * WARPS)), layout.chunks
+def _grid(layout: WireLayout, lanes: int = 1) -> tuple[int, int]:
+    """(tiles of a chunk, chunks): a program per tile of 32 * WARPS / ``lanes`` groups."""
+    return max(1, triton.cdiv(layout.groups_per_chunk, 32 * WARPS // lanes)), layout.chunks
 
 
 def _wide(layout: WireLayout, values: torch.Tensor) -> bool:
@@ -324,15 +359,18 @@ def _reads_words(x: torch.Tensor) -> bool:
             and x.storage_offset() % 2 == 0)  # what `Tensor.view(torch.int32)` asks
 
 
-def compress_rows_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, config: TacoConfig) -> None:
-    """Encode the flat contiguous tensor ``x`` into ``buffer``; G <= `MAX_GROUP`, CUDA only."""
+def compress_rows_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, config: TacoConfig,
+                       lanes: int = 1) -> None:
+    """Encode the flat contiguous tensor ``x`` into ``buffer``, each group in ``lanes`` (1 or 2)
+    lanes of a warp; G <= `MAX_GROUP`, CUDA only."""
     words = _reads_words(x)
     values = x.view(torch.int32) if words else x
-    _compress_rows_kernel[_grid(layout)](
+    _compress_rows_kernel[_grid(layout, lanes)](
         values, buffer.view(PAYLOAD_DTYPES[config.format]), buffer.view(torch.float32),
         device_signs(config, buffer.device), values.numel(), layout.groups_per_chunk, layout.chunk_bytes,
         G=config.group_size, NW=WARPS, X_BYTES=x.element_size(), WORDS=words, FMT=FORMAT_CODES[config.format],
         QMAX=config.qmax, HADAMARD=config.hadamard, SIGNS=config.random_signs, DUAL=config.scales == "dual",
         ADAPTIVE=config.adaptive_scale, ZERO_NONFINITE=config.nonfinite == "zero", CHUNKED=layout.chunks > 1,
-        WIDE=_wide(layout, x), PAD=layout.chunk_bytes - layout.used_bytes, num_warps=WARPS, **_register_cap("compress"),
+        WIDE=_wide(layout, x), PAD=layout.chunk_bytes - layout.used_bytes, LANES=lanes, num_warps=WARPS,
+        **_register_cap("compress"),
     )

@@ -79,7 +79,9 @@ STORE_PLAIN, STORE_STREAM = 0, 1
 # int8 products; balance: as many programs as give every program the same number of tiles;
 # stores: how decompress stores (STORE_*); rows_max_group: the largest G compressed and decompressed
 # one group per thread by `gluon_kernels` on CUDA (0: the tensor-core kernels here code every G;
-# the settings above are theirs, except the sums', which always run here). Bulk (TMA)
+# the settings above are theirs, except the sums', which always run here); split_max_groups: up to
+# how many groups of G = 128 (all chunks) `gluon_kernels` encodes each group in 2 lanes instead of
+# one (0: never). Bulk (TMA)
 # copies were measured and not kept: stores of decoded values (decompress 0.62 of copy bandwidth
 # against 0.81), loads of the payload (0.72-0.82 against 0.77-0.83 with plain loads, 8M-64M
 # values), of compress's input and of the sums' inputs (RESULTS.md).
@@ -89,7 +91,8 @@ TUNING = {"block_elems": 8192,
           "programs_per_sm": {"compress": None, "decompress": 2, "sum_pair": None, "sum": None, "sum_many": None},
           "num_stages": {"compress": 3, "decompress": 3, "sum_pair": 1, "sum": 2, "sum_many": 2},
           "payload_dot": True,
-          "balance": False, "stores": STORE_PLAIN, "rows_max_group": gluon_kernels.MAX_GROUP}
+          "balance": False, "stores": STORE_PLAIN, "rows_max_group": gluon_kernels.MAX_GROUP,
+          "split_max_groups": gluon_kernels.SPLIT_MAX_GROUPS}
 
 
 def _interpreting() -> bool:
@@ -673,6 +676,13 @@ def _codes_by_rows(config: TacoConfig, tensor: torch.Tensor) -> bool:
             and config.group_size <= min(TUNING["rows_max_group"], gluon_kernels.MAX_GROUP))
 
 
+def _lanes_per_group(layout: WireLayout, config: TacoConfig) -> int:
+    """Lanes of a warp the Gluon encoder gives each group: 2 for G = 128 up to
+    TUNING["split_max_groups"] groups (`gluon_kernels.SPLIT_MAX_GROUPS` says why), else 1."""
+    groups = layout.groups_per_chunk * layout.chunks
+    return 2 if config.group_size == 128 and groups <= TUNING["split_max_groups"] else 1
+
+
 def _ran_by_rows(launch, *args) -> bool:
     """Run a `gluon_kernels` launch; False where this triton's Gluon cannot build the kernel (one
     warning, and the tensor-core kernels from then on: nothing was written yet)."""
@@ -687,7 +697,8 @@ def _ran_by_rows(launch, *args) -> bool:
 def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, config: TacoConfig) -> None:
     """Encode the flat tensor ``x`` into ``buffer``; same contract as the reference."""
     x = x.contiguous()
-    if _codes_by_rows(config, x) and _ran_by_rows(gluon_kernels.compress_rows_into, x.view(-1), buffer, layout, config):
+    if _codes_by_rows(config, x) and _ran_by_rows(gluon_kernels.compress_rows_into, x.view(-1), buffer, layout, config,
+                                                  _lanes_per_group(layout, config)):
         return
     signs = device_signs(config, x.device)  # read only with random signs (SIGNS)
     tiles, common = _common(layout, config, "compress")
