@@ -18,9 +18,8 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from gluon_rows import _scales_of
-from gluon_words import _prefetch_tile, _stamp, _stamp_sm
-from taco_accel.codec.gluon_kernels import _coalesced, _max_nan, _through_shared, _walsh, _zero_padding
+from gluon_words import _encode_store_rare, _prefetch_tile, _stamp, _stamp_sm, words_operands
+from taco_accel.codec.gluon_kernels import _coalesced, _through_shared, _walsh
 
 
 @gluon.jit
@@ -35,7 +34,6 @@ def _encode_tile(w_ptr, q_ptr, s_ptr, nwords, gpc, chunk_bytes, r0, G: gl.conste
     L_ROW: gl.constexpr = gl.BlockedLayout([1, G // TPG], [32 // TPG, TPG], [NW, 1], [1, 0])
     L_V: gl.constexpr = gl.BlockedLayout([1, W // TPG], [32 // TPG, TPG], [NW, 1], [1, 0])
     L_X: gl.constexpr = _coalesced(W, NW, 4)
-    L_Q: gl.constexpr = _coalesced(G, NW, 1)
     one = gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_ROW))  # a value per thread
     if t_ptr is not None:
         _stamp(t_ptr, one, 0)
@@ -52,23 +50,7 @@ def _encode_tile(w_ptr, q_ptr, s_ptr, nwords, gpc, chunk_bytes, r0, G: gl.conste
     hi = (w & -65536).to(gl.float32, bitcast=True)  # value 2k + 1
     y = _walsh(gl.reshape(gl.join(lo + hi, lo - hi), [ROWS, G]), L_ROW, ROWS, G, 1, TPG)  # stage 1, then the rest
 
-    s, mult, bad = _scales_of(gl.reduce(gl.abs(y), 1, _max_nan), G, QMAX, TINY)
-    if t_ptr is not None:
-        _stamp(t_ptr, s.to(gl.int32, bitcast=True), 2)  # the scales known: the transform done
-    q = _through_shared((y * mult[:, None]).to(q_ptr.dtype.element_ty), L_Q, 1)
-    q_rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_Q))
-    q_offs = q_rows[:, None] * G + gl.arange(0, G, layout=gl.SliceLayout(0, L_Q))[None, :]
-    if MASKED:
-        gl.store(q_ptr + q_offs, q, mask=(q_rows < gpc)[:, None])
-    else:
-        gl.store(q_ptr + q_offs, q)
-    if gl.max(bad.to(gl.int32), axis=0) > 0:  # rare: zeros over the bad groups' payload
-        bad_q = gl.convert_layout(bad, gl.SliceLayout(1, L_Q))
-        zero = gl.zeros([ROWS, G], gl.float32, L_Q).to(q_ptr.dtype.element_ty)
-        gl.store(q_ptr + q_offs, zero, mask=(bad_q & (q_rows < gpc))[:, None])
-    s_rows = r0 + one
-    gl.store(s_ptr + gpc * (G // 4) + s_rows, s, mask=s_rows < gpc)
-    _zero_padding(q_ptr, r0, gpc, chunk_bytes, NW, PAD, TPG)
+    _encode_store_rare(y, r0, q_ptr, s_ptr, gpc, chunk_bytes, G, NW, QMAX, TINY, PAD, True, MASKED, t_ptr, TPG)
     if t_ptr is not None:
         _stamp(t_ptr, one, 3)
         _stamp_sm(t_ptr, one)
@@ -104,23 +86,17 @@ def split_launcher(tpg: int, nw: int = 1, ahead_waves: float = 0, slots_per_sm: 
     """`compress_split` as a variant ``fn(x, buf, layout, t=None)``: bf16 x, single chunk, e4m3, G = 128;
     ``ahead_waves`` > 0: each program prefetches the tile that many waves (SMs * ``slots_per_sm``
     programs) later."""
-    from taco_accel.codec.reference import TINY_AMAX
-
     def run(x, buf, lay, t=None):
         ahead = int(ahead_waves * slots_per_sm * torch.cuda.get_device_properties(x.device).multi_processor_count)
+        args, named = words_operands(x, buf, lay)
         compress_split[(triton.cdiv(lay.groups_per_chunk, 32 * nw // tpg),)](
-            x.view(torch.int32), buf.view(torch.float8_e4m3fn), buf.view(torch.float32), lay.numel // 2,
-            lay.groups_per_chunk, lay.chunk_bytes, G=128, TPG=tpg, QMAX=448.0, TINY=TINY_AMAX,
-            PAD=lay.chunk_bytes - lay.used_bytes, NW=nw, t_ptr=t, ahead=ahead, PREFETCH=ahead > 0, num_warps=nw,
-            **options)
+            *args, **named, TPG=tpg, NW=nw, t_ptr=t, ahead=ahead, PREFETCH=ahead > 0, num_warps=nw, **options)
     return run
 
 
 def hybrid_launcher(head_waves: float, tail_waves: float, slots_per_sm: int = 12):
     """`compress_hybrid` as a variant: ``head_waves`` / ``tail_waves`` waves of split programs
     (SMs * ``slots_per_sm`` programs each) first and last, whole tiles between."""
-    from taco_accel.codec.reference import TINY_AMAX
-
     def run(x, buf, lay):
         wave = torch.cuda.get_device_properties(x.device).multi_processor_count * slots_per_sm
         groups = lay.groups_per_chunk
@@ -128,8 +104,6 @@ def hybrid_launcher(head_waves: float, tail_waves: float, slots_per_sm: int = 12
         tail = int(tail_waves * wave)
         body = max(0, (groups - head * 16 - tail * 16) // 32)
         programs = head + body + triton.cdiv(groups - head * 16 - body * 32, 16)
-        compress_hybrid[(programs,)](
-            x.view(torch.int32), buf.view(torch.float8_e4m3fn), buf.view(torch.float32), lay.numel // 2,
-            groups, lay.chunk_bytes, head, body, G=128, QMAX=448.0, TINY=TINY_AMAX,
-            PAD=lay.chunk_bytes - lay.used_bytes, num_warps=1)
+        args, named = words_operands(x, buf, lay)
+        compress_hybrid[(programs,)](*args, **named, head=head, body=body, num_warps=1)
     return run

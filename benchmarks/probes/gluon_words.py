@@ -41,11 +41,11 @@ def _words_transformed(w, L_ROW: gl.constexpr, ROWS: gl.constexpr, G: gl.constex
 @gluon.jit
 def _encode_store_rare(y, r0, q_ptr, s_ptr, gpc, chunk_bytes, G: gl.constexpr, NW: gl.constexpr,
                        QMAX: gl.constexpr, TINY: gl.constexpr, PAD: gl.constexpr, SMEM: gl.constexpr,
-                       MASKED: gl.constexpr = True, t_ptr=None):
+                       MASKED: gl.constexpr = True, t_ptr=None, LANES: gl.constexpr = 1):
     """`gluon_rows._encode_store` with the bad groups' zeros written under a warp-uniform branch;
-    SMEM: the payload crosses a swizzled shared buffer of its own."""
-    ROWS: gl.constexpr = 32 * NW
-    L_ROW: gl.constexpr = gl.BlockedLayout([1, G], [32, 1], [NW, 1], [1, 0])
+    SMEM: the payload crosses a swizzled shared buffer of its own; each row of y in LANES lanes."""
+    ROWS: gl.constexpr = 32 * NW // LANES
+    L_ROW: gl.constexpr = gl.BlockedLayout([1, G // LANES], [32 // LANES, LANES], [NW, 1], [1, 0])
     L_Q: gl.constexpr = _layouts(G, NW, 1)
     s, mult, bad = _group_scales(y, G, QMAX, TINY)
     if t_ptr is not None:
@@ -67,7 +67,7 @@ def _encode_store_rare(y, r0, q_ptr, s_ptr, gpc, chunk_bytes, G: gl.constexpr, N
         gl.store(q_ptr + qoffs, zero, mask=(bad_q & (qrows < gpc))[:, None])
     srows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_ROW))
     gl.store(s_ptr + gpc * (G // 4) + srows, s, mask=srows < gpc)
-    _zero_padding(q_ptr, r0, gpc, chunk_bytes, NW, PAD)  # the chunk's unused last bytes
+    _zero_padding(q_ptr, r0, gpc, chunk_bytes, NW, PAD, LANES)  # the chunk's unused last bytes
 
 
 @gluon.jit
@@ -130,16 +130,24 @@ def compress_words(w_ptr, q_ptr, s_ptr, nwords, gpc, G: gl.constexpr, NW: gl.con
         _stamp_sm(t_ptr, one)
 
 
+def words_operands(x, buf, lay) -> tuple[tuple, dict]:
+    """What every run 11-12 words encoder takes for bf16 ``x`` into ``buf`` (single chunk, e4m3,
+    G = 128): the input as int32 words, the payload and scales, words, groups; and by name G,
+    QMAX, TINY, chunk_bytes, PAD."""
+    from taco_accel.codec.reference import TINY_AMAX
+
+    return ((x.view(torch.int32), buf.view(torch.float8_e4m3fn), buf.view(torch.float32), lay.numel // 2,
+             lay.groups_per_chunk),
+            dict(G=128, QMAX=448.0, TINY=TINY_AMAX, chunk_bytes=lay.chunk_bytes, PAD=lay.chunk_bytes - lay.used_bytes))
+
+
 def words_launcher(**flags):
     """`compress_words` (rare bad groups, smem crossings) with ``flags`` as a variant
     ``fn(x, buf, layout, t=None)`` of bf16 input, single chunk, e4m3, G = 128."""
-    from taco_accel.codec.reference import TINY_AMAX
-
     def run(x, buf, lay, t=None):
+        args, named = words_operands(x, buf, lay)
         compress_words[(triton.cdiv(lay.groups_per_chunk, 32),)](
-            x.view(torch.int32), buf.view(torch.float8_e4m3fn), buf.view(torch.float32), lay.numel // 2,
-            lay.groups_per_chunk, G=128, NW=1, QMAX=448.0, TINY=TINY_AMAX, chunk_bytes=lay.chunk_bytes,
-            PAD=lay.chunk_bytes - lay.used_bytes, RARE_BAD=True, SMEM=True, t_ptr=t,
+            *args, **named, NW=1, RARE_BAD=True, SMEM=True, t_ptr=t,
             sms=torch.cuda.get_device_properties(x.device).multi_processor_count, num_warps=1, **flags)
     return run
 

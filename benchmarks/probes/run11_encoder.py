@@ -14,7 +14,7 @@ import triton
 
 from _probe import codec_table, encoder_reference_check, gpu_timings, persistent
 from gluon_rows import compress_rows, compress_rows_ring
-from gluon_words import compress_rows_rare, compress_words, compress_words_ring
+from gluon_words import compress_rows_rare, compress_words, compress_words_ring, words_operands
 from taco_accel.codec import TacoConfig
 from taco_accel.codec import triton_kernels as tk
 from taco_accel.codec.reference import TINY_AMAX
@@ -41,10 +41,9 @@ def rows(kern, nw=1):
 
 def words(rare, smem, nw=1):
     def run(x, buf, lay):
+        args, named = words_operands(x, buf, lay)
         compress_words[(triton.cdiv(lay.groups_per_chunk, 32 * nw),)](
-            x.view(torch.int32), *_out(buf), lay.numel // 2, lay.groups_per_chunk, NW=nw,
-            chunk_bytes=lay.chunk_bytes, PAD=lay.chunk_bytes - lay.used_bytes, RARE_BAD=rare, SMEM=smem,
-            num_warps=nw, **COMMON)
+            *args, **named, NW=nw, RARE_BAD=rare, SMEM=smem, num_warps=nw)
     return run
 
 
@@ -52,10 +51,9 @@ def ring_words(smem, maxnreg=None):
     extra = {} if maxnreg is None else {"maxnreg": maxnreg}
 
     def run(x, buf, lay):
-        persistent(compress_words_ring, triton.cdiv(lay.groups_per_chunk, 32), 1,
-                   (x.view(torch.int32), *_out(buf), lay.numel // 2, lay.groups_per_chunk),
-                   dict(COMMON, NW=1, chunk_bytes=lay.chunk_bytes, PAD=lay.chunk_bytes - lay.used_bytes, STAGES=2,
-                        RARE_BAD=True, SMEM=smem, **extra))
+        args, named = words_operands(x, buf, lay)
+        persistent(compress_words_ring, triton.cdiv(lay.groups_per_chunk, 32), 1, args,
+                   dict(named, NW=1, STAGES=2, RARE_BAD=True, SMEM=smem, **extra))
     return run
 
 

@@ -7,10 +7,9 @@ import torch
 import triton
 
 from _probe import codec_table, gpu_timings, persistent
-from gluon_words import compress_words_prefetch
+from gluon_words import compress_words_prefetch, words_operands
 from taco_accel.codec import TacoConfig
 from taco_accel.codec import triton_kernels as tk
-from taco_accel.codec.reference import TINY_AMAX
 
 cfg = TacoConfig(backend="triton")
 
@@ -19,11 +18,8 @@ def prefetch(maxnreg=None):
     extra = {} if maxnreg is None else {"maxnreg": maxnreg}
 
     def run(x, buf, lay):
-        persistent(compress_words_prefetch, triton.cdiv(lay.groups_per_chunk, 32), 1,
-                   (x.view(torch.int32), buf.view(torch.float8_e4m3fn), buf.view(torch.float32), lay.numel // 2,
-                    lay.groups_per_chunk),
-                   dict(G=128, NW=1, QMAX=448.0, TINY=TINY_AMAX, chunk_bytes=lay.chunk_bytes,
-                        PAD=lay.chunk_bytes - lay.used_bytes, **extra))
+        args, named = words_operands(x, buf, lay)
+        persistent(compress_words_prefetch, triton.cdiv(lay.groups_per_chunk, 32), 1, args, dict(named, NW=1, **extra))
     return run
 
 

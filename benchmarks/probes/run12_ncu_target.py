@@ -9,12 +9,10 @@ bounds masks, the library's decoder; with --split, the encoder with groups over 
 import sys
 
 import torch
-import triton
 
-from gluon_words import compress_words
+from gluon_words import words_launcher
 from taco_accel.codec import TacoConfig, WireLayout
 from taco_accel.codec import triton_kernels as tk
-from taco_accel.codec.reference import TINY_AMAX
 
 cfg = TacoConfig(backend="triton")
 numel = 16 * 2**20
@@ -26,10 +24,7 @@ out = torch.empty_like(x)
 
 
 def words(**flags):
-    compress_words[(triton.cdiv(lay.groups_per_chunk, 32),)](
-        x.view(torch.int32), buf.view(torch.float8_e4m3fn), buf.view(torch.float32), numel // 2,
-        lay.groups_per_chunk, G=128, NW=1, QMAX=448.0, TINY=TINY_AMAX, chunk_bytes=lay.chunk_bytes,
-        PAD=lay.chunk_bytes - lay.used_bytes, RARE_BAD=True, SMEM=True, num_warps=1, **flags)
+    words_launcher(**flags)(x, buf, lay)
 
 
 for _ in range(2):

@@ -206,12 +206,11 @@ def sweep(device: torch.device, numel: int, copy_bw: float, names: set[str] | No
     """Time launch variants at one size, G=128, against the defaults in TUNING (`sweep_variants`:
     pipeline stages, resident programs per SM, all that fit, or one program per tile instead of a
     persistent grid, each group of the Gluon encoder in one lane at every size, the tensor-core
-    kernels instead of the Gluon ones (G <= 128 compresses and
-    decompresses with `gluon_kernels` on CUDA, so the variants of launch settings run the
-    tensor-core kernels), decoding with bf16 instead of fp8 products,
-    twice the values per tile, 4 or 8 warps in every kernel, a grid balanced to equal tile counts,
-    evict-first stores of decoded values, and on fp32 input tf32 against two bf16 products);
-    ``names``: only these."""
+    kernels instead of the Gluon ones (G <= 128 compresses and decompresses with `gluon_kernels`
+    on CUDA, so the variants of launch settings run the tensor-core kernels), decoding with bf16
+    instead of fp8 products, twice the values per tile, 4 or 8 warps in every kernel, a grid
+    balanced to equal tile counts, evict-first stores of decoded values, and on fp32 input tf32
+    against two bf16 products); ``names``: only these."""
     from ..codec import triton_kernels as tk
 
     base = {k: dict(v) if isinstance(v, dict) else v for k, v in tk.TUNING.items()}

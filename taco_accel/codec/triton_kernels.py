@@ -81,10 +81,10 @@ STORE_PLAIN, STORE_STREAM = 0, 1
 # one group per thread by `gluon_kernels` on CUDA (0: the tensor-core kernels here code every G;
 # the settings above are theirs, except the sums', which always run here); split_max_groups: up to
 # how many groups of G = 128 (all chunks) `gluon_kernels` encodes each group in 2 lanes instead of
-# one (0: never). Bulk (TMA)
-# copies were measured and not kept: stores of decoded values (decompress 0.62 of copy bandwidth
-# against 0.81), loads of the payload (0.72-0.82 against 0.77-0.83 with plain loads, 8M-64M
-# values), of compress's input and of the sums' inputs (RESULTS.md).
+# one (0: never). Bulk (TMA) copies were measured and not kept: stores of decoded values
+# (decompress 0.62 of copy bandwidth against 0.81), loads of the payload (0.72-0.82 against
+# 0.77-0.83 with plain loads, 8M-64M values), of compress's input and of the sums' inputs
+# (RESULTS.md).
 TUNING = {"block_elems": 8192,
           "num_warps": {"compress": 4, "decompress": 8, "sum_pair": 8, "sum": 4, "sum_many": 8},
           "dot_mode": DOT_BF16X2,
