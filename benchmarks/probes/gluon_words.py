@@ -41,11 +41,13 @@ def _words_transformed(w, L_ROW: gl.constexpr, ROWS: gl.constexpr, G: gl.constex
 @gluon.jit
 def _encode_store_rare(y, r0, q_ptr, s_ptr, gpc, chunk_bytes, G: gl.constexpr, NW: gl.constexpr,
                        QMAX: gl.constexpr, TINY: gl.constexpr, PAD: gl.constexpr, SMEM: gl.constexpr,
-                       MASKED: gl.constexpr = True, t_ptr=None, LANES: gl.constexpr = 1):
+                       MASKED: gl.constexpr = True, t_ptr=None, LANES: gl.constexpr = 1, whole=None):
     """`gluon_rows._encode_store` with the bad groups' zeros written under a warp-uniform branch;
-    SMEM: the payload crosses a swizzled shared buffer of its own; each row of y in LANES lanes."""
+    SMEM: the payload crosses a swizzled shared buffer of its own; each row of y in LANES lanes;
+    ``whole`` (run 13, MASKED): a runtime flag, true where every row is a group of the chunk (the
+    payload's store without a mask)."""
     ROWS: gl.constexpr = 32 * NW // LANES
-    L_ROW: gl.constexpr = gl.BlockedLayout([1, G // LANES], [32 // LANES, LANES], [NW, 1], [1, 0])
+    L_Y: gl.constexpr = y.type.layout  # rows in LANES lanes; any order of a row's values over them
     L_Q: gl.constexpr = _layouts(G, NW, 1)
     s, mult, bad = _group_scales(y, G, QMAX, TINY)
     if t_ptr is not None:
@@ -57,7 +59,12 @@ def _encode_store_rare(y, r0, q_ptr, s_ptr, gpc, chunk_bytes, G: gl.constexpr, N
         q = gl.convert_layout(q, L_Q)
     qrows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_Q))
     qoffs = qrows[:, None] * G + gl.arange(0, G, layout=gl.SliceLayout(0, L_Q))[None, :]
-    if MASKED:
+    if whole is not None:
+        if whole:
+            gl.store(q_ptr + qoffs, q)
+        else:
+            gl.store(q_ptr + qoffs, q, mask=qrows[:, None] < gpc)
+    elif MASKED:
         gl.store(q_ptr + qoffs, q, mask=qrows[:, None] < gpc)
     else:
         gl.store(q_ptr + qoffs, q)
@@ -65,7 +72,7 @@ def _encode_store_rare(y, r0, q_ptr, s_ptr, gpc, chunk_bytes, G: gl.constexpr, N
         bad_q = gl.convert_layout(bad, gl.SliceLayout(1, L_Q))
         zero = gl.zeros([ROWS, G], gl.float32, L_Q).to(q_ptr.dtype.element_ty)
         gl.store(q_ptr + qoffs, zero, mask=(bad_q & (qrows < gpc))[:, None])
-    srows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_ROW))
+    srows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_Y))
     gl.store(s_ptr + gpc * (G // 4) + srows, s, mask=srows < gpc)
     _zero_padding(q_ptr, r0, gpc, chunk_bytes, NW, PAD, LANES)  # the chunk's unused last bytes
 
