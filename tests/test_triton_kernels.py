@@ -167,13 +167,13 @@ from taco_accel.codec.layout import FORMAT_CODES
 
 FMT = {"fp8e4nv": FORMAT_CODES["e4m3"], "fp8e5": FORMAT_CODES["e5m2"], "i8": FORMAT_CODES["int8"]}  # by payload type
 
-def compile_for_hopper(source_cls, fn, signature, constexprs, num_warps):
+def compile_for_hopper(source_cls, fn, signature, constexprs, num_warps, **options):
     signature = dict(signature, **{k: "constexpr" for k in constexprs})
     # what the launcher specialises at run time: 16-byte aligned pointers and sizes
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k, v in signature.items()
              if v != "constexpr"}
     return triton.compile(source_cls(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps})
+                          options={"num_warps": num_warps, **options})
 """
 
 COMPILE_SCRIPT = HOPPER_PRELUDE + """
@@ -263,14 +263,20 @@ for G, x, fmt, flags in encode:
     words = flags.get("WORDS", False)
     constexprs = dict(G=G, NW=gk.WARPS, X_BYTES=BYTES[x], FMT=FMT[fmt], QMAX=127.0,
                       **{"WORDS": False, "HADAMARD": True, "SIGNS": False, "DUAL": False, "ADAPTIVE": True,
-                         "ZERO_NONFINITE": False, "CHUNKED": False, "WIDE": False, "PAD": 4, "LANES": 1, **flags})
+                         "ZERO_NONFINITE": False, "CHUNKED": False, "WIDE": False, "PAD": 4, "SPLIT": False, **flags})
     signature = dict(x_ptr="*i32" if words else "*" + x, q_ptr="*" + fmt, s_ptr="*fp32", sign_ptr="*fp32",
-                     numel="i32", gpc="i32", chunk_bytes="i32")
-    k = compile_for_hopper(GluonASTSource, gk._compress_rows_kernel, signature, constexprs, gk.WARPS)
-    ptx, lanes = k.asm["ptx"], constexprs["LANES"]
-    assert ptx.count("ld.global.v4") >= G * BYTES[x] // 16 // lanes and ptx.count("st.global.v4") >= G // 16 // lanes, ptx
+                     numel="i32", gpc="i32", chunk_bytes="i32", head="i32", body="i32")
+    split = constexprs["SPLIT"]
+    k = compile_for_hopper(GluonASTSource, gk._compress_rows_kernel, signature, constexprs, gk.WARPS,
+                           **({"maxnreg": gk.SPLIT_REGISTERS} if split else {}))
+    ptx = k.asm["ptx"]
+    # 16 bytes per lane and access; split: a code with 4 lanes a group and one with 2
+    lanes = (4, 2) if split else (1,)
+    assert ptx.count("ld.global.v4") >= sum(G * BYTES[x] // 16 // n for n in lanes), ptx
+    assert ptx.count("st.global.v4") >= sum(G // 16 // n for n in lanes), ptx
     assert ".local" not in ptx, "a group should stay in registers"
-    assert (ptx.count("shfl.sync.bfly") >= G // lanes) == (lanes > 1), "the last stage crosses lanes by shuffles"
+    # the last stages cross lanes by shuffles: log2(4) of them with 4 lanes, one with 2
+    assert (ptx.count("shfl.sync.bfly") >= G // 4 * 2 + G // 2) == split, ptx.count("shfl.sync.bfly")
 print("compiled")
 """
 
@@ -288,8 +294,8 @@ def test_gluon_kernels_compile_for_hopper():
               (32, "i8", "fp16", dict(DUAL=True, SIGNS=True, WIDE=True)),
               (128, "fp8e4nv", "fp32", dict(DUAL=True, SIGNS=True, CHUNKED=True))]
     encode = [(128, "bf16", "fp8e4nv", dict(WORDS=True)), (128, "bf16", "fp8e4nv", dict(DUAL=True, ADAPTIVE=False)),
-              (128, "bf16", "fp8e4nv", dict(WORDS=True, LANES=2)),
-              (128, "fp32", "i8", dict(LANES=2, DUAL=True, SIGNS=True, CHUNKED=True, ZERO_NONFINITE=True)),
+              (128, "bf16", "fp8e4nv", dict(WORDS=True, SPLIT=True)),
+              (128, "fp32", "i8", dict(SPLIT=True, DUAL=True, SIGNS=True, CHUNKED=True, ZERO_NONFINITE=True)),
               (64, "fp32", "fp8e5", dict(DUAL=True, SIGNS=True, CHUNKED=True)),
               (32, "bf16", "i8", dict(WORDS=True, SIGNS=True, ZERO_NONFINITE=True, WIDE=True, CHUNKED=True)),
               (128, "fp16", "i8", dict(HADAMARD=False, ZERO_NONFINITE=True))]
@@ -324,17 +330,22 @@ def test_gluon_decoder_matches_tensor_core_decoder(group_size, monkeypatch):
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="Gluon kernels run on a GPU only")
-@pytest.mark.parametrize("group_size, lanes", [(32, 1), (64, 1), (128, 1), (128, 2)])
-def test_gluon_encoder_matches_reference(group_size, lanes, monkeypatch):
-    """The Gluon encoder, a group in one lane or in two, against the reference (1 or 3 chunks, a
-    partial last group, a NaN group, an Inf group, a group past fp32's range once transformed) for
-    every variant and input type, bf16 read as words and, from an odd start or of odd length, as
-    values; also under nonfinite="zero". The payload equals the reference's but for values at a
-    rounding tie."""
+@pytest.mark.parametrize("group_size, schedule", [(32, "one-lane"), (64, "one-lane"), (128, "one-lane"), (128, "split"),
+                                                   (128, "split-short-waves")])
+def test_gluon_encoder_matches_reference(group_size, schedule, monkeypatch):
+    """The Gluon encoder, a group in one lane or split over 4 and 2 lanes (`split_schedule`; at
+    this size all 4-lane, so also with waves of 66 groups: 4-lane head, 2-lane body, 4-lane
+    tail), against the reference (1 or 3 chunks, a partial last group, a NaN group,
+    an Inf group, a group past fp32's range once transformed) for every variant and input type,
+    bf16 read as words and, from an odd start or of odd length, as values; also under
+    nonfinite="zero". The payload equals the reference's but for values at a rounding tie."""
     from taco_accel.codec import gluon_kernels
     from taco_accel.codec import triton_kernels as tk
 
-    monkeypatch.setitem(tk.TUNING, "split_max_groups", 2**40 if lanes == 2 else 0)
+    split = schedule != "one-lane"
+    monkeypatch.setitem(tk.TUNING, "split_max_groups", 2**40 if split else 0)
+    if schedule == "split-short-waves":  # a wave of 66 groups of 4-lane programs, whatever the SM count
+        monkeypatch.setattr(gluon_kernels, "SPLIT_WARPS_PER_SM", 66 / 8 / tk._sm_count(DEVICE))
     x = sample((6, (3 * 45 * group_size - 4) // 6), torch.float32).reshape(-1)
     x[5] = float("nan")
     x[group_size * 3 + 1] = -float("inf")
@@ -346,7 +357,11 @@ def test_gluon_encoder_matches_reference(group_size, lanes, monkeypatch):
     for variant, chunks in itertools.product(VARIANTS, (1, 3)):
         ref_cfg, tri_cfg = configs(group_size, variant)
         assert tk._codes_by_rows(tri_cfg, x)
-        assert tk._lanes_per_group(WireLayout.for_tensor(x.numel(), tri_cfg, chunks), tri_cfg) == lanes
+        layout = WireLayout.for_tensor(x.numel(), tri_cfg, chunks)
+        assert tk._splits_groups(layout, tri_cfg) == split
+        if schedule == "split-short-waves":
+            head, body, _ = gluon_kernels.split_schedule(layout, tk._sm_count(x.device))
+            assert body > 0 and head + body < layout.groups_per_chunk and (head > 0) == (chunks == 1)
         cases = [(x.to(dtype), tri_cfg) for dtype in DTYPES] + [(x.to(torch.bfloat16)[1:-1], tri_cfg),
                                                                 (odd.to(torch.bfloat16), tri_cfg),
                                                                 (x, tri_cfg.replace(nonfinite="zero"))]
@@ -357,18 +372,44 @@ def test_gluon_encoder_matches_reference(group_size, lanes, monkeypatch):
             assert not ref.layout.padding(got.buffer).any(), (variant, chunks, values.dtype)
 
 
-def test_groups_of_128_split_over_two_lanes_up_to_the_threshold():
-    """The Gluon encoder gives a group of 128 two lanes up to TUNING["split_max_groups"] groups
-    (every chunk counted), one lane beyond it and at every other group size."""
+def test_groups_of_128_split_up_to_the_threshold():
+    """The Gluon encoder splits groups of 128 over lanes up to TUNING["split_max_groups"] groups
+    (every chunk counted), and not beyond it nor at any other group size."""
     from taco_accel.codec import triton_kernels as tk
 
     limit = tk.TUNING["split_max_groups"]
     cfg = TacoConfig(backend="triton")
     assert cfg.group_size == 128
-    assert tk._lanes_per_group(WireLayout.for_tensor(limit * 128, cfg), cfg) == 2
-    assert tk._lanes_per_group(WireLayout.for_tensor(limit * 128 + 1, cfg), cfg) == 1
-    assert tk._lanes_per_group(WireLayout.for_tensor(limit * 128 + 1024, cfg, chunks=8), cfg) == 1
-    assert tk._lanes_per_group(WireLayout.for_tensor(4096, cfg.replace(group_size=64)), cfg.replace(group_size=64)) == 1
+    assert tk._splits_groups(WireLayout.for_tensor(limit * 128, cfg), cfg)
+    assert not tk._splits_groups(WireLayout.for_tensor(limit * 128 + 1, cfg), cfg)
+    assert not tk._splits_groups(WireLayout.for_tensor(limit * 128 + 1024, cfg, chunks=8), cfg)
+    assert not tk._splits_groups(WireLayout.for_tensor(4096, cfg.replace(group_size=64)), cfg.replace(group_size=64))
+
+
+@pytest.mark.parametrize("sms", [1, 132, 1 / 16])
+@pytest.mark.parametrize("numel, chunks", [(1, 1), (127, 1), (128 * 16, 1), (128 * 45 * 3 - 4, 3), (2**24, 1),
+                                           (2**24 + 5, 8), (128 * 100 + 64, 8), (128 * 9, 8), (3 * 2**20 + 1, 2)])
+def test_split_schedule_codes_each_group_once_and_reads_whole_groups_unmasked(numel, chunks, sms):
+    """`gluon_kernels.split_schedule` as the kernel uses it (programs of 8 groups over 4 lanes,
+    with masks, before ``head`` and after ``head + body``; of 16 over 2 lanes, without masks,
+    between): every group of every chunk coded by exactly one program, the unmasked ones whole
+    groups of the input in every chunk, tiles aligned."""
+    from taco_accel.codec import gluon_kernels as gk
+
+    layout = WireLayout.for_tensor(numel, TacoConfig(), chunks)
+    gpc = layout.groups_per_chunk
+    head, body, programs = gk.split_schedule(layout, sms)
+    assert head % 16 == 0 and body % 16 == 0 and 0 <= head and 0 <= body and head + body <= gpc
+    last_values = numel - (layout.chunks - 1) * gpc * 128  # the last chunk holds the fewest values
+    assert (head + body) * 128 <= max(0, last_values), "the body must not read past the input"
+    coded = []
+    for p in range(programs):
+        if head // 8 <= p < head // 8 + body // 16:
+            coded += range(head + (p - head // 8) * 16, head + (p - head // 8) * 16 + 16)
+        else:
+            r0 = p * 8 if p < head // 8 else head + body + (p - head // 8 - body // 16) * 8
+            coded += [g for g in range(r0, r0 + 8) if g < gpc]  # masked
+    assert sorted(coded) == list(range(gpc))
 
 
 def test_every_launch_step_has_every_setting():

@@ -190,7 +190,7 @@ def sweep_variants(tk) -> list[tuple[str, str, dict]]:
     variants += [("all resident", "bf16", override(per_sm=None)), ("one per tile", "bf16", override(per_sm=0))]
     variants += [(f"{n} per SM", "bf16", override(per_sm=n)) for n in (2, 3, 4)]
     variants += [(f"{n} warps", "bf16", override(num_warps=dict.fromkeys(base["num_warps"], n))) for n in (4, 8)]
-    variants += [("a group a lane", "bf16", dict(split_max_groups=0)),  # G = 128 in 2 lanes by default up to 24M
+    variants += [("a group a lane", "bf16", dict(split_max_groups=0)),  # G = 128 split over lanes by default up to 48M
                  ("tensor-core kernels", "bf16", tiles),
                  ("bf16 decode", "bf16", override(payload_dot=False)),
                  ("16K per tile", "bf16", override(block_elems=16384)),

@@ -15,12 +15,13 @@ with 158-167 registers per thread 12 warps fit on an SM, and their independent p
 loads in flight. The encoder reads bf16 as int32 words (two values each, the pair of the first
 butterfly) and writes a bad group's zeros under a branch that no warp without one takes: 1784
 instructions a group on sm_90 against 2032 for values loaded as bf16 with a select on each. Up to
-`SPLIT_MAX_GROUPS` groups of 128 the encoder gives each group two lanes (LANES = 2): 64 values a
-lane, the last butterfly stage between the two by shuffles, 80 registers.
+`SPLIT_MAX_GROUPS` groups of 128 the encoder splits each group over lanes (`split_schedule`): 2
+lanes of 64 values, the last butterfly stage between them by shuffles, and 4 lanes in the
+kernel's first and last waves.
 
 H200, bf16, G = 128, fraction of copy bandwidth at 16M / 64M / 256M values (benchmarks/RESULTS.md,
-tenth to twelfth runs): decompress 0.88 / 0.93-0.94 / 0.97 against the tensor-core kernel's 0.75
-/ 0.84 / 0.87; compress 0.82-0.83 / 0.93-0.96 / 0.94-0.99 (0.80 at 16M a group a lane) against
+tenth to thirteenth runs): decompress 0.88 / 0.93-0.94 / 0.97 against the tensor-core kernel's
+0.75 / 0.84 / 0.87; compress 0.84 / 0.93-0.96 / 0.94-1.01 (0.80 at 16M a group a lane) against
 0.80 / 0.89-0.90 / 0.90. Triton's block language can say the same arithmetic but places values on
 lanes itself: loaded sub-block by sub-block it made every lane read a different row (0.3-0.6 of
 copy bandwidth, ninth run), loaded whole it compiles to extra shuffles and conversions (about 20%
@@ -198,22 +199,22 @@ if AVAILABLE:
                      mask=k < PAD * last)
 
     @gluon.jit
-    def _compress_rows_kernel(
-        x_ptr, q_ptr, s_ptr, sign_ptr, numel, gpc, chunk_bytes,
+    def _encode_rows(
+        x_ptr, q_ptr, s_ptr, sign_ptr, numel, gpc, chunk_bytes, c, r0,
         G: gl.constexpr, NW: gl.constexpr, X_BYTES: gl.constexpr, WORDS: gl.constexpr, FMT: gl.constexpr,
         QMAX: gl.constexpr, HADAMARD: gl.constexpr, SIGNS: gl.constexpr, DUAL: gl.constexpr,
-        ADAPTIVE: gl.constexpr, ZERO_NONFINITE: gl.constexpr, CHUNKED: gl.constexpr, WIDE: gl.constexpr,
-        PAD: gl.constexpr, LANES: gl.constexpr,
+        ADAPTIVE: gl.constexpr, ZERO_NONFINITE: gl.constexpr, CHUNKED: gl.constexpr, PAD: gl.constexpr,
+        LANES: gl.constexpr, MASKED: gl.constexpr,
     ):
-        """Encode groups r0.. (32 * NW / LANES of them, each in LANES lanes) of chunk c; grid (tiles
-        of a chunk, chunks) as in the decoder. WORDS: bf16 input read as int32 words (x_ptr,
-        numel: words), two values each, which a shift and a mask make fp32; the two are the first
-        butterfly's pair. Loaded as bf16 they cost 64 more instructions a group on sm_90 (1848
-        against 1784), packing and unpacking 16-bit values around the layout change."""
+        """Encode groups r0.. (32 * NW / LANES of them, each in LANES lanes) of chunk c. WORDS:
+        bf16 input read as int32 words (x_ptr, numel: words), two values each, which a shift and
+        a mask make fp32; the two are the first butterfly's pair. Loaded as bf16 they cost 64 more
+        instructions a group on sm_90 (1848 against 1784), packing and unpacking 16-bit values
+        around the layout change. MASKED=False: every row is a whole group of the input (no
+        bounds masks: 40-80 fewer instructions)."""
         ROWS: gl.constexpr = 32 * NW // LANES
         L_ROW: gl.constexpr = gl.BlockedLayout([1, G // LANES], [32 // LANES, LANES], [NW, 1], [1, 0])
         L_Q: gl.constexpr = _coalesced(G, NW, 1)
-        c, r0 = _tile_origin(ROWS, WIDE)
         if WORDS:
             V: gl.constexpr = G // 2  # loaded values (words) per group
             L_V: gl.constexpr = gl.BlockedLayout([1, V // LANES], [32 // LANES, LANES], [NW, 1], [1, 0])
@@ -232,10 +233,13 @@ if AVAILABLE:
         rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_X))
         cols = gl.arange(0, V, layout=gl.SliceLayout(0, L_X))
         offs = rows[:, None] * V + cols[None, :]
-        mask = offs < left  # past the input's end: zeros, the padding of the last group
-        if CHUNKED:  # rows past gpc are the next chunk's
-            mask = mask & (rows < gpc)[:, None]
-        x = gl.load(x_ptr + offs, mask=mask, other=0)
+        if MASKED:
+            mask = offs < left  # past the input's end: zeros, the padding of the last group
+            if CHUNKED:  # rows past gpc are the next chunk's
+                mask = mask & (rows < gpc)[:, None]
+            x = gl.load(x_ptr + offs, mask=mask, other=0)
+        else:
+            x = gl.load(x_ptr + offs)
         if SIGNS:  # +-1 before the transform: a flipped sign bit, exact
             if WORDS:
                 lo = gl.where(gl.load(sign_ptr + 2 * cols) < 0, 0x8000, 0)
@@ -288,7 +292,10 @@ if AVAILABLE:
 
         q_rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_Q))
         q_offs = q_rows[:, None] * G + gl.arange(0, G, layout=gl.SliceLayout(0, L_Q))[None, :]
-        gl.store(q_ptr + q_offs, q, mask=(q_rows < gpc)[:, None])
+        if MASKED:
+            gl.store(q_ptr + q_offs, q, mask=(q_rows < gpc)[:, None])
+        else:
+            gl.store(q_ptr + q_offs, q)
         if gl.max(bad.to(gl.int32), axis=0) > 0:  # rare: zeros over the bad groups' payload, not a
             bad_q = gl.convert_layout(bad, gl.SliceLayout(1, L_Q))  # select on every value
             zero = gl.zeros([ROWS, G], gl.float32, L_Q).to(q_ptr.dtype.element_ty)
@@ -299,16 +306,50 @@ if AVAILABLE:
             gl.store(s_ptr + gpc * (G // 4 + 1) + s_rows, a, mask=s_rows < gpc)
         _zero_padding(q_ptr, r0, gpc, chunk_bytes, NW, PAD, LANES)
 
+    @gluon.jit
+    def _compress_rows_kernel(
+        x_ptr, q_ptr, s_ptr, sign_ptr, numel, gpc, chunk_bytes, head, body,
+        G: gl.constexpr, NW: gl.constexpr, X_BYTES: gl.constexpr, WORDS: gl.constexpr, FMT: gl.constexpr,
+        QMAX: gl.constexpr, HADAMARD: gl.constexpr, SIGNS: gl.constexpr, DUAL: gl.constexpr,
+        ADAPTIVE: gl.constexpr, ZERO_NONFINITE: gl.constexpr, CHUNKED: gl.constexpr, WIDE: gl.constexpr,
+        PAD: gl.constexpr, SPLIT: gl.constexpr,
+    ):
+        """Grid (programs of a chunk, chunks) as in the decoder. Without SPLIT a program encodes
+        32 * NW groups, one a lane. SPLIT (G = 128, `split_schedule`): a chunk's first ``head``
+        groups go 8 a program over 4 lanes, the next ``body`` 16 a program over 2 lanes, the rest
+        8 a program over 4 lanes again; head and body are whole groups of the input (no masks)."""
+        if SPLIT:
+            c, p = _tile_origin(1, WIDE)
+            first = head // 8  # the body's first program
+            if (p >= first) & (p < first + body // 16):
+                _encode_rows(x_ptr, q_ptr, s_ptr, sign_ptr, numel, gpc, chunk_bytes, c, head + (p - first) * 16, G,
+                             NW, X_BYTES, WORDS, FMT, QMAX, HADAMARD, SIGNS, DUAL, ADAPTIVE, ZERO_NONFINITE, CHUNKED,
+                             PAD, 2, False)
+            else:  # the head's and the tail's programs: one code, with masks
+                r0 = gl.where(p < first, p * 8, head + body + (p - first - body // 16) * 8)
+                _encode_rows(x_ptr, q_ptr, s_ptr, sign_ptr, numel, gpc, chunk_bytes, c, r0, G, NW, X_BYTES, WORDS,
+                             FMT, QMAX, HADAMARD, SIGNS, DUAL, ADAPTIVE, ZERO_NONFINITE, CHUNKED, PAD, 4, True)
+        else:
+            c, r0 = _tile_origin(32 * NW, WIDE)
+            _encode_rows(x_ptr, q_ptr, s_ptr, sign_ptr, numel, gpc, chunk_bytes, c, r0, G, NW, X_BYTES, WORDS, FMT,
+                         QMAX, HADAMARD, SIGNS, DUAL, ADAPTIVE, ZERO_NONFINITE, CHUNKED, PAD, 1, True)
+
 
 # Warps per program: one (32 groups) measured best on an H200, before 2 and 4 (RESULTS.md, tenth run).
 WARPS = 1
-# Up to this many groups of 128 (24M values) the encoder splits each group over 2 lanes: 64
-# values, 80 registers and half the instructions a lane, for 25 warps of 16 groups an SM instead
-# of 12 of 32. On an H200 (RESULTS.md, twelfth run) that takes compress at 16M values from 0.80 to
-# 0.82-0.83 of copy bandwidth (the kernel's ends wait on warps' transforms, issued at one
-# instruction a cycle each) and wins up to 24M; it is 0.005 behind at 28M-32M and 0.02-0.04 from
-# 48M on (the cross-lane stage's shuffles: 16% more instructions a group).
-SPLIT_MAX_GROUPS = 3 * 2**16
+# Up to this many groups of 128 (48M values) the encoder splits groups over lanes (SPLIT,
+# `split_schedule`), on an H200 0.84-0.85 of copy bandwidth at 16M values, 0.87-0.89 at 24M and
+# 0.92 at 32M against 0.80 / 0.85 / 0.88 a group a lane (RESULTS.md, thirteenth run).
+SPLIT_MAX_GROUPS = 6 * 2**16
+# The split schedule: 2 lanes a group hold 64 values, half the instructions a warp (80 registers,
+# 25 warps an SM against 12), and the programs of the kernel's first quarter wave and last half
+# wave give a group 4 lanes, whose warps issue 712 instructions instead of 1096 while their
+# tiles are the only ones left to land (twelfth and thirteenth runs: the kernel's ends wait on
+# its warps' instructions, issued at one a cycle each). The rest runs without bounds masks.
+SPLIT_HEAD_WAVES = 0.25
+SPLIT_TAIL_WAVES = 0.5
+SPLIT_WARPS_PER_SM = 25
+SPLIT_REGISTERS = 80  # the 2-lane code's own count: both codes in one kernel take 95 otherwise
 # Registers per thread each kernel may use (None: the compiler's choice). Fewer fit more warps on an
 # SM; on an H200 144 (14 warps) changed nothing and 128 (spills) lost 0.1-0.2 (RESULTS.md, eleventh run).
 MAX_REGISTERS = {"compress": None, "decompress": None}
@@ -330,9 +371,23 @@ def disable(error: Exception) -> None:
                   "between triton releases: please report your triton version.", RuntimeWarning, stacklevel=4)
 
 
-def _grid(layout: WireLayout, lanes: int = 1) -> tuple[int, int]:
-    """(tiles of a chunk, chunks): a program per tile of 32 * WARPS / ``lanes`` groups."""
-    return max(1, triton.cdiv(layout.groups_per_chunk, 32 * WARPS // lanes)), layout.chunks
+def _grid(layout: WireLayout) -> tuple[int, int]:
+    """(tiles of a chunk, chunks): a program per tile of 32 * WARPS groups."""
+    return max(1, triton.cdiv(layout.groups_per_chunk, 32 * WARPS)), layout.chunks
+
+
+def split_schedule(layout: WireLayout, sms: int) -> tuple[int, int, int]:
+    """(head, body, programs) of each chunk for the split encoder on a GPU of ``sms`` SMs: the
+    kernel's first SPLIT_HEAD_WAVES and last SPLIT_TAIL_WAVES waves of programs (a wave: SMs *
+    SPLIT_WARPS_PER_SM programs) code 8 groups over 4 lanes, shared out over the chunks; the
+    ``head`` first groups of a chunk and the ``body`` next, 16 a program over 2 lanes, are
+    multiples of 16 whole groups of the input (read and written without masks)."""
+    gpc, g = layout.groups_per_chunk, layout.group_size
+    whole = max(0, min(gpc, (layout.numel - (layout.chunks - 1) * gpc * g) // g))  # the last chunk's
+    wave = sms * SPLIT_WARPS_PER_SM * 8 / layout.chunks  # groups of a wave of 4-lane programs, a chunk's share
+    head = min(int(SPLIT_HEAD_WAVES * wave), whole) // 16 * 16
+    body = max(0, min(gpc - int(SPLIT_TAIL_WAVES * wave), whole) - head) // 16 * 16
+    return head, body, max(1, head // 8 + body // 16 + triton.cdiv(gpc - head - body, 8))
 
 
 def _wide(layout: WireLayout, values: torch.Tensor) -> bool:
@@ -360,17 +415,23 @@ def _reads_words(x: torch.Tensor) -> bool:
 
 
 def compress_rows_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, config: TacoConfig,
-                       lanes: int = 1) -> None:
-    """Encode the flat contiguous tensor ``x`` into ``buffer``, each group in ``lanes`` (1 or 2)
-    lanes of a warp; G <= `MAX_GROUP`, CUDA only."""
+                       split_sms: int = 0) -> None:
+    """Encode the flat contiguous tensor ``x`` into ``buffer``; G <= `MAX_GROUP`, CUDA only.
+    ``split_sms`` > 0 (G = 128): groups over 2 and 4 lanes (`split_schedule`) for a GPU of that
+    many SMs; else a group a lane."""
     words = _reads_words(x)
     values = x.view(torch.int32) if words else x
-    _compress_rows_kernel[_grid(layout, lanes)](
+    if split_sms:
+        head, body, programs = split_schedule(layout, split_sms)
+        grid, launch = (programs, layout.chunks), {"maxnreg": SPLIT_REGISTERS}
+    else:
+        head, body, grid, launch = 0, 0, _grid(layout), _register_cap("compress")
+    _compress_rows_kernel[grid](
         values, buffer.view(PAYLOAD_DTYPES[config.format]), buffer.view(torch.float32),
-        device_signs(config, buffer.device), values.numel(), layout.groups_per_chunk, layout.chunk_bytes,
+        device_signs(config, buffer.device), values.numel(), layout.groups_per_chunk, layout.chunk_bytes, head, body,
         G=config.group_size, NW=WARPS, X_BYTES=x.element_size(), WORDS=words, FMT=FORMAT_CODES[config.format],
         QMAX=config.qmax, HADAMARD=config.hadamard, SIGNS=config.random_signs, DUAL=config.scales == "dual",
         ADAPTIVE=config.adaptive_scale, ZERO_NONFINITE=config.nonfinite == "zero", CHUNKED=layout.chunks > 1,
-        WIDE=_wide(layout, x), PAD=layout.chunk_bytes - layout.used_bytes, LANES=lanes, num_warps=WARPS,
-        **_register_cap("compress"),
+        WIDE=_wide(layout, x), PAD=layout.chunk_bytes - layout.used_bytes, SPLIT=split_sms > 0, num_warps=WARPS,
+        **launch,
     )

@@ -80,11 +80,11 @@ STORE_PLAIN, STORE_STREAM = 0, 1
 # stores: how decompress stores (STORE_*); rows_max_group: the largest G compressed and decompressed
 # one group per thread by `gluon_kernels` on CUDA (0: the tensor-core kernels here code every G;
 # the settings above are theirs, except the sums', which always run here); split_max_groups: up to
-# how many groups of G = 128 (all chunks) `gluon_kernels` encodes each group in 2 lanes instead of
-# one (0: never). Bulk (TMA) copies were measured and not kept: stores of decoded values
-# (decompress 0.62 of copy bandwidth against 0.81), loads of the payload (0.72-0.82 against
-# 0.77-0.83 with plain loads, 8M-64M values), of compress's input and of the sums' inputs
-# (RESULTS.md).
+# how many groups of G = 128 (all chunks) `gluon_kernels` encodes each group in 2 or 4 lanes
+# (`gluon_kernels.split_schedule`) instead of one (0: never). Bulk (TMA) copies were measured and
+# not kept: stores of decoded values (decompress 0.62 of copy bandwidth against 0.81), loads of the
+# payload (0.72-0.82 against 0.77-0.83 with plain loads, 8M-64M values), of compress's input and of
+# the sums' inputs (RESULTS.md).
 TUNING = {"block_elems": 8192,
           "num_warps": {"compress": 4, "decompress": 8, "sum_pair": 8, "sum": 4, "sum_many": 8},
           "dot_mode": DOT_BF16X2,
@@ -676,11 +676,11 @@ def _codes_by_rows(config: TacoConfig, tensor: torch.Tensor) -> bool:
             and config.group_size <= min(TUNING["rows_max_group"], gluon_kernels.MAX_GROUP))
 
 
-def _lanes_per_group(layout: WireLayout, config: TacoConfig) -> int:
-    """Lanes of a warp the Gluon encoder gives each group: 2 for G = 128 up to
-    TUNING["split_max_groups"] groups (`gluon_kernels.SPLIT_MAX_GROUPS` says why), else 1."""
+def _splits_groups(layout: WireLayout, config: TacoConfig) -> bool:
+    """Whether the Gluon encoder splits each group over lanes (`gluon_kernels.split_schedule`):
+    G = 128 up to TUNING["split_max_groups"] groups (`gluon_kernels.SPLIT_MAX_GROUPS` says why)."""
     groups = layout.groups_per_chunk * layout.chunks
-    return 2 if config.group_size == 128 and groups <= TUNING["split_max_groups"] else 1
+    return config.group_size == 128 and groups <= TUNING["split_max_groups"]
 
 
 def _ran_by_rows(launch, *args) -> bool:
@@ -697,8 +697,9 @@ def _ran_by_rows(launch, *args) -> bool:
 def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, config: TacoConfig) -> None:
     """Encode the flat tensor ``x`` into ``buffer``; same contract as the reference."""
     x = x.contiguous()
+    split_sms = _sm_count(x.device) if _splits_groups(layout, config) and x.is_cuda else 0
     if _codes_by_rows(config, x) and _ran_by_rows(gluon_kernels.compress_rows_into, x.view(-1), buffer, layout, config,
-                                                  _lanes_per_group(layout, config)):
+                                                  split_sms):
         return
     signs = device_signs(config, x.device)  # read only with random signs (SIGNS)
     tiles, common = _common(layout, config, "compress")
