@@ -123,10 +123,12 @@ def encoder_reference_check(cfg: TacoConfig, comp: dict, sizes=(128 * 1000 + 128
             assert len(pay) == 0 or torch.equal(buf[:payload], bufs["base"][:payload]), name
 
 
-def compress_sizes(timings: Timings, cfg: TacoConfig, comp: dict, sizes, base: str) -> None:
+def compress_sizes(timings: Timings, cfg: TacoConfig, comp: dict, sizes, base: str,
+                   outputs_in_turn: bool = False) -> None:
     """At each size (M bf16 values, rotated inputs) every compress variant of ``comp`` writes what
-    ``base`` (listed first) writes into a poisoned buffer; then they are timed in turn. Then the
-    table."""
+    ``base`` (listed first) writes into a poisoned buffer; then they are timed in turn, into that
+    buffer and, with ``outputs_in_turn``, into 8 outputs in turn too (which the L2 cache does not
+    keep between calls). Then the table."""
     dev = timings.device
     for n in sizes:
         numel = n * 2**20
@@ -136,8 +138,14 @@ def compress_sizes(timings: Timings, cfg: TacoConfig, comp: dict, sizes, base: s
         for k, fn in comp.items():
             fn(xs.items[0], bufs[k], lay)
             assert torch.equal(bufs[k], bufs[base]), k
-        timings.time("compress", n, {k: (lambda fn=fn, k=k: fn(xs.next(), bufs[k], lay)) for k, fn in comp.items()},
-                     numel * 2 + lay.total_bytes)
+        nbytes = numel * 2 + lay.total_bytes
+        timings.time("one output" if outputs_in_turn else "compress", n,
+                     {k: (lambda fn=fn, k=k: fn(xs.next(), bufs[k], lay)) for k, fn in comp.items()}, nbytes)
+        if outputs_in_turn:
+            outs = Rotating(lambda: torch.empty(lay.total_bytes, dtype=torch.uint8, device=dev), lay.total_bytes, dev)
+            timings.time("8 outputs", n, {k: (lambda fn=fn: fn(xs.next(), outs.next(), lay)) for k, fn in comp.items()},
+                         nbytes)
+            del outs
         del xs, bufs
         torch.cuda.empty_cache()
     timings.table(list(comp))

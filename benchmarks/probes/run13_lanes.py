@@ -18,9 +18,8 @@ import sys
 
 import torch
 
-from _probe import encoder_reference_check, gpu_timings
+from _probe import compress_sizes, encoder_reference_check, gpu_timings
 from gluon_split import split_launcher
-from taco_accel.bench.codec import Rotating
 from taco_accel.codec import TacoConfig, WireLayout, compress
 from taco_accel.codec import triton_kernels as tk
 
@@ -70,22 +69,4 @@ for name, fn in COMP.items():
     print(f"signed zeros {name}: {len(diff)} of {lay.total_bytes} bytes differ from the reference "
           f"(byte pairs ref/kernel {sorted(pairs)[:6]})", flush=True)
 
-timings = gpu_timings(rounds=3)
-rows = []
-for n in SIZES:
-    numel = n * 2**20
-    lay = WireLayout.for_tensor(numel, cfg)
-    xs = Rotating(lambda: torch.randn(numel, device=dev, dtype=torch.bfloat16), numel * 2, dev)
-    one = {k: torch.full((lay.total_bytes,), 0xAB, dtype=torch.uint8, device=dev) for k in COMP}
-    for k, fn in COMP.items():
-        fn(xs.items[0], one[k], lay)
-        assert torch.equal(one[k], one["base"]), k
-    outs = Rotating(lambda: torch.empty(lay.total_bytes, dtype=torch.uint8, device=dev), lay.total_bytes, dev)
-    nbytes = numel * 2 + lay.total_bytes
-    timings.time("one output", n, {k: (lambda fn=fn, k=k: fn(xs.next(), one[k], lay)) for k, fn in COMP.items()},
-                 nbytes)
-    timings.time("8 outputs", n, {k: (lambda fn=fn: fn(xs.next(), outs.next(), lay)) for k, fn in COMP.items()},
-                 nbytes)
-    del xs, one, outs
-    torch.cuda.empty_cache()
-timings.table(list(COMP))
+compress_sizes(gpu_timings(rounds=3), cfg, COMP, SIZES, "base", outputs_in_turn=True)

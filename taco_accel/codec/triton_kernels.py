@@ -11,7 +11,7 @@ their loads, one tile per program at a time (59-62% of copy bandwidth); pipeline
 
 On NVIDIA GPUs groups of up to 128 values are compressed and decompressed elsewhere, one group
 per thread (`gluon_kernels`; H200, bf16, 16M-256M values: decompress 0.88-0.97 of copy bandwidth
-against 0.75-0.87 here, compress 0.80-0.99 against 0.80-0.90); the encoder and decoder below
+against 0.75-0.87 here, compress 0.84-1.01 against 0.80-0.90); the encoder and decoder below
 serve larger groups, other GPUs, the CPU interpreter and a triton whose Gluon cannot build those.
 
 The Hadamard transform runs on the tensor cores as one dense product with H_SUB,
@@ -697,10 +697,10 @@ def _ran_by_rows(launch, *args) -> bool:
 def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, config: TacoConfig) -> None:
     """Encode the flat tensor ``x`` into ``buffer``; same contract as the reference."""
     x = x.contiguous()
-    split_sms = _sm_count(x.device) if _splits_groups(layout, config) and x.is_cuda else 0
-    if _codes_by_rows(config, x) and _ran_by_rows(gluon_kernels.compress_rows_into, x.view(-1), buffer, layout, config,
-                                                  split_sms):
-        return
+    if _codes_by_rows(config, x):
+        split_sms = _sm_count(x.device) if _splits_groups(layout, config) else 0
+        if _ran_by_rows(gluon_kernels.compress_rows_into, x.view(-1), buffer, layout, config, split_sms):
+            return
     signs = device_signs(config, x.device)  # read only with random signs (SIGNS)
     tiles, common = _common(layout, config, "compress")
     args = (x, buffer.view(PAYLOAD_DTYPES[config.format]), buffer.view(torch.float32), signs)
