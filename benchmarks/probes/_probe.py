@@ -124,31 +124,34 @@ def encoder_reference_check(cfg: TacoConfig, comp: dict, sizes=(128 * 1000 + 128
 
 
 def compress_sizes(timings: Timings, cfg: TacoConfig, comp: dict, sizes, base: str,
-                   outputs_in_turn: bool = False) -> None:
+                   outputs_in_turn: bool = False, chunks: int = 1, table: bool = True) -> None:
     """At each size (M bf16 values, rotated inputs) every compress variant of ``comp`` writes what
     ``base`` (listed first) writes into a poisoned buffer; then they are timed in turn, into that
     buffer and, with ``outputs_in_turn``, into 8 outputs in turn too (which the L2 cache does not
-    keep between calls). Then the table."""
+    keep between calls). ``chunks`` > 1: the two-shot all-reduce's layout (`compress(x,
+    chunks=P)`), rows labelled "P=..". Then the table (``table``)."""
     dev = timings.device
     for n in sizes:
         numel = n * 2**20
-        lay = WireLayout.for_tensor(numel, cfg)
+        lay = WireLayout.for_tensor(numel, cfg, chunks)
         xs = Rotating(lambda: torch.randn(numel, device=dev, dtype=torch.bfloat16), numel * 2, dev)
         bufs = {k: torch.full((lay.total_bytes,), 0xAB, dtype=torch.uint8, device=dev) for k in comp}
         for k, fn in comp.items():
             fn(xs.items[0], bufs[k], lay)
             assert torch.equal(bufs[k], bufs[base]), k
         nbytes = numel * 2 + lay.total_bytes
-        timings.time("one output" if outputs_in_turn else "compress", n,
+        label = f"P={chunks}" if chunks > 1 else "one output" if outputs_in_turn else "compress"
+        timings.time(label, n,
                      {k: (lambda fn=fn, k=k: fn(xs.next(), bufs[k], lay)) for k, fn in comp.items()}, nbytes)
         if outputs_in_turn:
             outs = Rotating(lambda: torch.empty(lay.total_bytes, dtype=torch.uint8, device=dev), lay.total_bytes, dev)
-            timings.time("8 outputs", n, {k: (lambda fn=fn: fn(xs.next(), outs.next(), lay)) for k, fn in comp.items()},
-                         nbytes)
+            timings.time(f"P={chunks}, 8 outs" if chunks > 1 else "8 outputs", n,
+                         {k: (lambda fn=fn: fn(xs.next(), outs.next(), lay)) for k, fn in comp.items()}, nbytes)
             del outs
         del xs, bufs
         torch.cuda.empty_cache()
-    timings.table(list(comp))
+    if table:
+        timings.table(list(comp))
 
 
 def with_setting(table: dict, key, value, fn):
