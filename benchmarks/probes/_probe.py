@@ -167,6 +167,23 @@ def with_setting(table: dict, key, value, fn):
     return call
 
 
+def library_encoder(cfg: TacoConfig, schedule: dict | None = None, **tuning):
+    """`triton_kernels.compress_into` as a variant, with `triton_kernels.TUNING`[key] = value for
+    each of ``tuning`` (rows_max_group=0: the tensor-core encoder; split_max_groups=0: a group a
+    lane) and `gluon_kernels`' SPLIT_<key> = value for each of ``schedule`` (HEAD_WAVES: 0.125,
+    say) set for each call."""
+    from taco_accel.codec import gluon_kernels as gk
+    from taco_accel.codec import triton_kernels as tk
+
+    def run(x, buf, lay):
+        tk.compress_into(x, buf, lay, cfg)
+    for key, value in (schedule or {}).items():
+        run = with_setting(vars(gk), f"SPLIT_{key}", value, run)
+    for key, value in tuning.items():
+        run = with_setting(tk.TUNING, key, value, run)
+    return run
+
+
 def library_decoder(cfg: TacoConfig, rows_max_group: int | None = None):
     """`triton_kernels.decompress_into` as a variant; ``rows_max_group`` set for the call (0: the
     tensor-core decoder at every G; None: the library's choice)."""

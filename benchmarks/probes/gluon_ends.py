@@ -18,14 +18,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from taco_accel.codec import gluon_kernels as gk
-from taco_accel.codec.gluon_kernels import _encode_rows, _tile_origin
+from taco_accel.codec.gluon_kernels import _encode_rows, _tile_origin, whole_groups
 from taco_accel.codec.layout import WireLayout
-
-
-def _whole_groups(layout: WireLayout, c: int) -> int:
-    """Groups of chunk c that are whole groups of the input."""
-    gpc, g = layout.groups_per_chunk, layout.group_size
-    return max(0, min(gpc, (layout.numel - c * gpc * g) // g))
 
 
 def _chunk_programs(gpc, head, body):
@@ -43,12 +37,12 @@ def ends_schedule(layout: WireLayout, sms: int) -> tuple[int, int, int]:
     spare), since chunk 0 and the last one need more than the others; the kernel works their
     counts out from head, body and gpc."""
     gpc, chunks = layout.groups_per_chunk, layout.chunks
-    if chunks > 1 and _whole_groups(layout, chunks - 2) < gpc:
+    if chunks > 1 and whole_groups(layout, chunks - 2) < gpc:
         raise ValueError(f"compress_ends needs whole chunks but the last: {layout}")
     wave = sms * gk.SPLIT_WARPS_PER_SM * 8
-    head = min(int(gk.SPLIT_HEAD_WAVES * wave), _whole_groups(layout, 0)) // 16 * 16
+    head = min(int(gk.SPLIT_HEAD_WAVES * wave), whole_groups(layout, 0)) // 16 * 16
     last_head = head if chunks == 1 else 0
-    body = max(0, min(gpc - int(gk.SPLIT_TAIL_WAVES * wave), _whole_groups(layout, chunks - 1)) - last_head) // 16 * 16
+    body = max(0, min(gpc - int(gk.SPLIT_TAIL_WAVES * wave), whole_groups(layout, chunks - 1)) - last_head) // 16 * 16
     total = _chunk_programs(gpc, last_head, body)
     if chunks > 1:
         total += (_chunk_programs(gpc, head, (gpc - head) // 16 * 16)
@@ -136,7 +130,7 @@ if __name__ == "__main__":  # the mapping's check, on the CPU: every group once,
             coded = [[] for _ in range(chunks)]
             for c, groups, masked in program_groups(layout, head, body, programs):
                 assert len(groups) > 0, "a program with nothing to code"
-                assert masked or groups[-1] < _whole_groups(layout, c), "read without masks past the input"
+                assert masked or groups[-1] < whole_groups(layout, c), "read without masks past the input"
                 coded[c] += groups
             assert all(sorted(g) == list(range(layout.groups_per_chunk)) for g in coded), (numel, chunks, sms)
     print(f"compress_ends' mapping: {len(layouts)} layouts at 4 wave sizes, every group coded once")

@@ -25,8 +25,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from gluon_rows import _async_copy, _encode_store, _group_scales, _load_transform
-from taco_accel.codec.gluon_kernels import _barrier, _swizzled, _through_shared, _walsh, _zero_padding
+from gluon_rows import _encode_store, _group_scales, _landed, _load_transform, _refill, _ring_start
+from taco_accel.codec.gluon_kernels import _barrier, _through_shared, _walsh, _zero_padding
 from taco_accel.codec.gluon_kernels import _coalesced as _layouts
 
 
@@ -250,32 +250,15 @@ def compress_words_ring(w_ptr, q_ptr, s_ptr, nwords, gpc, G: gl.constexpr, NW: g
     L_ROWW: gl.constexpr = gl.BlockedLayout([1, W], [32, 1], [NW, 1], [1, 0])
     L_ROW: gl.constexpr = gl.BlockedLayout([1, G], [32, 1], [NW, 1], [1, 0])
     L_XW: gl.constexpr = _layouts(W, NW, 4)
-    ring = gl.allocate_shared_memory(gl.int32, [STAGES, ROWS, W], _swizzled(4))
-    tiles = gl.cdiv(gpc, ROWS)
-    pid = gl.program_id(0)
-    step = gl.num_programs(0)
-    for i in gl.static_range(STAGES - 1):
-        _issue_words(ring, i, w_ptr, pid + i * step, tiles, nwords, W, ROWS, L_XW)
+    ring, tiles, pid, step = _ring_start(w_ptr, nwords, gpc, W, ROWS, L_XW, False, STAGES, 4)  # rows of W words
     k = 0
     for tile in range(pid, tiles, step):
-        _barrier()  # every lane has read the slot the next copy overwrites
-        _issue_words(ring, (k + STAGES - 1) % STAGES, w_ptr, tile + (STAGES - 1) * step, tiles, nwords, W,
-                     ROWS, L_XW)
-        async_copy.wait_group(STAGES - 1)
-        _barrier()
-        y = _words_transformed(ring.index(k % STAGES).load(L_ROWW), L_ROW, ROWS, G)
+        _refill(ring, k, w_ptr, tile, step, tiles, nwords, gpc, W, ROWS, L_XW, False, STAGES)
+        y = _words_transformed(_landed(ring, k, STAGES).load(L_ROWW), L_ROW, ROWS, G)
         _encode(y, tile * ROWS, q_ptr, s_ptr, gpc, chunk_bytes, G, NW, QMAX, TINY, PAD,
                 RARE_BAD, SMEM)
         k += 1
     async_copy.wait_group(0)
-
-
-@gluon.jit
-def _issue_words(ring, slot, w_ptr, tile, tiles, nwords, W: gl.constexpr, ROWS: gl.constexpr, L: gl.constexpr):
-    rows = tile * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L))
-    k = rows[:, None] * W + gl.arange(0, W, layout=gl.SliceLayout(0, L))[None, :]
-    _async_copy(ring.index(slot), w_ptr + k, mask=(k < nwords) & (tile < tiles))
-    async_copy.commit_group()
 
 
 @gluon.jit

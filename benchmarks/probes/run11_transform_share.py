@@ -6,23 +6,16 @@ scales and stores), bf16, G = 128, 16M / 32M / 64M values.
 """
 import torch
 
-from _probe import gpu_timings, with_setting
+from _probe import gpu_timings, library_encoder
 from taco_accel.bench.codec import Rotating
 from taco_accel.codec import TacoConfig, WireLayout
-from taco_accel.codec import triton_kernels as tk
 
 cfg = TacoConfig(backend="triton")
 plain = cfg.replace(hadamard=False)
-
-
-def encoder(config, rows_max_group):
-    def run(x, buf, lay):
-        tk.compress_into(x, buf, lay, config)
-    return with_setting(tk.TUNING, "rows_max_group", rows_max_group, run)
-
-
-variants = {"gluon": encoder(cfg, 128), "gluon, no transform": encoder(plain, 128),
-            "tensor core": encoder(cfg, 0), "tensor core, no transform": encoder(plain, 0)}
+variants = {"gluon": library_encoder(cfg, rows_max_group=128),
+            "gluon, no transform": library_encoder(plain, rows_max_group=128),
+            "tensor core": library_encoder(cfg, rows_max_group=0),
+            "tensor core, no transform": library_encoder(plain, rows_max_group=0)}
 timings = gpu_timings(rounds=3)
 dev = timings.device
 for n in (16, 32, 64):

@@ -24,31 +24,18 @@ import sys
 
 import torch
 
-from _probe import Timings, compress_sizes, encoder_reference_check, gpu_timings, with_setting
+from _probe import Timings, compress_sizes, encoder_reference_check, gpu_timings, library_encoder, with_setting
 import gluon_ends
 from gluon_split import split_launcher
 from taco_accel.codec import TacoConfig, WireLayout
 from taco_accel.codec import gluon_kernels as gk
-from taco_accel.codec import triton_kernels as tk
 
 if not torch.cuda.is_available():
     sys.exit("run14_schedule.py needs a GPU: Gluon kernels do not run in the interpreter")
 cfg = TacoConfig(backend="triton")
-
-
-def library(split_max_groups: int | None = None, **schedule):
-    """`triton_kernels.compress_into` with `gluon_kernels`' SPLIT_<key> = value for each of
-    ``schedule`` (HEAD_WAVES=0.125, say) and TUNING["split_max_groups"] set for each call."""
-    def run(x, buf, lay):
-        tk.compress_into(x, buf, lay, cfg)
-    for key, value in schedule.items():
-        run = with_setting(vars(gk), f"SPLIT_{key}", value, run)
-    return run if split_max_groups is None else with_setting(tk.TUNING, "split_max_groups", split_max_groups, run)
-
-
-everywhere = 2**40  # split at every size
+split = library_encoder(cfg, split_max_groups=2**40)  # split at every size
 ends = with_setting(vars(gk), "_compress_rows_kernel", gluon_ends.compress_ends,
-                    with_setting(vars(gk), "split_schedule", gluon_ends.ends_schedule, library(split_max_groups=everywhere)))
+                    with_setting(vars(gk), "split_schedule", gluon_ends.ends_schedule, split))
 
 
 def ends_agrees(dev: torch.device) -> bool:
@@ -59,7 +46,7 @@ def ends_agrees(dev: torch.device) -> bool:
         x = torch.randn(numel, device=dev, dtype=torch.bfloat16)
         lay = WireLayout.for_tensor(numel, cfg, chunks)
         bufs = [torch.full((lay.total_bytes,), 0xAB, dtype=torch.uint8, device=dev) for _ in range(2)]
-        library(split_max_groups=everywhere)(x, bufs[0], lay)
+        split(x, bufs[0], lay)
         try:
             ends(x, bufs[1], lay)
             torch.cuda.synchronize()
@@ -82,15 +69,16 @@ if not ends_agrees(timings.device):
     gk.AVAILABLE = True
     probe_ends = {}
 
-waves = {"library": library(), "one lane": library(split_max_groups=0),
-         **{f"head {h}": library(HEAD_WAVES=h) for h in (0, 0.125, 0.375)},
-         **{f"tail {t}": library(TAIL_WAVES=t) for t in (0.375, 0.625, 0.75)},
+waves = {"library": library_encoder(cfg), "one lane": library_encoder(cfg, split_max_groups=0),
+         **{f"head {h}": library_encoder(cfg, dict(HEAD_WAVES=h)) for h in (0, 0.125, 0.375)},
+         **{f"tail {t}": library_encoder(cfg, dict(TAIL_WAVES=t)) for t in (0.375, 0.625, 0.75)},
          "probe h0.25 t0.5": split_launcher(2, tail_waves=0.5, head_waves=0.25, maxnreg=80), **probe_ends}
 encoder_reference_check(cfg, {"base": waves["library"], **waves})
 compress_sizes(timings, cfg, waves, (16, 20, 24, 32), "library", outputs_in_turn=True)
 
 timings = Timings(timings.device, timings.copy_bw, timings.rounds)  # a table of its own
-chunked = {"library": library(), "one lane": library(split_max_groups=0), "split": library(split_max_groups=everywhere),
-           "split, no 4 lanes": library(split_max_groups=everywhere, HEAD_WAVES=0, TAIL_WAVES=0), **probe_ends}
+chunked = {"library": library_encoder(cfg), "one lane": library_encoder(cfg, split_max_groups=0), "split": split,
+           "split, no 4 lanes": library_encoder(cfg, dict(HEAD_WAVES=0, TAIL_WAVES=0), split_max_groups=2**40),
+           **probe_ends}
 for p in (1, 2, 4, 8):
     compress_sizes(timings, cfg, chunked, (16, 64), "library", chunks=p, table=p == 8)

@@ -376,14 +376,20 @@ def _grid(layout: WireLayout) -> tuple[int, int]:
     return max(1, triton.cdiv(layout.groups_per_chunk, 32 * WARPS)), layout.chunks
 
 
+def whole_groups(layout: WireLayout, chunk: int) -> int:
+    """How many of ``chunk``'s groups are whole groups of the input (read without masks)."""
+    gpc, g = layout.groups_per_chunk, layout.group_size
+    return max(0, min(gpc, (layout.numel - chunk * gpc * g) // g))
+
+
 def split_schedule(layout: WireLayout, sms: int) -> tuple[int, int, int]:
     """(head, body, programs) of each chunk for the split encoder on a GPU of ``sms`` SMs: the
     kernel's first SPLIT_HEAD_WAVES and last SPLIT_TAIL_WAVES waves of programs (a wave: SMs *
     SPLIT_WARPS_PER_SM programs) code 8 groups over 4 lanes, shared out over the chunks; the
     ``head`` first groups of a chunk and the ``body`` next, 16 a program over 2 lanes, are
     multiples of 16 whole groups of the input (read and written without masks)."""
-    gpc, g = layout.groups_per_chunk, layout.group_size
-    whole = max(0, min(gpc, (layout.numel - (layout.chunks - 1) * gpc * g) // g))  # the last chunk's
+    gpc = layout.groups_per_chunk
+    whole = whole_groups(layout, layout.chunks - 1)  # the last chunk has the fewest
     wave = sms * SPLIT_WARPS_PER_SM * 8 / layout.chunks  # groups of a wave of 4-lane programs, a chunk's share
     head = min(int(SPLIT_HEAD_WAVES * wave), whole) // 16 * 16
     body = max(0, min(gpc - int(SPLIT_TAIL_WAVES * wave), whole) - head) // 16 * 16
@@ -392,8 +398,7 @@ def split_schedule(layout: WireLayout, sms: int) -> tuple[int, int, int]:
 
 def _wide(layout: WireLayout, values: torch.Tensor) -> bool:
     """Whether the buffer or the chunks' ``values`` pass 2 GiB (64-bit offsets)."""
-    return max(layout.total_bytes, layout.chunks * layout.groups_per_chunk * layout.group_size
-               * values.element_size()) >= 2**31
+    return max(layout.total_bytes, layout.padded_numel * values.element_size()) >= 2**31
 
 
 def decompress_rows_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor) -> None:

@@ -679,8 +679,7 @@ def _codes_by_rows(config: TacoConfig, tensor: torch.Tensor) -> bool:
 def _splits_groups(layout: WireLayout, config: TacoConfig) -> bool:
     """Whether the Gluon encoder splits each group over lanes (`gluon_kernels.split_schedule`):
     G = 128 up to TUNING["split_max_groups"] groups (`gluon_kernels.SPLIT_MAX_GROUPS` says why)."""
-    groups = layout.groups_per_chunk * layout.chunks
-    return config.group_size == 128 and groups <= TUNING["split_max_groups"]
+    return config.group_size == 128 and layout.num_groups <= TUNING["split_max_groups"]
 
 
 def _ran_by_rows(launch, *args) -> bool:
