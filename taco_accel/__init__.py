@@ -13,11 +13,12 @@ from .models import (
 )
 from .tp import Compression
 from .parallel import ParallelDims, build_mesh
-from .integrations import TrainConfig, Trainer, export_merged, get_peft_model, load_adapter, save_adapter
+from .integrations import Accelerator, TrainConfig, Trainer, export_merged, get_peft_model, load_adapter, save_adapter
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Accelerator",
     "Compression",
     "NonFiniteError",
     "Packed",

@@ -33,7 +33,7 @@ def _fsdp_tp_sp(out: str, cache: str):
     trainer = Trainer(config("fsdp"))
     losses = [row["loss"] for row in trainer.train()]
     worst = 0.0  # replicated norm weights must stay identical on the TP ranks
-    for stage in trainer.plan.modules:
+    for stage in trainer.parts.modules:
         for name, p in stage.named_parameters():
             if "norm" in name:
                 local = (p.to_local() if hasattr(p, "to_local") else p).detach().contiguous()

@@ -1,14 +1,14 @@
-"""Layer 6: Accelerate glue and the shared training loop of the recipes.
+"""Layer 6: Accelerate and peft glue, and the training loops of the recipes.
 
-The only layer that knows Accelerate: `make_accelerator` (process state, autocast, trackers),
-`parallel_dims_from_launch` (mesh sizes from ``accelerate launch``), `Trainer` / `TrainConfig`
-(the loop both recipes run), sharded checkpoints and the final transformers export; peft LoRA
-on the parallel layers (`get_peft_model`, `save_adapter`, `load_adapter`, `export_merged`) and the
-fine-tuning loop of the fine-tuning recipes (`Finetuner` / `FinetuneConfig`).
+The only layer that knows Accelerate and peft: `Accelerator` (``accelerate.Accelerator`` for
+TACO tensor-parallel models: the mesh, ``prepare``, gradient reduction and clipping over the
+mesh, sharded ``save_state`` / ``load_state``), the pretraining `Trainer` / `TrainConfig` and
+the fine-tuning `Finetuner` / `FinetuneConfig` built on it, the final transformers export;
+peft LoRA on the parallel layers (`get_peft_model`, `save_adapter`, `load_adapter`,
+`export_merged`).
 """
 
-from .accelerate import make_accelerator, parallel_dims_from_launch
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .accelerator import Accelerator
 from .export import export_pretrained, gather_full_state_dict
 from .finetune import FinetuneConfig, Finetuner
 from .lora import export_merged, gather_adapter_state_dict, get_peft_model, load_adapter, save_adapter
@@ -16,6 +16,7 @@ from .presets import FAMILY_PRESETS, model_config
 from .trainer import TrainConfig, Trainer
 
 __all__ = [
+    "Accelerator",
     "FAMILY_PRESETS",
     "FinetuneConfig",
     "Finetuner",
@@ -26,12 +27,7 @@ __all__ = [
     "gather_adapter_state_dict",
     "gather_full_state_dict",
     "get_peft_model",
-    "latest_checkpoint",
     "load_adapter",
-    "load_checkpoint",
-    "make_accelerator",
     "model_config",
-    "parallel_dims_from_launch",
     "save_adapter",
-    "save_checkpoint",
 ]

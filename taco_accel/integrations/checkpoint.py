@@ -1,45 +1,374 @@
-"""Sharded checkpoints of a pp x dp x tp run, and resume.
+"""Sharded training checkpoints of a pp x dp x tp run: atomic, checksummed, read without pickle code.
 
-Layout of ``<dir>/step_<N>/``:
+The one checkpoint format of taco_accel (`Accelerator.save_state` / ``load_state``; the
+recipes' ``--save-every`` / ``--resume``). A checkpoint is a folder:
 
-- ``model-pp{p}-tp{t}[-dp{d}].pt``: the state of this rank's pipeline stage(s) (``model`` keys
-  are transformers keys; tensors are this rank's TP / FSDP shards) and of its optimizer. With
-  DDP the dp replicas are identical and only dp rank 0 writes (no ``-dp`` suffix); with FSDP
-  every dp rank writes its shard.
-- ``rng-rank{r}.pt``: every rank's RNG states (torch, CUDA, Python, NumPy).
-- ``meta.json``: step, mesh sizes, scheduler and data position, the metric history; written last
-  by rank 0, so a folder without it is an incomplete checkpoint and is ignored.
+- ``model-pp{p}-tp{t}[-dp{d}].pt``: ``{"models": [[state dict per module] per model],
+  "optimizers": [state dict per optimizer]}`` of one mesh coordinate; transformers keys,
+  this rank's TP (and FSDP) shards. DDP replicas are identical, so only dp rank 0 writes (no
+  ``-dp`` suffix); under FSDP every dp rank writes its shard.
+- ``rank{r}.pt``: rank r's random states (torch, CUDA, Python, NumPy).
+- ``state.pt`` (rank 0): schedulers, the gradient scaler, DataLoader positions, the
+  accelerator's step counter and the objects registered with ``register_for_checkpointing``.
+- ``meta.json``, written last: format version, mesh sizes, and every file's size and sha256.
 
-Resuming needs the same mesh sizes (a resharding loader is future work). Loading restores
-parameters, optimizer moments, scheduler, data position and RNG, so the resumed run repeats
-the losses of an uninterrupted one bit for bit on the same machine.
+**Atomic**: every rank writes into a hidden sibling ``.<name>.tmp-<token>``; once all ranks
+have reported their files' checksums, rank 0 writes ``meta.json`` there and renames the folder
+into place (an existing folder of that name is renamed aside first and deleted after). A job
+killed at any moment leaves the previous complete folder, or no folder of that name: never
+one rank's new shard next to another's old one. **Safe**: files are read with
+``torch.load(weights_only=True)`` (a planted file cannot run code), after their size and
+checksum are checked; a problem names the file, on every rank at once (one exchange), so no
+rank is left waiting in a collective. `latest` skips damaged checkpoints with a warning.
+
+Resuming needs the same mesh sizes; it restores parameters, optimizer moments, schedulers,
+RNG states and data positions, so a resumed run repeats the losses of an uninterrupted one.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import logging
 import os
 import random
 import re
+import shutil
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from ..parallel import ModelParts, ParallelDims
+
 logger = logging.getLogger(__name__)
 
+FORMAT = "taco_accel-checkpoint"
+VERSION = 1
+META = "meta.json"
+SHARED = "state.pt"
+NAME = re.compile(r"(?:step|checkpoint)_(\d+)")
 
-def _to_local(obj):
-    if hasattr(obj, "to_local"):  # DTensor (FSDP2 shard)
+
+class CheckpointError(ValueError):
+    """A checkpoint folder is incomplete, damaged, or does not fit this run."""
+
+
+@dataclass
+class TrainingState:
+    """What a checkpoint holds: the laid-out models, their optimizers and schedulers, the
+    gradient scaler, the prepared DataLoaders, registered objects and the step counter."""
+
+    parts: list[ModelParts]
+    optimizers: list
+    schedulers: list
+    dataloaders: list
+    custom: list
+    scaler: object = None
+    owner: object = None  # the accelerator: its ``step`` is saved and restored
+
+    @classmethod
+    def of(cls, accelerator) -> "TrainingState":
+        return cls([parts for _, parts in accelerator._parts], accelerator._optimizers, accelerator._schedulers,
+                   accelerator._dataloaders, accelerator._custom_objects, accelerator.scaler, accelerator)
+
+
+# -- saving -------------------------------------------------------------------------------------
+def save(folder: str | os.PathLike, state: TrainingState, mesh, dims: ParallelDims) -> Path:
+    """Write ``state`` into ``folder`` atomically (a collective over every rank)."""
+    coords = {name: mesh[name].get_local_rank() for name in ("pp", "dp", "tp")}
+    files = {}
+    if dims.dp_mode == "fsdp" or coords["dp"] == 0:
+        files[model_file(coords, dims)] = {
+            "models": [[_local(m.state_dict()) for m in parts.modules] for parts in state.parts],
+            "optimizers": [_local(opt.state_dict()) for opt in state.optimizers],
+        }
+    files[f"rank{dist.get_rank()}.pt"] = _rng_state()
+    if dist.get_rank() == 0:
+        files[SHARED] = {
+            "schedulers": [s.state_dict() for s in state.schedulers],
+            "scaler": state.scaler.state_dict() if state.scaler is not None else None,
+            "dataloaders": [_loader_state(dl) for dl in state.dataloaders],
+            "custom": [obj.state_dict() for obj in state.custom],
+            "step": getattr(state.owner, "step", 0),
+        }
+    meta = {"format": FORMAT, "version": VERSION, "dims": dataclasses.asdict(dims)}
+    return write(folder, files, meta)
+
+
+def write(folder: str | os.PathLike, files: dict[str, object], meta: dict) -> Path:
+    """Each rank saves its ``files`` (name -> object); rank 0 adds ``meta`` with every file's
+    size and checksum and commits the folder (see the module doc). A collective."""
+    folder = Path(folder)
+    token = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    tmp = folder.parent / f".{folder.name}.tmp-{token[0]}"
+    if dist.get_rank() == 0:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        for stale in folder.parent.glob(f".{folder.name}.*-*"):  # leftovers of killed saves
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+    mine = {}
+    for name, obj in files.items():
+        torch.save(obj, tmp / name)
+        mine[name] = _describe(tmp / name)
+    reports = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, mine)
+    if dist.get_rank() == 0:
+        meta = {**meta, "files": {k: v for report in reports for k, v in report.items()}}
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+        _fsync_dir(tmp)
+        aside = folder.parent / f".{folder.name}.old-{token[0]}"
+        if folder.exists():
+            os.rename(folder, aside)
+        os.rename(tmp, folder)
+        _fsync_dir(folder.parent)
+        shutil.rmtree(aside, ignore_errors=True)
+        logger.info("saved checkpoint %s", folder)
+    dist.barrier()
+    return folder
+
+
+def model_file(coords: dict, dims: ParallelDims) -> str:
+    suffix = f"-dp{coords['dp']}" if dims.dp_mode == "fsdp" else ""
+    return f"model-pp{coords['pp']}-tp{coords['tp']}{suffix}.pt"
+
+
+# -- loading ------------------------------------------------------------------------------------
+def load(folder: str | os.PathLike, state: TrainingState, mesh, dims: ParallelDims) -> dict:
+    """Restore ``state`` from ``folder`` (a collective); return its meta."""
+    folder = Path(folder)
+    meta = _agree(lambda: _meta(folder, dims), f"checkpoint {folder}")
+    coords = {name: mesh[name].get_local_rank() for name in ("pp", "dp", "tp")}
+    names = [model_file({**coords, "dp": coords["dp"] if dims.dp_mode == "fsdp" else 0}, dims),
+             f"rank{dist.get_rank()}.pt", SHARED]
+    loaded = _agree(lambda: {n: read(folder, n, meta) for n in names}, f"checkpoint {folder}")
+    model_state = loaded[names[0]]
+    if len(model_state["models"]) != len(state.parts) or len(model_state["optimizers"]) != len(state.optimizers):
+        raise CheckpointError(
+            f"{folder} holds {len(model_state['models'])} model(s) and {len(model_state['optimizers'])} optimizer(s); "
+            f"this run prepared {len(state.parts)} and {len(state.optimizers)}: prepare the same objects before load_state"
+        )
+    for parts, saved in zip(state.parts, model_state["models"]):
+        for module, values in zip(parts.modules, saved):
+            _copy_into(module, values, folder)
+    for opt, saved in zip(state.optimizers, model_state["optimizers"]):
+        opt.load_state_dict(saved)
+        _rewrap_optimizer_state(opt.optimizer if hasattr(opt, "optimizer") else opt)
+    shared = loaded[SHARED]
+    for sched, saved in zip(state.schedulers, shared["schedulers"]):
+        sched.load_state_dict(saved)
+    if state.scaler is not None and shared["scaler"] is not None:
+        state.scaler.load_state_dict(shared["scaler"])
+    for dl, saved in zip(state.dataloaders, shared["dataloaders"]):
+        _set_loader_state(dl, saved)
+    if len(shared["custom"]) != len(state.custom):
+        raise CheckpointError(f"{folder} holds {len(shared['custom'])} registered object(s), this run registered "
+                              f"{len(state.custom)}: register the same objects (register_for_checkpointing)")
+    for obj, saved in zip(state.custom, shared["custom"]):
+        obj.load_state_dict(saved)
+    if state.owner is not None:
+        state.owner.step = shared["step"]
+    _set_rng_state(loaded[f"rank{dist.get_rank()}.pt"])
+    logger.info("resumed from %s", folder)
+    return meta
+
+
+def read(folder: Path, name: str, meta: dict):
+    """One file of a checkpoint, checked against ``meta`` first, loaded without running code."""
+    path = folder / name
+    problem = _check(path, meta["files"].get(name))
+    if problem:
+        raise CheckpointError(f"{path}: {problem}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # an unpickling refusal: not a file this code wrote
+        raise CheckpointError(f"{path}: refused by torch.load(weights_only=True) ({e}); a taco_accel checkpoint "
+                              "holds tensors, numbers, strings and containers only") from e
+
+
+def latest(root: str | os.PathLike, mesh=None) -> Path | None:
+    """The newest complete, undamaged checkpoint folder (``step_<N>`` / ``checkpoint_<N>``)
+    under ``root``, or None when there is none. Damaged ones are skipped with a warning that
+    names their files; if every one is damaged, a `CheckpointError`. A collective: each rank
+    checks a share of the files."""
+    root = Path(root)
+    found = [None]
+    if dist.get_rank() == 0:
+        found[0] = _candidates(root)
+    dist.broadcast_object_list(found, src=0)
+    damaged = []
+    for folder in found[0]:
+        meta = json.loads((folder / META).read_text())
+        names = sorted(meta.get("files", {}))
+        mine = [f"{n}: {p}" for n in names[dist.get_rank()::dist.get_world_size()]
+                if (p := _check(folder / n, meta["files"][n]))]
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, mine)
+        problems = [p for part in problems for p in part]
+        if not problems:
+            return folder
+        damaged.append(folder)
+        if dist.get_rank() == 0:
+            logger.warning("checkpoint %s is damaged (%s); trying the one before", folder, "; ".join(problems))
+    if damaged:
+        raise CheckpointError(f"every checkpoint under {root} is damaged ({', '.join(map(str, damaged))}); "
+                              "start without --resume or restore them from a copy")
+    return None
+
+
+def prune(root: Path, keep: int) -> None:
+    """Delete the oldest complete checkpoints under ``root`` so that at most ``keep`` remain."""
+    for folder in _candidates(root)[max(keep, 0):]:
+        shutil.rmtree(folder, ignore_errors=True)
+        logger.info("deleted checkpoint %s (total_limit)", folder)
+
+
+def step_of(folder: Path) -> int:
+    match = NAME.fullmatch(Path(folder).name)
+    return int(match.group(1)) if match else -1
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def _candidates(root: Path) -> list[Path]:
+    """Checkpoint folders with a meta.json, newest first."""
+    if not root.is_dir():
+        return []
+    done = []
+    for p in root.iterdir():
+        if NAME.fullmatch(p.name):
+            if (p / META).exists():
+                done.append(p)
+            else:
+                logger.warning("ignoring %s: no %s (not written by this version, or not a checkpoint)", p, META)
+    return sorted(done, key=step_of, reverse=True)
+
+
+def _meta(folder: Path, dims: ParallelDims) -> dict:
+    path = folder / META
+    if not path.exists():
+        raise CheckpointError(f"{folder} is not a complete checkpoint (no {META})")
+    meta = json.loads(path.read_text())
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise CheckpointError(f"{path}: format {meta.get('format')!r} version {meta.get('version')!r}, this code "
+                              f"reads {FORMAT!r} version {VERSION}")
+    if meta["dims"] != dataclasses.asdict(dims):
+        raise CheckpointError(f"{folder} was written with mesh {meta['dims']}, this run is {dataclasses.asdict(dims)}: "
+                              "resume with the same pp / dp / tp sizes and dp mode")
+    return meta
+
+
+def _agree(fn, what: str):
+    """``fn()`` on every rank; if it raises a CheckpointError anywhere, raise on every rank."""
+    try:
+        value, problem = fn(), None
+    except CheckpointError as e:
+        value, problem = None, str(e)
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    problems = sorted({p for p in problems if p})
+    if problems:
+        raise CheckpointError(f"cannot load {what}: " + "; ".join(problems))
+    return value
+
+
+def _describe(path: Path) -> dict:
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _check(path: Path, expected: dict | None) -> str | None:
+    """What is wrong with one file against its meta entry, or None."""
+    if expected is None:
+        return "not listed in meta.json"
+    if not path.exists():
+        return "missing"
+    size = path.stat().st_size
+    if size != expected["bytes"]:
+        return f"{size} bytes, meta.json says {expected['bytes']} (truncated or replaced)"
+    if _sha256(path) != expected["sha256"]:
+        return "checksum mismatch (the file changed after it was written)"
+    return None
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory handles
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _local(obj):
+    """Tensors as this rank's plain local values (FSDP2 DTensors -> their shard), recursively."""
+    if hasattr(obj, "to_local"):
         return obj.to_local().detach().clone()
     if isinstance(obj, torch.Tensor):
-        return obj.detach().clone() if obj.device.type != "cpu" else obj
+        return obj.detach().clone() if obj.device.type != "cpu" else obj.detach()
     if isinstance(obj, dict):
-        return {k: _to_local(v) for k, v in obj.items()}
+        return {k: _local(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_local(v) for v in obj)
+        return type(obj)(_local(v) for v in obj)
     return obj
+
+
+def _copy_into(module: torch.nn.Module, values: dict, folder: Path) -> None:
+    own = dict(module.named_parameters())
+    own.update(dict(module.named_buffers()))
+    for name, value in values.items():
+        if name not in own:
+            raise CheckpointError(f"{folder}: key {name!r} is not in this model; same model and mesh?")
+        target = own[name].to_local() if hasattr(own[name], "to_local") else own[name]
+        if target.shape != value.shape:
+            raise CheckpointError(f"{folder}: {name} has shape {tuple(value.shape)}, this run's shard "
+                                  f"{tuple(target.shape)}; resume with the mesh sizes it was written with")
+        with torch.no_grad():
+            target.copy_(value)
+
+
+def _rewrap_optimizer_state(optimizer) -> None:
+    """After load_state_dict, turn local moments of DTensor (FSDP2) parameters back into DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not isinstance(p, DTensor):
+                continue
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0:
+                    optimizer.state[p][key] = DTensor.from_local(value.to(p.device), p.device_mesh, p.placements,
+                                                                 shape=p.shape, stride=p.stride())
+
+
+def _loader_state(loader) -> dict:
+    """A prepared DataLoader's position: its stateful state, or its seedable sampler's epoch."""
+    if getattr(loader, "use_stateful_dataloader", False):
+        return {"stateful": loader.state_dict()}
+    sampler = loader.get_sampler() if hasattr(loader, "get_sampler") else None
+    if sampler is not None and hasattr(sampler, "epoch"):
+        return {"epoch": int(sampler.epoch)}
+    return {}
+
+
+def _set_loader_state(loader, saved: dict) -> None:
+    if "stateful" in saved:
+        loader.load_state_dict(saved["stateful"])
+    elif "epoch" in saved and hasattr(loader, "set_epoch"):
+        loader.set_epoch(saved["epoch"])
 
 
 def _rng_state() -> dict:
@@ -49,7 +378,8 @@ def _rng_state() -> dict:
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [name, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached]
     except ImportError:  # pragma: no cover
         pass
     return state
@@ -63,89 +393,5 @@ def _set_rng_state(state: dict) -> None:
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
-
-
-def _model_file(folder: Path, coords: dict, dp_mode: str) -> Path:
-    suffix = f"-dp{coords['dp']}" if dp_mode == "fsdp" else ""
-    return folder / f"model-pp{coords['pp']}-tp{coords['tp']}{suffix}.pt"
-
-
-def save_checkpoint(folder: str | os.PathLike, *, stages, optimizer, coords: dict, dp_mode: str, meta: dict) -> Path:
-    """Write this rank's shard of the checkpoint (a collective: call it on every rank)."""
-    folder = Path(folder)
-    if dist.get_rank() == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    if dp_mode == "fsdp" or coords["dp"] == 0:
-        state = {
-            "model": [_to_local(s.state_dict()) for s in stages],
-            "optimizer": _to_local(optimizer.state_dict()),
-        }
-        torch.save(state, _model_file(folder, coords, dp_mode))
-    torch.save(_rng_state(), folder / f"rng-rank{dist.get_rank()}.pt")
-    dist.barrier()
-    if dist.get_rank() == 0:
-        tmp = folder / "meta.json.tmp"
-        tmp.write_text(json.dumps(meta, indent=1))
-        os.replace(tmp, folder / "meta.json")
-        logger.info("saved checkpoint %s", folder)
-    dist.barrier()
-    return folder
-
-
-def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The complete ``step_<N>`` folder with the highest N under ``root``, or None."""
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    done = [p for p in root.iterdir() if re.fullmatch(r"step_\d+", p.name) and (p / "meta.json").exists()]
-    return max(done, key=lambda p: int(p.name[5:]), default=None)
-
-
-def _copy_into_local(param: torch.Tensor, value: torch.Tensor) -> None:
-    target = param.to_local() if hasattr(param, "to_local") else param
-    if target.shape != value.shape:
-        raise ValueError(f"checkpoint shard of shape {tuple(value.shape)} does not fit {tuple(target.shape)}; "
-                         "resume with the mesh sizes the checkpoint was written with")
-    with torch.no_grad():
-        target.copy_(value)
-
-
-def _rewrap_optimizer_state(optimizer) -> None:
-    """After load_state_dict, turn local moments of DTensor (FSDP) parameters back into DTensors."""
-    from torch.distributed.tensor import DTensor
-
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if not isinstance(p, DTensor):
-                continue
-            for key, value in optimizer.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0:
-                    optimizer.state[p][key] = DTensor.from_local(value.to(p.device), p.device_mesh, p.placements,
-                                                                 shape=p.shape, stride=p.stride())
-
-
-def load_checkpoint(folder: str | os.PathLike, *, stages, optimizer, coords: dict, dp_mode: str, dims: dict) -> dict:
-    """Load this rank's shard into ``stages`` and ``optimizer``, restore RNG; return meta."""
-    folder = Path(folder)
-    meta = json.loads((folder / "meta.json").read_text())
-    if meta["dims"] != dims:
-        raise ValueError(f"checkpoint {folder} was written with mesh {meta['dims']}, this run is {dims}; "
-                         "resume with the same --pp/--dp/--tp")
-    state = torch.load(_model_file(folder, coords, dp_mode), map_location="cpu", weights_only=False)
-    for stage, saved in zip(stages, state["model"]):
-        params = dict(stage.named_parameters())
-        buffers = dict(stage.named_buffers())
-        for name, value in saved.items():
-            if name in params:
-                _copy_into_local(params[name], value)
-            elif name in buffers:
-                _copy_into_local(buffers[name], value)
-            else:
-                raise ValueError(f"checkpoint key {name!r} is not in this stage; same model and mesh?")
-    optimizer.load_state_dict(state["optimizer"])
-    _rewrap_optimizer_state(optimizer)
-    _set_rng_state(torch.load(folder / f"rng-rank{dist.get_rank()}.pt", weights_only=False))
-    logger.info("resumed from %s (step %d)", folder, meta["step"])
-    return meta
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))

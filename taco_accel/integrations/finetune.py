@@ -2,15 +2,17 @@
 
 Read top to bottom:
 
-1. `Finetuner.__init__`: the ("pp"=1, "dp", "tp") mesh from `FinetuneConfig` or ``accelerate
-   launch``; the checkpoint (a local folder, a hub name, or ``"tiny"``: a small random model of
+1. `Finetuner.__init__`: a `taco_accel.Accelerator` for the ("pp"=1, "dp", "tp") mesh of
+   `FinetuneConfig` or ``accelerate launch``; the checkpoint (a local folder, a hub name, or ``"tiny"``: a small random model of
    ``family`` written on the spot); its tokenizer; the records, formatted (chat template or plain
    text) and tokenized with the loss on the response tokens only, some held out; the model read
    straight into its TP slices (`taco_accel.from_pretrained`); LoRA through peft on the parallel
-   layers (`get_peft_model`) or every parameter trainable; AdamW on what trains.
+   layers (`get_peft_model`) or every parameter trainable; ``accelerator.prepare`` of the model
+   (data parallelism), then of AdamW on what trains and its schedule.
 2. `Finetuner.train_step`: one optimizer step over ``micro_batches`` padded micro-batches; the
    loss is the mean over the response tokens of the whole global batch (``num_items_in_batch``);
-   gradients averaged over dp, clipped by their norm over the mesh.
+   ``accelerator.clip_grad_norm_`` averages the gradients over dp and clips them by their norm
+   over the mesh. ``--save-every`` / ``--resume`` checkpoint through ``accelerator.save_state``.
 3. `Finetuner.evaluate`: per held-out sequence, the summed negative log-likelihood of its
    scored tokens, reduced to a perplexity by the local `evaluate` metric `token_perplexity`
    (no hub); recorded in the history, the trackers and ``eval_results.json``.
@@ -38,11 +40,13 @@ from ..data.supervised import IGNORE, RecordFields, SFTBatches, eval_micro_batch
     tokenize_records
 from ..models import from_pretrained, save_pretrained
 from ..models.checkpoint import tp_replicas
-from ..parallel import DataParallelGradSync, build_mesh, clip_grad_norm_, default_device
 from ..tp import vocab_parallel_cross_entropy
-from .accelerate import main_first, make_accelerator, parallel_dims_from_launch
+from . import checkpoint as ckpt
+from .accelerator import Accelerator
+from .launch import main_first, usable_trackers
 from .metrics import plot_losses, write_history
-from .trainer import MIXED_PRECISION, _comm_totals, _flat, _progress, config_dict, lr_lambda
+from .trainer import MIXED_PRECISION, _comm_totals, _flat, _global_rank, _progress, config_dict, lr_lambda, \
+    requested_dims
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +115,8 @@ class FinetuneConfig:
     export: bool = True
     merge: bool = True
     plot: bool = True
+    save_every: int = 0
+    resume: str | None = None
     device: str | None = None
 
     def __post_init__(self) -> None:
@@ -162,15 +168,21 @@ class Finetuner:
 
     def __init__(self, cfg: FinetuneConfig):
         self.cfg = cfg
-        self.dims = parallel_dims_from_launch(pp=1, dp=cfg.dp, tp=cfg.tp, dp_mode="ddp")
-        self.device = torch.device(cfg.device) if cfg.device else default_device()
-        self.mesh = build_mesh(self.dims, self.device.type)
-        self.rank, self.is_main = dist.get_rank(), dist.get_rank() == 0
-        self.tp_rank, self.dp_rank = self.mesh["tp"].get_local_rank(), self.mesh["dp"].get_local_rank()
         self.out = Path(cfg.output_dir)
-        self.accelerator = make_accelerator(mixed_precision=cfg.mixed_precision,
-                                            trackers=cfg.trackers if self.is_main else (),
-                                            project_dir=str(self.out), cpu=self.device.type == "cpu")
+        self.trackers = usable_trackers(cfg.trackers) if _global_rank() == 0 else []
+        self.accelerator = acc = Accelerator(
+            parallel_dims=requested_dims(1, cfg.dp, cfg.tp, "ddp"), mixed_precision=cfg.mixed_precision,
+            cpu=cfg.device == "cpu", project_dir=str(self.out), compression=cfg.compression,
+            sequence_parallel=cfg.sequence_parallel, step_scheduler_with_optimizer=False,
+            log_with=self.trackers or None,
+        )
+        if acc.emulated_tp > 1:
+            raise ValueError(f"tp={acc.emulated_tp} on one process: fine-tuning reads real TP shards; launch "
+                             f"{acc.emulated_tp} processes (accelerate launch --multi_gpu --num_processes "
+                             f"{acc.emulated_tp}) or leave --tp unset")
+        self.dims, self.mesh, self.device = acc.parallel_dims, acc.torch_device_mesh, acc.device
+        self.rank, self.is_main = dist.get_rank(), dist.get_rank() == 0
+        self.tp_rank, self.dp_rank = acc.tensor_parallel_rank, acc.data_parallel_rank
         self.path = main_first(self._checkpoint)
         from transformers import AutoTokenizer
 
@@ -179,6 +191,9 @@ class Finetuner:
         self._build_model()
         self._build_optimizer()
         self.step, self.history, self.eval_results = 0, [], {}
+        acc.register_for_checkpointing(_FinetuneProgress(self))
+        if cfg.resume:
+            self._resume(cfg.resume)
 
     def _checkpoint(self) -> str:
         if self.cfg.model != TINY:
@@ -243,13 +258,12 @@ class Finetuner:
                 target_modules=targets if isinstance(targets, str) else list(targets)))
             model.peft_config["default"].base_model_name_or_path = cfg.model if cfg.model != TINY else self.path
         torch.manual_seed(cfg.seed + 1 + self.dp_rank)  # dropout: the same within a tp group, not across dp
-        model.tp_replicas = tp_replicas(model, self.dims.tp)
-        self.model = model
-        self.trainable = [p for p in model.parameters() if p.requires_grad]
-        full_size = {n: p.numel() * self.dims.tp // model.tp_replicas[n] for n, p in model.named_parameters()}
+        replicas = tp_replicas(model, self.dims.tp)
+        self.model = self.accelerator.prepare(model)  # data parallelism over dp (the tp layout is checked)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        full_size = {n: p.numel() * self.dims.tp // replicas[n] for n, p in self.model.named_parameters()}
         total = sum(full_size.values())
-        trained = sum(full_size[n] for n, p in model.named_parameters() if p.requires_grad)
-        self.dp_sync = DataParallelGradSync([model], self.mesh) if self.dims.dp > 1 else None
+        trained = sum(full_size[n] for n, p in self.model.named_parameters() if p.requires_grad)
         if self.is_main:
             logger.info("%s fine-tuning of %s: %.2fM of %.2fM parameters train, mesh %s", cfg.method, cfg.model,
                         trained / 1e6, total / 1e6, self.dims)
@@ -258,11 +272,12 @@ class Finetuner:
         cfg = self.cfg
         decay = [p for p in self.trainable if p.dim() >= 2]
         no_decay = [p for p in self.trainable if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
+        optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8,
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+        self.optimizer, self.scheduler = self.accelerator.prepare(optimizer, scheduler)
 
     # -- one step ---------------------------------------------------------------------------
     def _all_sum(self, values: list, replica_only: bool = False) -> list[float]:
@@ -282,7 +297,7 @@ class Finetuner:
         micro = self.batches.batch(self.step)
         local_tokens = sum(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in micro)
         global_tokens = self._all_sum([local_tokens], replica_only=True)[0]
-        # mean over the global batch's scored tokens, after DataParallelGradSync averages over dp
+        # mean over the global batch's scored tokens, once the accelerator averages the gradients over dp
         num_items = torch.tensor(max(global_tokens, 1.0) / self.dims.dp, device=self.device)
         self.optimizer.zero_grad(set_to_none=True)
         losses = []
@@ -292,9 +307,7 @@ class Finetuner:
             out.loss.backward()
             losses.append(out.loss.detach())
         loss = torch.stack(losses).double().sum()  # on the device: read with the step's other figures
-        if self.dp_sync is not None:
-            self.dp_sync()
-        grad_norm = clip_grad_norm_([self.model], self.mesh, self.cfg.max_grad_norm, "ddp")
+        grad_norm = self.accelerator.clip_grad_norm_(self.trainable, self.cfg.max_grad_norm).item()
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
@@ -344,24 +357,26 @@ class Finetuner:
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "run_config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
-            if cfg.trackers:
+            if self.trackers:
                 acc.init_trackers(self.out.name or "finetune", config=_flat(cfg.to_dict()))
-        self.eval_results = {"step": 0, **{f"eval_{k}": v for k, v in self.evaluate().items()}}
-        self.history.append(self.eval_results)
-        bar = _progress(cfg.steps, self.step, enabled=cfg.progress and self.is_main)
-        while self.step < cfg.steps:
-            row = self.train_step()
-            if self.step == cfg.steps or (cfg.eval_every and self.step % cfg.eval_every == 0):
-                row.update({f"eval_{k}": v for k, v in self.evaluate().items()})
-                self.eval_results = {"step": self.step, **{k: v for k, v in row.items() if k.startswith("eval_")}}
-            self.history.append(row)
-            if self.is_main:
-                acc.log({k: v for k, v in row.items() if k != "step"}, step=self.step)
-                bar.update(1)
-                bar.set_postfix(loss=f"{row['loss']:.3f}")
-                if self.step % cfg.log_every == 0 or "eval_loss" in row:
-                    logger.info(_format(row))
-        bar.close()
+        if self.step == 0:
+            self.eval_results = {"step": 0, **{f"eval_{k}": v for k, v in self.evaluate().items()}}
+            self.history.append(self.eval_results)
+        with _progress(cfg.steps, self.step, enabled=cfg.progress and self.is_main) as bar:
+            while self.step < cfg.steps:
+                row = self.train_step()
+                if self.step == cfg.steps or (cfg.eval_every and self.step % cfg.eval_every == 0):
+                    row.update({f"eval_{k}": v for k, v in self.evaluate().items()})
+                    self.eval_results = {"step": self.step, **{k: v for k, v in row.items() if k.startswith("eval_")}}
+                self.history.append(row)
+                if self.is_main:
+                    acc.log({k: v for k, v in row.items() if k != "step"}, step=self.step)
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{row['loss']:.3f}")
+                    if self.step % cfg.log_every == 0 or "eval_loss" in row:
+                        logger.info(_format(row))
+                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
+                    self.accelerator.save_state(self.out / "checkpoints" / f"step_{self.step}")
         self._finish()
         return self.history
 
@@ -377,7 +392,7 @@ class Finetuner:
                 logger.info("loss curve: %s", self.out / "loss.png")
         if cfg.export:
             self.export()
-        if self.is_main and cfg.trackers:
+        if self.is_main and self.trackers:
             self.accelerator.end_training()
 
     def export(self) -> None:
@@ -399,6 +414,27 @@ class Finetuner:
                 self.tokenizer.save_pretrained(folder)
                 (folder / "eval_results.json").write_text(json.dumps(self.eval_results, indent=1))
             logger.info("exported %s", ", ".join(str(f) for f in folders))
+
+
+    def _resume(self, where: str) -> None:
+        folder = ckpt.latest(self.out / "checkpoints") if where == "latest" else Path(where)
+        if folder is None:
+            logger.info("no checkpoint under %s: starting from scratch", self.out / "checkpoints")
+            return
+        self.accelerator.load_state(folder)
+
+
+class _FinetuneProgress:
+    """The loop's own state in a checkpoint: step, history and the latest evaluation."""
+
+    def __init__(self, finetuner: Finetuner):
+        self.f = finetuner
+
+    def state_dict(self) -> dict:
+        return {"step": self.f.step, "history": self.f.history, "eval_results": self.f.eval_results}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.f.step, self.f.history, self.f.eval_results = state["step"], state["history"], state["eval_results"]
 
 
 def perplexity(nll: list[float], tokens: list[int]) -> dict:

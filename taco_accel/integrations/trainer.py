@@ -1,29 +1,31 @@
-"""The one training loop of the recipes: mesh, pp -> tp -> dp, train, evaluate, checkpoint, export.
+"""The pretraining loop of the recipes, on the same `Accelerator` as a user's own loop.
 
 Read top to bottom, picotron style:
 
-1. `Trainer.__init__`: the mesh from `TrainConfig` or ``accelerate launch``; tokenizer and
-   packed data (rank 0 first, the others read its cache); the model from a config, built on
-   every rank with the same seed; `apply_pp` (this rank's stages), `apply_tp` per stage,
-   `apply_dp` per stage; one AdamW over this rank's parameters; a
-   ``torch.distributed.pipelining`` schedule (with pp=1 too: a one-stage schedule is plain
-   gradient accumulation over micro-batches).
+1. `Trainer.__init__`: a `taco_accel.Accelerator` for the mesh sizes of `TrainConfig` or
+   ``accelerate launch`` (one process with tp > 1 emulates TP); tokenizer and packed data
+   (rank 0 first, the others read its cache); the model from a config, built on every rank
+   with the same seed; ``accelerator.prepare_pipeline`` (tp, then this rank's pipeline stages,
+   then dp; with pp=1 too: a one-stage schedule is gradient accumulation over micro-batches);
+   one AdamW over this rank's parameters and its LR schedule, prepared.
 2. `Trainer.train_step`: one optimizer step. The schedule runs forward and backward of every
-   micro-batch (loss on the last stage; gradients averaged over micro-batches, then over dp),
-   tied-embedding gradients are summed across stages, gradients are clipped by their norm over
-   the whole mesh, then AdamW and the LR schedule step. Loss and communication statistics
-   reach rank 0 in one all-reduce.
-3. `Trainer.train`: the loop, evaluation every N steps, tracker logging through the
-   Accelerator, a progress bar, checkpoints; at the end a loss-curve PNG and the export.
+   micro-batch (loss on the last stage); ``accelerator.clip_grad_norm_`` finishes the
+   gradients (averaged over dp, tied embeddings summed across stages) and clips them by their
+   norm over the whole mesh; AdamW and the schedule step. Loss and communication statistics
+   reach every rank in one all-reduce.
+3. `Trainer.train`: the loop, evaluation every N steps, tracker logging, a progress bar,
+   checkpoints (``accelerator.save_state``); at the end a loss-curve PNG and the export.
 
 The global batch is ``micro_batch_size * micro_batches * dp`` windows of ``seq_len`` tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,19 +34,17 @@ import torch
 import torch.distributed as dist
 
 from ..codec import TacoConfig
-from ..parallel import (
-    SCHEDULES, DataParallelGradSync, ReplicaGradSum, TiedEmbeddingSync, apply_dp, apply_pp, apply_tp, build_mesh,
-    build_schedule, clip_grad_norm_, default_device, make_pipeline_stages,
-)
-from ..parallel.pipeline import is_tied
+from ..parallel import SCHEDULES, ParallelDims
 from . import checkpoint as ckpt
-from .accelerate import main_first, make_accelerator, parallel_dims_from_launch
+from .accelerator import Accelerator
+from .launch import main_first, usable_trackers
 from .metrics import flops_per_token, plot_losses, write_history
 from .presets import model_config, pad_vocab
 
 logger = logging.getLogger(__name__)
 
 MIXED_PRECISION = ("no", "bf16")
+HPARAMS = ("lr", "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm", "steps")
 
 
 @dataclass
@@ -145,19 +145,23 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        self.dims = parallel_dims_from_launch(pp=cfg.pp, dp=cfg.dp, tp=cfg.tp, dp_mode=cfg.dp_mode)
-        self.device = torch.device(cfg.device) if cfg.device else default_device()
-        self.mesh = build_mesh(self.dims, self.device.type)
+        self.out = Path(cfg.output_dir)
+        self.trackers = usable_trackers(cfg.trackers) if _global_rank() == 0 else []
+        self.accelerator = acc = Accelerator(
+            parallel_dims=requested_dims(cfg.pp, cfg.dp, cfg.tp, cfg.dp_mode), mixed_precision=cfg.mixed_precision,
+            cpu=cfg.device == "cpu", project_dir=str(self.out), compression=cfg.compression,
+            sequence_parallel=cfg.sequence_parallel, step_scheduler_with_optimizer=False,
+            log_with=self.trackers or None,
+        )
+        self.dims, self.mesh, self.device = acc.parallel_dims, acc.torch_device_mesh, acc.device
         self.coords = {name: self.mesh[name].get_local_rank() for name in ("pp", "dp", "tp")}
         self.rank = dist.get_rank()
         self.is_main = self.rank == 0
-        self.out = Path(cfg.output_dir)
-        self.accelerator = make_accelerator(mixed_precision=cfg.mixed_precision, trackers=cfg.trackers if self.is_main else (),
-                                            project_dir=str(self.out), cpu=self.device.type == "cpu")
         self._build_data()
         self._build_model()
         self._build_optimizer()
         self.step, self.history = 0, []
+        acc.register_for_checkpointing(self.batches, _Progress(self))
         if cfg.resume:
             self._resume(cfg.resume)
 
@@ -186,92 +190,45 @@ class Trainer:
     def _build_model(self) -> None:
         from transformers import AutoModelForCausalLM
 
-        cfg, mesh = self.cfg, self.mesh
+        from ..parallel.pipeline import is_tied
+
+        cfg = self.cfg
         self.model_config = model_config(cfg.family, cfg.preset, vocab_size=pad_vocab(len(self.tokenizer)),
                                          max_positions=cfg.seq_len, **cfg.model_overrides)
         torch.manual_seed(cfg.seed)  # every rank builds the same initial model
         model = AutoModelForCausalLM.from_config(self.model_config)
-        tied = is_tied(model)
         num_params = sum(p.numel() for p in model.parameters())  # a tied head counts once
         embed_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
-        head_params = model.lm_head.weight.numel() if tied else 0  # the head is a matmul: it counts
+        head_params = model.lm_head.weight.numel() if is_tied(model) else 0  # the head is a matmul: it counts
         self.num_params = num_params
         self.flops_per_token = flops_per_token(self.model_config, num_params + head_params, embed_params, cfg.seq_len)
-        # tp first, on the whole model (parallelize wants a complete transformers model), then
-        # keep this rank's stages; layer indices, keys and TP site names stay global
-        replicas = apply_tp(model, mesh, cfg.compression, cfg.sequence_parallel)
-        plan = apply_pp(model, mesh, cfg.stages_per_rank, seq_len=cfg.seq_len,
-                        sequence_parallel=cfg.sequence_parallel and self.dims.tp > 1)
-        del model
-        self.plan = plan
-        for stage in plan.modules:
-            stage.tp_replicas = {f"model.{n}": r for n, r in replicas.items()}
-            stage.to(self.device)
-        split_tied = tied and plan.num_stages > 1
-        self.export_drop = {"lm_head.weight"} if split_tied else set()
-        first = last = None
-        for s, stage in zip(plan.stage_ids, plan.modules):
-            if split_tied and s == 0:
-                first = stage.model.get_input_embeddings().weight
-            if split_tied and s == plan.num_stages - 1:
-                last = stage.model.lm_head.weight
-                stage.norm_skip_names = {"model.lm_head.weight"}  # a copy of the embedding: count it once
-        self.tied_sync = TiedEmbeddingSync(plan.modules, mesh, first, last) if split_tied else None
-        param_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" and self.dims.dp_mode == "fsdp" else None
-        fsdp = self.dims.dp_mode == "fsdp" and self.dims.dp > 1
-        self.replica_sum = ReplicaGradSum(plan.modules, mesh) if fsdp and self.dims.tp > 1 else None
-        self.run_modules = [apply_dp(stage, mesh, self.dims.dp_mode, param_dtype=param_dtype) for stage in plan.modules]
-        ddp = self.dims.dp_mode == "ddp" and self.dims.dp > 1
-        self.dp_sync = DataParallelGradSync(plan.modules, mesh) if ddp else None
-        stages = make_pipeline_stages(self.run_modules, plan.stage_ids, plan.num_stages, mesh, self.device)
-        self.schedule = build_schedule(cfg.schedule, stages, cfg.micro_batches, self._loss_fn())
-        self.has_first, self.has_last = 0 in plan.stage_ids, plan.num_stages - 1 in plan.stage_ids
+        # tp on the whole model, then this rank's stages, then dp; keys and site names stay global
+        self.pipe = self.accelerator.prepare_pipeline(
+            model, micro_batches=cfg.micro_batches, schedule=cfg.schedule, stages_per_rank=cfg.stages_per_rank,
+            seq_len=cfg.seq_len, shifted_labels=True)
+        self.parts = self.pipe.parts
+        self.params = list(self.parts.parameters())
         if self.is_main:
             logger.info("model %s/%s: %.1fM parameters, mesh %s, schedule %s", cfg.family, cfg.preset, num_params / 1e6,
                         self.dims, cfg.schedule)
 
-    def _loss_fn(self):
-        """Mean next-token loss on the last stage: the model's own ``loss_function``, which
-        `parallelize` makes vocab-parallel (the head returns this rank's vocabulary slice)."""
-        last = [s for i, s in zip(self.plan.stage_ids, self.plan.modules) if i == self.plan.num_stages - 1]
-        if not last:  # the schedule calls it on the last stage only, but needs one everywhere
-            return _not_on_this_stage
-        model, vocab = last[0].model, self.model_config.vocab_size
-        return lambda logits, labels: model.loss_function(logits, labels, vocab, shift_labels=labels)
-
     def _build_optimizer(self) -> None:
         cfg = self.cfg
-        decay, no_decay = [], []
-        for stage in self.plan.modules:
-            for p in stage.parameters():
-                (decay if p.dim() >= 2 else no_decay).append(p)
+        decay = [p for p in self.params if p.dim() >= 2]
+        no_decay = [p for p in self.params if p.dim() < 2]
         fused = {"fused": True} if self.device.type == "cuda" and self.dims.dp_mode != "fsdp" else {}
-        self.optimizer = torch.optim.AdamW(
+        optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, **fused,
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+        self.optimizer, self.scheduler = self.accelerator.prepare(optimizer, scheduler)
 
     # -- one step ---------------------------------------------------------------------------
-    def _run_schedule(self, inputs, labels, *, train: bool) -> torch.Tensor:
-        """Mean loss of this rank's batch on the last stage (0 elsewhere)."""
-        args = (inputs.to(self.device),) if self.has_first else ()
-        target = labels.to(self.device) if self.has_last else None
-        losses: list = []
-        with self.accelerator.autocast():
-            if train:
-                self.schedule.step(*args, target=target, losses=losses)
-            else:
-                with torch.no_grad():
-                    self.schedule.eval(*args, target=target, losses=losses)
-        if not self.has_last:
-            return torch.zeros((), dtype=torch.float64, device=self.device)
-        return torch.stack([l.detach().double() for l in losses]).mean()  # stays on the device
-
     def _reduce(self, loss: torch.Tensor, *extra: float) -> list[float]:
         """Global mean loss and summed extras, on every rank, in one all-reduce and one host
         transfer (which also waits for the step's device work)."""
-        counts = self.has_last and self.coords["tp"] == 0
+        counts = self.parts.has_last_stage and self.coords["tp"] == 0
         mine = loss / self.dims.dp if counts else torch.zeros_like(loss)
         values = torch.cat([mine.view(1), torch.tensor(extra, dtype=torch.float64).to(self.device)])
         dist.all_reduce(values)
@@ -279,18 +236,13 @@ class Trainer:
 
     def train_step(self) -> dict:
         """One optimizer step on the next global batch; returns its metrics (on every rank)."""
-        cfg = self.cfg
+        cfg, acc = self.cfg, self.accelerator
         start = time.perf_counter()
         inputs, labels = self.batches.batch(self.step)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self._run_schedule(inputs, labels, train=True)
-        if self.dp_sync is not None:
-            self.dp_sync()
-        if self.replica_sum:
-            self.replica_sum()
-        if self.tied_sync is not None:
-            self.tied_sync()
-        grad_norm = clip_grad_norm_(self.plan.modules, self.mesh, cfg.max_grad_norm, self.dims.dp_mode)
+        with acc.autocast():
+            loss = self.pipe.step(inputs, labels)
+        grad_norm = acc.clip_grad_norm_(self.params, cfg.max_grad_norm).item()
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
@@ -312,7 +264,8 @@ class Trainer:
         """Mean validation loss over the fixed validation batches (a collective)."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for inputs, labels in self.val:
-            total += self._run_schedule(inputs, labels, train=False)
+            with self.accelerator.autocast():
+                total += self.pipe.eval(inputs, labels)
         _comm_totals()  # evaluation traffic is not part of the training step figures
         return self._reduce(total / len(self.val))[0]  # one collective and one host sync
 
@@ -324,23 +277,22 @@ class Trainer:
         until = cfg.steps if until is None else min(until, cfg.steps)
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
-            if cfg.trackers:
+            if self.trackers:
                 acc.init_trackers(Path(cfg.output_dir).name or "pretrain", config=_flat(cfg.to_dict()))
-        bar = _progress(cfg.steps, self.step, enabled=cfg.progress and self.is_main)
-        while self.step < until:
-            row = self.train_step()
-            if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
-                row["val_loss"] = self.evaluate()
-            self.history.append(row)
-            if self.is_main:
-                acc.log({k: v for k, v in row.items() if k != "step"}, step=self.step)
-                bar.update(1)
-                bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
-                if self.step % cfg.log_every == 0 or "val_loss" in row:
-                    logger.info(_format(row))
-            if cfg.save_every and self.step % cfg.save_every == 0:
-                self.save_checkpoint()
-        bar.close()
+        with _progress(cfg.steps, self.step, enabled=cfg.progress and self.is_main) as bar:
+            while self.step < until:
+                row = self.train_step()
+                if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
+                    row["val_loss"] = self.evaluate()
+                self.history.append(row)
+                if self.is_main:
+                    acc.log({k: v for k, v in row.items() if k != "step"}, step=self.step)
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+                    if self.step % cfg.log_every == 0 or "val_loss" in row:
+                        logger.info(_format(row))
+                if cfg.save_every and self.step % cfg.save_every == 0:
+                    self.save_checkpoint()
         if self.step == cfg.steps:
             self._finish()
         return self.history
@@ -355,32 +307,66 @@ class Trainer:
         if cfg.export:
             from .export import export_pretrained
 
-            export_pretrained(self.plan.modules, self.mesh, self.model_config, self.out / "final",
-                              tokenizer=self.tokenizer, drop=self.export_drop)
-        if self.is_main and cfg.trackers:
+            export_pretrained(self.parts.modules, self.mesh, self.model_config, self.out / "final",
+                              tokenizer=self.tokenizer, drop=self.parts.export_drop)
+        if self.is_main and self.trackers:
             self.accelerator.end_training()
 
     # -- checkpoints ------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        meta = {"step": self.step, "dims": dataclasses.asdict(self.dims), "scheduler": self.scheduler.state_dict(),
-                "data": self.batches.state_dict(), "history": self.history}
-        return ckpt.save_checkpoint(self.out / "checkpoints" / f"step_{self.step}", stages=self.plan.modules,
-                                    optimizer=self.optimizer, coords=self.coords, dp_mode=self.dims.dp_mode, meta=meta)
+        """``OUTPUT_DIR/checkpoints/step_<N>`` through ``accelerator.save_state`` (a collective)."""
+        return self.accelerator.save_state(self.out / "checkpoints" / f"step_{self.step}")
 
     def _resume(self, where: str) -> None:
-        folder = ckpt.latest_checkpoint(self.out / "checkpoints") if where == "latest" else Path(where)
+        folder = ckpt.latest(self.out / "checkpoints") if where == "latest" else Path(where)
         if folder is None:
             logger.info("no checkpoint under %s: starting from scratch", self.out / "checkpoints")
             return
-        meta = ckpt.load_checkpoint(folder, stages=self.plan.modules, optimizer=self.optimizer, coords=self.coords,
-                                    dp_mode=self.dims.dp_mode, dims=dataclasses.asdict(self.dims))
-        self.scheduler.load_state_dict(meta["scheduler"])
-        self.batches.load_state_dict(meta["data"])
-        self.step, self.history = meta["step"], meta["history"]
+        self.accelerator.load_state(folder)
+        self.batches.step = self.step
 
 
-def _not_on_this_stage(logits, labels):
-    raise AssertionError("the loss is computed on the last pipeline stage")
+class _Progress:
+    """The loop's own state in a checkpoint: step, metric history and the hyper-parameters of
+    the run that wrote it. Changed hyper-parameters win on resume, with a warning (the
+    schedule's base learning rate and the weight decay are re-applied)."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+
+    def state_dict(self) -> dict:
+        t = self.trainer
+        return {"step": t.step, "history": t.history, "hparams": {k: getattr(t.cfg, k) for k in HPARAMS}}
+
+    def load_state_dict(self, state: dict) -> None:
+        t, cfg = self.trainer, self.trainer.cfg
+        t.step, t.history = state["step"], state["history"]
+        changed = {k: (v, getattr(cfg, k)) for k, v in state["hparams"].items() if getattr(cfg, k) != v}
+        if not changed:
+            return
+        if t.is_main:
+            logger.warning("resuming at step %d with changed settings (checkpoint -> now): %s; the new values apply "
+                           "from here", t.step, ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()))
+        scheduler = t.scheduler.scheduler
+        factor = lr_lambda(cfg)(scheduler.last_epoch)
+        scheduler.base_lrs = [cfg.lr for _ in scheduler.base_lrs]
+        decays = (cfg.weight_decay, 0.0)
+        for group, decay in zip(t.optimizer.param_groups, decays):
+            group["initial_lr"], group["lr"], group["weight_decay"] = cfg.lr, cfg.lr * factor, decay
+        scheduler._last_lr = [group["lr"] for group in t.optimizer.param_groups]
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def requested_dims(pp, dp, tp, dp_mode) -> ParallelDims:
+    """The mesh sizes asked for: explicit values, then ``accelerate launch``'s environment.
+    One process asking for tp > 1 gets it unchecked (the Accelerator emulates it)."""
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 and (tp or 1) > 1:
+        return ParallelDims(pp=pp or 1, dp=dp or 1, tp=tp, dp_mode=dp_mode or "ddp")
+    return ParallelDims.from_env(world, pp=pp, dp=dp, tp=tp, dp_mode=dp_mode)
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -408,14 +394,18 @@ def _format(row: dict) -> str:
 class _NoBar:
     def update(self, n=1): ...
     def set_postfix(self, **kw): ...
-    def close(self): ...
 
 
+@contextlib.contextmanager
 def _progress(total: int, initial: int, enabled: bool):
-    if not enabled:
-        return _NoBar()
+    """A tqdm bar on the main process; log lines are printed above it, not glued to it."""
     try:
         from tqdm.auto import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
     except ImportError:
-        return _NoBar()
-    return tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True)
+        enabled = False
+    if not enabled:
+        yield _NoBar()
+        return
+    with logging_redirect_tqdm(), tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True) as bar:
+        yield bar

@@ -1,24 +1,27 @@
 """Layer 5: the device mesh and the parallelisms that compose with tensor parallelism.
 
 Each parallelism is one pass over a plain transformers model, torchtitan style, taking plain
-values and a ("pp", "dp", "tp") DeviceMesh: `apply_pp` (split into stages), `apply_tp`
-(`taco_accel.parallelize` on each stage), `apply_dp` (DDP or FSDP2 over dp). Plus what spans
-the whole mesh: `clip_grad_norm_` and `TiedEmbeddingSync`.
+values and a ("pp", "dp", "tp") DeviceMesh: `apply_tp` (`taco_accel.parallelize` over the tp
+axis), `apply_pp` (split into stages), `apply_dp` (DDP or FSDP2 over dp). `distribute` runs
+them in order and returns the `ModelParts` of this rank: its modules, and the gradient
+reductions and clipping over the whole mesh that end a step.
 """
 
-from .data_parallel import DataParallelGradSync, ReplicaGradSum, TiedEmbeddingSync, apply_dp, clip_grad_norm_, grad_norm_sq
+from .data_parallel import DataParallelGradSync, ReplicaGradSum, TiedEmbeddingSync, apply_dp, local_tensor
 from .mesh import MESH_DIMS, ParallelDims, build_mesh, default_device
+from .parts import ModelParts, distribute
 from .pipeline import SCHEDULES, PipelinePlan, apply_pp, build_schedule, make_pipeline_stages, prune_to_stage, split_layers
-from .stage import StageModule, cross_entropy
-from .tensor_parallel import apply_tp
+from .stage import StageModule, cross_entropy, decoder_layers
+from .tensor_parallel import apply_tp, check_parallelized
 
 __all__ = [
     "DataParallelGradSync",
-    "ReplicaGradSum",
     "MESH_DIMS",
-    "SCHEDULES",
+    "ModelParts",
     "ParallelDims",
     "PipelinePlan",
+    "ReplicaGradSum",
+    "SCHEDULES",
     "StageModule",
     "TiedEmbeddingSync",
     "apply_dp",
@@ -26,10 +29,12 @@ __all__ = [
     "apply_tp",
     "build_mesh",
     "build_schedule",
-    "clip_grad_norm_",
+    "check_parallelized",
     "cross_entropy",
+    "decoder_layers",
     "default_device",
-    "grad_norm_sq",
+    "distribute",
+    "local_tensor",
     "make_pipeline_stages",
     "prune_to_stage",
     "split_layers",

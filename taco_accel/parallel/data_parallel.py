@@ -1,37 +1,38 @@
-"""Data parallelism over the mesh's dp axis, and what needs the whole mesh: gradient clipping
-and the gradient of a tied embedding split across pipeline stages.
+"""Data parallelism over the mesh's dp axis, and the gradient reductions a step ends with.
 
-`apply_dp` wraps one pipeline stage: DDP (every replica holds the whole stage and all-reduces
-gradients over dp) or FSDP2 (``fully_shard`` per decoder layer and at the root: parameters,
-gradients and optimizer state sharded over dp). The TP collectives inside a stage run on the
-tp group and are untouched: DDP and FSDP only ever see the dp group.
+`apply_dp` prepares one module (a pipeline stage, or a whole transformers model): DDP (every
+replica holds all of it and `DataParallelGradSync` averages the gradients over dp) or FSDP2
+(``fully_shard`` per decoder layer and at the root: parameters, gradients and optimizer state
+sharded over dp). The TP collectives inside run on the tp group and are untouched: DDP and
+FSDP only ever see the dp group. `ReplicaGradSum` and `TiedEmbeddingSync` are the other sums
+that `ModelParts.finish_gradients` runs after the last backward of a step.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .stage import StageModule
+from .stage import decoder_layers, taco_context
 
 logger = logging.getLogger(__name__)
 
 
-def apply_dp(stage: StageModule, mesh: DeviceMesh, mode: str = "ddp", *, param_dtype: torch.dtype | None = None) -> nn.Module:
-    """Prepare ``stage`` for data parallelism over ``mesh["dp"]``; returns the module to run.
+def apply_dp(module: nn.Module, mesh: DeviceMesh, mode: str = "ddp", *, param_dtype: torch.dtype | None = None) -> nn.Module:
+    """Prepare ``module`` (a `StageModule` or a transformers causal LM) for data parallelism
+    over ``mesh["dp"]``; returns the module to run (the same object).
 
-    ``"ddp"`` returns ``stage`` itself: its gradients are averaged over dp once per step by
-    `DataParallelGradSync`, after the pipeline schedule (Megatron's DDP does the same with
+    ``"ddp"`` leaves it as it is: its gradients are averaged over dp once per step by
+    `DataParallelGradSync`, after the last backward (Megatron's DDP does the same with
     pipelining: there is nothing to overlap before the last micro-batch anyway). torch's
     DistributedDataParallel is not used: under pipelining with TP hooks its reducer counts
-    parameters twice and fails in ``_rebuild_buckets``. ``"fsdp"`` applies FSDP2
-    (``fully_shard`` per decoder layer, then the stage); ``param_dtype`` (e.g. bf16) is its
-    compute dtype. dp=1 returns ``stage``.
+    parameters twice and fails in ``_rebuild_buckets``, and one code path serves both.
+    ``"fsdp"`` applies FSDP2 (``fully_shard`` per decoder layer, then the root);
+    ``param_dtype`` (e.g. bf16) is its compute dtype. dp=1 changes nothing.
     """
     dp_mesh = mesh["dp"]
     if mode not in ("ddp", "fsdp"):
@@ -40,13 +41,13 @@ def apply_dp(stage: StageModule, mesh: DeviceMesh, mode: str = "ddp", *, param_d
         if dp_mesh.size() > 1:
             logger.info("applied data parallelism (ddp, gradients averaged after each step) over %d replicas",
                         dp_mesh.size())
-        return stage
+        return module
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    for _, layer in stage.layer_items():
+    for layer in decoder_layers(module):
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
-    wrapped = fully_shard(stage, mesh=dp_mesh, mp_policy=mp)
+    wrapped = fully_shard(module, mesh=dp_mesh, mp_policy=mp)
     logger.info("applied data parallelism (fsdp) over %d replicas", dp_mesh.size())
     return wrapped
 
@@ -59,15 +60,15 @@ class ReplicaGradSum:
     hooks, so nothing is summed twice) and call it after the schedule, before clipping.
     """
 
-    def __init__(self, stages: list[StageModule], mesh: DeviceMesh):
+    def __init__(self, modules: list[nn.Module], mesh: DeviceMesh):
         self.group = mesh["tp"].get_group()
         self.names: set[str] = set()
-        for stage in stages:
-            context = getattr(stage.model, "taco", None)
+        for module in modules:
+            context, prefix = taco_context(module)
             if context is not None:
                 context.remove_grad_sums()
-                self.names.update(f"model.{n}" for n in context.grad_sum_params)
-        self.stages = stages
+                self.names.update(prefix + n for n in context.grad_sum_params)
+        self.stages = modules
 
     def __bool__(self) -> bool:
         return bool(self.names)
@@ -76,14 +77,14 @@ class ReplicaGradSum:
         for stage in self.stages:
             for name, p in stage.named_parameters():
                 if name in self.names and p.grad is not None:
-                    dist.all_reduce(_local(p.grad), group=self.group)
+                    dist.all_reduce(local_tensor(p.grad), group=self.group)
 
 
 class DataParallelGradSync:
     """Average the gradients of ``stages`` over the dp group: one all-reduce per bucket of
     about ``bucket_bytes`` (flattened per dtype). Call after backward, before clipping."""
 
-    def __init__(self, stages: list[StageModule], mesh: DeviceMesh, bucket_bytes: int = 64 * 2**20):
+    def __init__(self, stages: list[nn.Module], mesh: DeviceMesh, bucket_bytes: int = 64 * 2**20):
         self.group, self.size = mesh["dp"].get_group(), mesh["dp"].size()
         self.params = [p for s in stages for p in s.parameters() if p.requires_grad]
         self.bucket_bytes = bucket_bytes
@@ -113,47 +114,9 @@ class DataParallelGradSync:
                 g.copy_(synced)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's values of ``t``: the local shard of a DTensor (FSDP2), else ``t`` itself."""
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def grad_norm_sq(stages: list[StageModule], mesh: DeviceMesh, dp_mode: str) -> torch.Tensor:
-    """This rank's share of the squared global gradient norm, such that summing it over every
-    rank of the mesh gives the norm of the unsharded model's gradient (each parameter counted
-    once): a parameter held by r tp ranks counts 1/r (``stage.tp_replicas``, tp when unknown),
-    DDP replicas 1/dp, the tied head copy (``stage.norm_skip_names``) 0."""
-    tp, dp = mesh["tp"].size(), mesh["dp"].size()
-    grads, weights = [], []
-    for stage in stages:
-        skip = getattr(stage, "norm_skip_names", set())
-        replicas = getattr(stage, "tp_replicas", {})
-        for name, p in stage.named_parameters():
-            if p.grad is None or name in skip:
-                continue
-            grads.append(_local(p.grad).detach())
-            weights.append(1.0 / replicas.get(name, tp))
-    if not grads:
-        return torch.zeros((), dtype=torch.float64)
-    # one multi-tensor launch, on the gradients' device: no host sync, no kernels per parameter
-    norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))
-    total = (norms.square() * torch.tensor(weights, dtype=torch.float64).to(norms.device)).sum()
-    return total / (dp if dp_mode == "ddp" else 1)
-
-
-def clip_grad_norm_(stages: list[StageModule], mesh: DeviceMesh, max_norm: float, dp_mode: str = "ddp") -> float:
-    """Clip all gradients of the model by their norm over the whole pp x dp x tp mesh.
-
-    A collective over all ranks (one scalar all-reduce). Returns the total norm before clipping.
-    ``max_norm <= 0`` only measures.
-    """
-    device = next(p for s in stages for p in s.parameters()).device
-    total = grad_norm_sq(stages, mesh, dp_mode).to(device)
-    dist.all_reduce(total)  # the default group spans the mesh
-    norm = math.sqrt(total.item())
-    if max_norm > 0 and norm > max_norm:
-        coef = max_norm / (norm + 1e-6)
-        torch._foreach_mul_([_local(p.grad) for s in stages for p in s.parameters() if p.grad is not None], coef)
-    return norm
 
 
 class TiedEmbeddingSync:
@@ -164,7 +127,7 @@ class TiedEmbeddingSync:
     optimizer step. Build it on every rank (it creates process groups).
     """
 
-    def __init__(self, stages: list[StageModule], mesh: DeviceMesh, first_param: nn.Parameter | None,
+    def __init__(self, stages: list[nn.Module], mesh: DeviceMesh, first_param: nn.Parameter | None,
                  last_param: nn.Parameter | None):
         self.first, self.last = first_param, last_param
         self.group = None
@@ -186,4 +149,5 @@ class TiedEmbeddingSync:
         elif self.group is not None:
             p = self.first if self.first is not None else self.last
             if p is not None and p.grad is not None:
-                dist.all_reduce(_local(p.grad), group=self.group)
+                dist.all_reduce(local_tensor(p.grad), group=self.group)
+

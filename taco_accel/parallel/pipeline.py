@@ -182,3 +182,55 @@ def make_pipeline_stages(modules: list[nn.Module], stage_ids: list[int], num_sta
 
     group = mesh["pp"].get_group()
     return [PipelineStage(m, s, num_stages, device, group=group) for m, s in zip(modules, stage_ids)]
+
+
+class PipelineRunner:
+    """Forward and backward of one batch through this rank's pipeline stages, in micro-batches.
+
+    ``step(input_ids, labels)`` runs the schedule over ``micro_batches`` equal slices of the
+    batch (the first stage reads ``input_ids``, the last computes the loss against ``labels``)
+    and returns the mean micro-batch loss as a float64 0-d tensor on the device (zero on ranks
+    without the last stage); ``eval`` runs forwards only. Gradients accumulate in the stages'
+    parameters: finish and clip them with ``ModelParts.clip_grad_norm_`` (or the Accelerator's).
+    ``loss_fn(logits, labels)`` defaults to the last stage's own (vocab-parallel) loss function;
+    ``shifted_labels``: the labels already hold the next tokens (packed pretraining windows).
+    """
+
+    def __init__(self, parts, schedule: str, micro_batches: int, device: torch.device, *, loss_fn=None,
+                 vocab_size: int | None = None, shifted_labels: bool = False):
+        self.parts, self.device = parts, device
+        loss_fn = loss_fn or self._model_loss(vocab_size, shifted_labels)
+        stages = make_pipeline_stages(parts.modules, parts.stage_ids, parts.num_stages, parts.mesh, device)
+        self.schedule = build_schedule(schedule, stages, micro_batches, loss_fn)
+
+    def _model_loss(self, vocab_size: int, shifted: bool):
+        last = [m for s, m in zip(self.parts.stage_ids, self.parts.modules) if s == self.parts.num_stages - 1]
+        if not last:  # the schedule computes the loss on the last stage only, but wants a function
+            return _not_on_this_stage
+        model = last[0].model
+        if shifted:
+            return lambda logits, labels: model.loss_function(logits, labels, vocab_size, shift_labels=labels)
+        return lambda logits, labels: model.loss_function(logits, labels, vocab_size)
+
+    def parameters(self):
+        return self.parts.parameters()
+
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self._run(input_ids, labels, train=True)
+
+    def eval(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self._run(input_ids, labels, train=False)
+
+    def _run(self, input_ids, labels, *, train: bool) -> torch.Tensor:
+        args = (input_ids.to(self.device),) if self.parts.has_first_stage else ()
+        target = labels.to(self.device) if self.parts.has_last_stage else None
+        losses: list = []
+        (self.schedule.step if train else self.schedule.eval)(*args, target=target, losses=losses)
+        if not self.parts.has_last_stage:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        return torch.stack([loss.detach().double() for loss in losses]).mean()
+
+
+def _not_on_this_stage(logits, labels):
+    raise AssertionError("the loss is computed on the last pipeline stage")

@@ -43,6 +43,25 @@ def family_of(model: nn.Module) -> Family:
     return FAMILIES[model_type]
 
 
+def decoder_layers(module: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a `StageModule` (its own) or of a transformers causal LM (all)."""
+    if isinstance(module, StageModule):
+        return [layer for _, layer in module.layer_items()]
+    model = module.get_base_model() if hasattr(module, "get_base_model") else module  # peft: the causal LM
+    fam = family_of(model)
+    return list(getattr(getattr(model, fam.base), fam.layers))
+
+
+def taco_context(module: nn.Module):
+    """``(model.taco, name prefix)`` of a `StageModule` ("model.") or a parallelised model ("");
+    ``(None, "")`` when the module is not tensor parallel."""
+    if isinstance(module, StageModule):
+        return getattr(module.model, "taco", None), "model."
+    if hasattr(module, "get_base_model"):  # peft: parameter names gain the wrappers' prefix
+        return getattr(module.get_base_model(), "taco", None), "base_model.model."
+    return getattr(module, "taco", None), ""
+
+
 def _mask_fns():
     from transformers import masking_utils
 

@@ -39,3 +39,25 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, compression: TacoConfig | None 
         tp, sum(r < tp for r in replicas.values()), len(replicas), "off" if compression is None else compression,
     )
     return replicas
+
+
+def check_parallelized(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Raise a ValueError unless ``model`` (already given to `taco_accel.parallelize`) is tensor
+    parallel over exactly the ranks of ``mesh["tp"]`` (an emulated model: over a tp of 1)."""
+    import torch.distributed as dist
+
+    ctx, tp_mesh = model.taco, mesh["tp"]
+    if ctx.emulated:
+        if tp_mesh.size() != 1:
+            raise ValueError(f"the model emulates tp={ctx.tp} in one process but the mesh has tp={tp_mesh.size()}; "
+                             "parallelize it with device_mesh=mesh['tp'] instead of emulate=True")
+        return
+    mine = dist.get_process_group_ranks(ctx.group) if ctx.group is not None else [dist.get_rank()]
+    expected = dist.get_process_group_ranks(tp_mesh.get_group())
+    if ctx.tp != tp_mesh.size() or sorted(mine) != sorted(expected):
+        raise ValueError(
+            f"the model was parallelized with tp={ctx.tp} over ranks {sorted(mine)}, but the mesh's tensor-parallel "
+            f"group is tp={tp_mesh.size()} over ranks {sorted(expected)}: set the tp size in the parallelism config "
+            f"(parallelism_config_tp_size / ParallelismConfig(tp_size={ctx.tp})), or pass the model to prepare() "
+            "before parallelizing it (prepare parallelizes it over the mesh)"
+        )

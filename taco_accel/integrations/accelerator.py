@@ -1,0 +1,539 @@
+"""`taco_accel.Accelerator`: Accelerate's `Accelerator` for TACO tensor-parallel models.
+
+A user's own Accelerate loop changes its import and nothing else::
+
+    from taco_accel import Accelerator            # instead of: from accelerate import Accelerator
+
+    accelerator = Accelerator()                   # sizes: the launch config's parallelism_config, or
+                                                  # Accelerator(parallelism_config=ParallelismConfig(tp_size=2))
+    model = AutoModelForCausalLM.from_config(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    for batch in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**batch).loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()
+    accelerator.save_state("ckpt"); accelerator.save_model(model, "final")
+
+What differs from ``accelerate.Accelerator``, and why:
+
+- **The mesh** ``("pp", "dp", "tp")`` is built here, on every device type, from
+  Accelerate's own sizes (``tp_size``; ``dp_shard_size`` -> FSDP2, ``dp_replicate_size`` ->
+  replicas averaging gradients; ``pp_size`` for pipeline stages): Accelerate shards nothing
+  itself, refuses TP on CPU and TP with replicated dp. One code path on gloo and NCCL.
+- **prepare(model)** tensor-parallelises the model over the mesh's tp ranks (a model already
+  given to `taco_accel.parallelize` is checked against the mesh instead), places it, applies
+  data parallelism over dp only (never DDP across TP ranks, whose broadcast would overwrite
+  the shards) and Accelerate's mixed precision. Optimizers passed in the same call are
+  re-pointed at the new parameters, as Accelerate does for FSDP2. One process with
+  ``tp_size > 1`` runs emulated TP (`parallelize(..., emulate=True)`): the numerics, not the speed.
+- **prepare(dataloader)** is Accelerate's own sharding with the dp ranks as its processes: the
+  tp (and pp) ranks of one replica read the same batches.
+- **Gradients** are reduced once per optimizer step, after the last backward, before clipping
+  or the step (as Accelerate's XLA path does), so ``accumulate`` / ``no_sync`` need no
+  communication; ``clip_grad_norm_`` returns the norm of the whole model over every shard.
+- ``gather`` / ``gather_for_metrics`` / ``reduce`` run over the dp ranks; ``save_state`` /
+  ``load_state`` write and read taco_accel's sharded checkpoint (every rank's shard, atomic,
+  checksummed); ``save_model`` / ``get_state_dict`` gather the full model: a plain
+  transformers checkpoint. ``compression_stats()`` gives the TACO byte counts for ``log``.
+- A step scheduler prepared here steps once per dp replica (Accelerate steps it once per
+  process: the DataLoader is dp, not world, times shorter).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator as _AccelerateAccelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.scheduler import AcceleratedScheduler
+from accelerate.utils import DistributedType
+from accelerate.utils.operations import recursively_apply
+from torch import nn
+
+from ..codec import TacoConfig
+from ..parallel import ModelParts, ParallelDims, build_mesh, distribute, local_tensor
+from . import checkpoint as ckpt
+from .launch import launch_notes, without_parallelism_config
+
+logger = logging.getLogger(__name__)
+
+_REFUSED_PLUGINS = {
+    "deepspeed_plugin": "DeepSpeed", "deepspeed_plugins": "DeepSpeed", "fsdp_plugin": "Accelerate's FSDP plugin",
+    "megatron_lm_plugin": "Megatron-LM", "torch_tp_plugin": "Accelerate's TP plugin",
+}
+
+
+class Accelerator(_AccelerateAccelerator):
+    """``accelerate.Accelerator`` that trains TACO tensor-parallel models (see the module doc).
+
+    Args:
+        parallelism_config: Accelerate's ``ParallelismConfig``: ``tp_size``, ``dp_shard_size``
+            (FSDP2 over dp) or ``dp_replicate_size`` (replicas averaging gradients). Default:
+            the launch config's ``parallelism_config`` block (``PARALLELISM_CONFIG_*``), else
+            tp=1 and data parallelism over every process. Processes the sizes leave unclaimed
+            form pipeline stages.
+        parallel_dims: taco_accel's own sizes (`ParallelDims`), instead of the above.
+        pp_size: pipeline stages (default: ``TACO_PP_SIZE``, else what the sizes leave).
+        compression: the TACO settings `parallelize` gets for a model that ``prepare``
+            parallelises (a `TacoConfig`, ``None`` for plain TP, a `Compression` or its dict).
+        sequence_parallel: Megatron sequence parallelism inside TP, for such a model.
+        **kwargs: everything ``accelerate.Accelerator`` takes, except the DeepSpeed, FSDP,
+            Megatron-LM and TP plugins (taco_accel does their job).
+    """
+
+    def __init__(self, *args, parallelism_config=None, parallel_dims: ParallelDims | None = None,
+                 pp_size: int | None = None, compression=TacoConfig(), sequence_parallel: bool = False, **kwargs):
+        for name, what in _REFUSED_PLUGINS.items():
+            if kwargs.get(name) is not None:
+                raise ValueError(
+                    f"taco_accel.Accelerator does not take {name} ({what}): it lays the model out itself; give "
+                    "the sizes as parallelism_config=ParallelismConfig(tp_size=..., dp_shard_size=... for FSDP2)"
+                )
+        if parallelism_config is None and parallel_dims is None and _launch_asks_for_parallelism():
+            from accelerate import ParallelismConfig
+
+            parallelism_config = ParallelismConfig()  # reads PARALLELISM_CONFIG_* from the launch
+        with without_parallelism_config():  # Accelerate would build (or refuse) its own mesh
+            super().__init__(*args, **kwargs)
+        if self.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+            raise ValueError(
+                f"the launch config selects {self.distributed_type.value}; taco_accel.Accelerator lays the model "
+                "out itself: use distributed_type MULTI_GPU (or --multi_gpu) with a parallelism_config block "
+                "(parallelism_config_tp_size, parallelism_config_dp_shard_size for FSDP2)"
+            )
+        requested = parallel_dims or _dims_from_config(parallelism_config, pp_size, self.num_processes)
+        self.emulated_tp = 1
+        if requested.world_size > 1 and self.num_processes == 1 and requested.pp == requested.dp == 1:
+            self.emulated_tp, requested = requested.tp, ParallelDims(dp_mode=requested.dp_mode)
+            logger.warning("one process: tensor parallelism tp=%d is emulated in this process (the numerics of "
+                           "TACO-compressed TP, not its speed); launch %d processes for real TP",
+                           self.emulated_tp, self.emulated_tp)
+        self.parallel_dims = requested
+        self._taco_mesh = build_mesh(requested, self.device.type)
+        self.compression, self.sequence_parallel = compression, sequence_parallel
+        self._parts: list[tuple[nn.Module, ModelParts]] = []
+        self._replaced: dict[int, object] = {}  # id -> weakref of parameters that prepare replaced
+        if self.is_main_process:
+            for note in launch_notes(self.num_processes):
+                logger.warning(note)
+        logger.info("taco_accel mesh %s on %d process(es)%s", requested, self.num_processes,
+                    f", tp={self.emulated_tp} emulated" if self.emulated_tp > 1 else "")
+
+    # -- the mesh ---------------------------------------------------------------------------
+    @property
+    def torch_device_mesh(self):
+        """The ``("pp", "dp", "tp")`` DeviceMesh of this run."""
+        return self._taco_mesh
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        return self._taco_mesh["tp"].get_local_rank()
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        return self._taco_mesh["pp"].get_local_rank()
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self._taco_mesh["dp"].get_local_rank()
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.parallel_dims.dp
+
+    @property
+    def should_save_model(self) -> bool:
+        return True  # every rank takes part in the (collective) saves; rank 0 writes what is shared
+
+    # -- prepare ----------------------------------------------------------------------------
+    def prepare(self, *args, device_placement=None):
+        """Accelerate's ``prepare``; models are laid out on the mesh first, and the optimizers
+        passed in the same call are re-pointed at their new (sharded) parameters."""
+        moved: dict[int, nn.Parameter] = {}
+        for obj in args:
+            if isinstance(obj, nn.Module) and not getattr(obj, "_is_accelerate_prepared", False):
+                before = dict(obj.named_parameters())
+                self._lay_out(obj)
+                after = dict(obj.named_parameters())
+                moved.update({id(p): after[n] for n, p in before.items() if n in after and after[n] is not p})
+        for obj in args:
+            if isinstance(obj, torch.optim.Optimizer):
+                for group in obj.param_groups:
+                    group["params"] = [moved.get(id(p), p) for p in group["params"]]
+        return super().prepare(*args, device_placement=device_placement)
+
+    def prepare_model(self, model: nn.Module, device_placement=None, evaluation_mode: bool = False):
+        """Lay ``model`` out on the mesh (if `prepare` has not), then Accelerate's mixed precision
+        and compilation; never Accelerate's DDP / FSDP wrappers."""
+        if not getattr(model, "_is_accelerate_prepared", False) and self._parts_of(model) is None:
+            self._lay_out(model)
+        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+
+    def prepare_pipeline(self, model: nn.Module, *, micro_batches: int, schedule: str = "1f1b",
+                         stages_per_rank: int | None = None, seq_len: int = 2048, loss_fn=None,
+                         shifted_labels: bool = False):
+        """Pipeline-parallel training of ``model`` over the mesh's pp ranks: split into stages,
+        tensor and data parallel like `prepare`; returns a `PipelineRunner` whose
+        ``step(input_ids, labels)`` runs forward and backward of ``micro_batches`` micro-batches
+        with ``schedule`` ("gpipe", "1f1b", "interleaved_1f1b"). Create the optimizer over
+        ``runner.parameters()`` afterwards and `prepare` it; clip with ``clip_grad_norm_``.
+        ``loss_fn(logits, labels)`` defaults to the model's own (vocab-parallel) loss;
+        ``shifted_labels``: the labels are already the next tokens (packed pretraining data).
+        """
+        from ..parallel.pipeline import PipelineRunner
+
+        if self.emulated_tp > 1:
+            self._emulate(model)
+        stages_per_rank = stages_per_rank or (2 if schedule == "interleaved_1f1b" else 1)
+        parts = distribute(model, self._taco_mesh, self.parallel_dims, compression=self.compression,
+                           sequence_parallel=self.sequence_parallel, device=self.device, pipeline=True,
+                           param_dtype=self._fsdp_param_dtype(), stages_per_rank=stages_per_rank, seq_len=seq_len)
+        self._parts.append((model, parts))
+        vocab = model.config.vocab_size
+        return PipelineRunner(parts, schedule, micro_batches, self.device, loss_fn=loss_fn, vocab_size=vocab,
+                              shifted_labels=shifted_labels)
+
+    def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        """Accelerate's DataLoader sharding over the dp ranks only: every tp and pp rank of a
+        replica gets the same batches."""
+        from accelerate.data_loader import prepare_data_loader
+
+        if getattr(data_loader, "_is_accelerate_prepared", False):
+            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        if self.dispatch_batches and self.parallel_dims.world_size > self.parallel_dims.dp:
+            raise ValueError(
+                "dispatch_batches=True splits each batch over all processes, tensor-parallel ranks included; "
+                "leave it unset (DataLoaderConfiguration(dispatch_batches=None)) with taco_accel"
+            )
+        if device_placement is None:
+            device_placement = self.device_placement
+        prepared = prepare_data_loader(
+            data_loader, self.device, num_processes=self.parallel_dims.dp, process_index=self.data_parallel_rank,
+            split_batches=self.split_batches, put_on_device=device_placement, rng_types=self.rng_types.copy(),
+            dispatch_batches=False, even_batches=self.even_batches, use_seedable_sampler=self.use_seedable_sampler,
+            data_seed=self.dataloader_config.data_seed, non_blocking=self.non_blocking,
+            use_stateful_dataloader=self.use_stateful_dataloader,
+        )
+        self._dataloaders.append(prepared)
+        return prepared
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
+        """Accelerate's optimizer wrapper, whose ``step`` first reduces the step's gradients."""
+        if getattr(optimizer, "_is_accelerate_prepared", False):
+            return super().prepare_optimizer(optimizer, device_placement)
+        stale = sum(1 for g in optimizer.param_groups for p in g["params"]
+                    if (ref := self._replaced.get(id(p))) is not None and ref() is p)
+        if stale:
+            raise ValueError(
+                f"the optimizer holds {stale} parameter(s) that prepare() replaced by their tensor-parallel shards; "
+                "pass the model and the optimizer to the same accelerator.prepare(...) call, or create the "
+                "optimizer from model.parameters() after prepare(model)"
+            )
+        if device_placement is None:
+            device_placement = self.device_placement
+        prepared = _StepOptimizer(optimizer, self._finish_gradients, device_placement=device_placement,
+                                  scaler=self.scaler)
+        self._optimizers.append(prepared)
+        return prepared
+
+    def prepare_scheduler(self, scheduler):
+        """Accelerate's scheduler wrapper, stepping once per dp replica (not per process)."""
+        if getattr(scheduler, "_is_accelerate_prepared", False):
+            return super().prepare_scheduler(scheduler)
+        optimizer = next((o for o in self._optimizers if getattr(scheduler, "optimizer", None) is o.optimizer),
+                         self._optimizers)
+        prepared = _ReplicaScheduler(scheduler, optimizer, step_with_optimizer=self.step_scheduler_with_optimizer,
+                                     split_batches=self.split_batches, replicas=self.parallel_dims.dp)
+        self._schedulers.append(prepared)
+        return prepared
+
+    def _emulate(self, model: nn.Module) -> None:
+        from ..models import parallelize
+
+        if getattr(model, "taco", None) is None:
+            parallelize(model, tp=self.emulated_tp, compression=self.compression,
+                        sequence_parallel=self.sequence_parallel, emulate=True)
+
+    def _fsdp_param_dtype(self):
+        fsdp = self.parallel_dims.dp_mode == "fsdp" and self.parallel_dims.dp > 1
+        return torch.bfloat16 if fsdp and self.mixed_precision == "bf16" else None
+
+    def _lay_out(self, model: nn.Module) -> ModelParts:
+        if self.emulated_tp > 1:
+            self._emulate(model)
+        before = {id(p): p for p in model.parameters()}
+        parts = distribute(model, self._taco_mesh, self.parallel_dims, compression=self.compression,
+                           sequence_parallel=self.sequence_parallel,
+                           device=self.device if self.device_placement else None,
+                           param_dtype=self._fsdp_param_dtype())
+        import weakref
+
+        now = {id(p) for p in model.parameters()}
+        self._replaced.update({i: weakref.ref(p) for i, p in before.items() if i not in now})
+        self._parts.append((model, parts))
+        return parts
+
+    def _parts_of(self, model: nn.Module) -> ModelParts | None:
+        model = getattr(model, "_orig_mod", model)  # torch.compile
+        return next((parts for m, parts in self._parts if m is model), None)
+
+    def _finish_gradients(self) -> None:
+        for _, parts in self._parts:
+            parts.finish_gradients()
+
+    # -- gradients --------------------------------------------------------------------------
+    def no_sync(self, model):
+        """Accumulate without reducing: the reduction happens once, before the optimizer step;
+        FSDP2 only skips its per-micro-batch reduce-scatter."""
+        return _FsdpNoSync(model)
+
+    def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2):
+        """Clip by the norm of the whole model's gradient (every tp shard, pipeline stage and
+        FSDP shard counted once); returns that norm (before clipping) as a tensor. A collective."""
+        if norm_type != 2:
+            raise ValueError(f"norm_type={norm_type!r}: taco_accel clips by the 2-norm only; use norm_type=2")
+        params = list(parameters)
+        self.unscale_gradients()
+        chosen = {id(p) for p in params}
+        owners = [parts for _, parts in self._parts if any(id(p) in chosen for p in parts.parameters())]
+        known = {id(p) for parts in owners for p in parts.parameters()}
+        stray = [p for p in params if id(p) not in known]
+        if stray:
+            raise ValueError(
+                f"clip_grad_norm_ got {len(stray)} parameter(s) of no model prepared by this accelerator; pass "
+                "model.parameters() of the prepared model"
+            )
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for parts in owners:
+            parts.finish_gradients()
+            total += parts.grad_norm_sq(params).to(self.device)
+        dist.all_reduce(total)  # the world spans the mesh
+        norm = math.sqrt(total.item())
+        if max_norm > 0 and norm > max_norm:
+            grads = [local_tensor(p.grad) for p in params if p.grad is not None]
+            torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
+        return torch.tensor(norm, device=self.device)
+
+    # -- evaluation -------------------------------------------------------------------------
+    def gather(self, tensor):
+        """Concatenate ``tensor`` (or a nested structure of tensors) over the dp ranks along dim 0."""
+        dp = self._taco_mesh["dp"]
+        if dp.size() == 1:
+            return tensor
+        group, size = dp.get_group(), dp.size()
+
+        def one(t: torch.Tensor) -> torch.Tensor:
+            t = (t.clone()[None] if t.ndim == 0 else t).contiguous()
+            parts = [torch.empty_like(t) for _ in range(size)]
+            dist.all_gather(parts, t, group=group)
+            return torch.cat(parts)
+
+        return recursively_apply(one, tensor, error_on_other_type=True)
+
+    def gather_for_metrics(self, input_data, use_gather_object: bool = False):
+        """`gather` (or an object gather) over the dp ranks, without the samples the sharded
+        DataLoader repeated to fill its last batch."""
+        try:
+            recursively_apply(lambda x: x, input_data, error_on_other_type=True)
+            all_tensors = True
+        except TypeError:
+            all_tensors = False
+        use_gather_object = use_gather_object or not all_tensors
+        if use_gather_object:
+            parts = [None] * self.parallel_dims.dp
+            dist.all_gather_object(parts, input_data, group=self._taco_mesh["dp"].get_group())
+            data = [x for part in parts for x in part]
+        else:
+            data = self.gather(input_data)
+        remainder = self.gradient_state.remainder
+        if not self.gradient_state.end_of_dataloader or remainder <= 0:
+            return data
+        if use_gather_object:
+            return data[:remainder]
+        return recursively_apply(lambda t: t[:remainder], data)
+
+    def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
+        """Reduce over the dp ranks (``"sum"``, ``"mean"`` or ``"none"``)."""
+        if reduction not in ("sum", "mean", "none"):
+            raise ValueError(f"reduction={reduction!r}: use 'sum', 'mean' or 'none'")
+        dp = self._taco_mesh["dp"]
+        if reduction == "none" or dp.size() == 1:
+            return tensor
+
+        def one(t: torch.Tensor) -> torch.Tensor:
+            out = t.clone()
+            dist.all_reduce(out, group=dp.get_group())
+            return out / dp.size() if reduction == "mean" else out
+
+        return recursively_apply(one, tensor, error_on_other_type=True)
+
+    def compression_stats(self) -> dict[str, float]:
+        """What the TP collectives of all ranks sent since the last call, for ``accelerator.log``:
+        ``comm/bytes_sent``, ``comm/bytes_saved`` (against plain collectives) and
+        ``comm/compression`` (plain / sent). A collective; per-site figures:
+        `taco_accel.pop_comm_stats` (this rank's, and it resets them)."""
+        from ..comm import pop_comm_stats
+
+        stats = pop_comm_stats().values()
+        totals = torch.tensor([sum(s.bytes_sent for s in stats), sum(s.bytes_uncompressed for s in stats)],
+                              dtype=torch.float64, device=self.device)
+        dist.all_reduce(totals)
+        sent, plain = totals.tolist()
+        return {"comm/bytes_sent": sent, "comm/bytes_saved": plain - sent,
+                "comm/compression": plain / sent if sent else 1.0}
+
+    # -- saving -----------------------------------------------------------------------------
+    def get_state_dict(self, model, unwrap: bool = True):
+        """The full (unsharded) state dict with transformers' names, on every rank: a collective
+        for a tensor-parallel model."""
+        target = self.unwrap_model(model) if unwrap else model
+        if getattr(target, "taco", None) is None or target.taco.emulated:
+            return super().get_state_dict(model, unwrap)
+        from ..models import gather_state_dict
+
+        return gather_state_dict(target)
+
+    def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True) -> None:
+        """Write the full model as a plain transformers checkpoint (a peft model: its adapter, in
+        peft's format at full shapes). A collective: call it on every rank."""
+        target = self.unwrap_model(model)
+        if getattr(target, "taco", None) is None:
+            return super().save_model(model, save_directory, max_shard_size, safe_serialization)
+        if hasattr(target, "peft_config"):
+            from .lora import save_adapter
+
+            return save_adapter(target, save_directory)
+        from ..models import save_pretrained
+
+        save_pretrained(target, save_directory, max_shard_size=max_shard_size)
+
+    def register_save_state_pre_hook(self, hook):
+        raise NotImplementedError("taco_accel.Accelerator writes sharded checkpoints itself; save extra state with "
+                                  "register_for_checkpointing(obj) (an object with state_dict / load_state_dict)")
+
+    def register_load_state_pre_hook(self, hook):
+        raise NotImplementedError("taco_accel.Accelerator reads sharded checkpoints itself; restore extra state "
+                                  "with register_for_checkpointing(obj)")
+
+    def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True,
+                   **kwargs) -> Path:
+        """Every rank's shard of the models, optimizers, schedulers, the gradient scaler, DataLoader
+        positions, RNG states and registered objects, written atomically into ``output_dir``
+        (see `checkpoint`); with ``ProjectConfiguration(automatic_checkpoint_naming=True)``,
+        ``project_dir/checkpoints/checkpoint_<i>``. A collective."""
+        output_dir = self._save_dir(output_dir)
+        state = ckpt.TrainingState.of(self)
+        folder = ckpt.save(output_dir, state, self._taco_mesh, self.parallel_dims)
+        self.project_configuration.iteration += 1
+        return folder
+
+    def load_state(self, input_dir: str | os.PathLike | None = None, **kwargs) -> None:
+        """Restore what `save_state` wrote. ``input_dir=None`` with automatic checkpoint naming:
+        the newest complete checkpoint (a corrupt newest one is skipped with a warning). A
+        collective."""
+        if input_dir is None:
+            if not self.project_configuration.automatic_checkpoint_naming:
+                raise ValueError("load_state(None) needs ProjectConfiguration(automatic_checkpoint_naming=True); "
+                                 "pass the checkpoint folder")
+            input_dir = ckpt.latest(Path(self.project_dir) / "checkpoints", self._taco_mesh)
+            if input_dir is None:
+                raise ValueError(f"no complete checkpoint under {Path(self.project_dir) / 'checkpoints'}")
+        ckpt.load(input_dir, ckpt.TrainingState.of(self), self._taco_mesh, self.parallel_dims)
+
+    def _save_dir(self, output_dir) -> Path:
+        config = self.project_configuration
+        if not config.automatic_checkpoint_naming:
+            if output_dir is None:
+                raise ValueError("save_state(None) needs ProjectConfiguration(automatic_checkpoint_naming=True); "
+                                 "pass a folder")
+            return Path(output_dir)
+        root = Path(self.project_dir) / "checkpoints"
+        folder = root / f"checkpoint_{self.save_iteration}"
+        if self.is_main_process and config.total_limit is not None:
+            ckpt.prune(root, keep=config.total_limit - 1)
+        return folder
+
+
+class _StepOptimizer(AcceleratedOptimizer):
+    """Accelerate's optimizer wrapper whose real steps first reduce the step's gradients."""
+
+    def __init__(self, optimizer, finish, **kwargs):
+        super().__init__(optimizer, **kwargs)
+        self._finish = finish
+
+    def step(self, closure=None):
+        if self.gradient_state.sync_gradients:
+            self._finish()
+        return super().step(closure)
+
+
+class _ReplicaScheduler(AcceleratedScheduler):
+    """Accelerate's scheduler wrapper, stepping ``replicas`` times per optimizer step (the
+    DataLoader shrank by the number of dp replicas, not of processes)."""
+
+    def __init__(self, *args, replicas: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.replicas = replicas
+
+    def step(self, *args, **kwargs):
+        if not self.step_with_optimizer or self.split_batches:
+            return super().step(*args, **kwargs)
+        if not self.gradient_state.sync_gradients:
+            if self.gradient_state.adjust_scheduler:
+                self.scheduler._step_count += 1
+            return
+        if any(opt.step_was_skipped for opt in self.optimizers):
+            return
+        for _ in range(self.replicas):
+            if getattr(self.scheduler, "total_steps", None) is not None and \
+                    self.scheduler._step_count > self.scheduler.total_steps:
+                break
+            self.scheduler.step(*args, **kwargs)
+
+
+class _FsdpNoSync:
+    """``no_sync`` for our models: FSDP2 modules skip their reduce-scatter until the last
+    micro-batch; for the others there is nothing to skip."""
+
+    def __init__(self, model):
+        self.modules = [m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")]
+
+    def __enter__(self):
+        for m in self.modules:
+            m.set_requires_gradient_sync(False, recurse=False)
+
+    def __exit__(self, *exc):
+        for m in self.modules:
+            m.set_requires_gradient_sync(True, recurse=False)
+
+
+def _launch_asks_for_parallelism() -> bool:
+    return os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true"
+
+
+def _dims_from_config(config, pp: int | None, world: int) -> ParallelDims:
+    """Mesh sizes from Accelerate's ``ParallelismConfig`` (or none: data parallelism over all)."""
+    if config is None:
+        return ParallelDims.from_env(world, pp=pp, tp=1)
+    if config.cp_size > 1 or config.sp_size > 1:
+        raise ValueError(
+            f"parallelism_config cp_size={config.cp_size} / sp_size={config.sp_size}: context and Ulysses sequence "
+            "parallelism are not supported with TACO TP; set them to 1 (Megatron sequence parallelism inside TP is "
+            "Accelerator(sequence_parallel=True))"
+        )
+    shard, replicate = config.dp_shard_size, config.dp_replicate_size
+    if shard > 1 and replicate > 1:
+        raise ValueError(f"dp_shard_size={shard} with dp_replicate_size={replicate} (HSDP) is not supported; set "
+                         "one of them to 1")
+    dp, mode = shard * replicate, "fsdp" if shard > 1 else "ddp"
+    if world == 1:
+        return ParallelDims(pp=pp or 1, dp=dp, tp=config.tp_size, dp_mode=mode)
+    return ParallelDims.from_env(world, pp=pp, dp=dp, tp=config.tp_size, dp_mode=mode)

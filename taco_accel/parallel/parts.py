@@ -1,0 +1,232 @@
+"""A model laid out on the ``("pp", "dp", "tp")`` mesh: this rank's parts, and what ends a backward.
+
+`distribute` runs the passes in their one order, torchtitan style, and returns `ModelParts`:
+
+1. tensor parallelism over ``mesh["tp"]`` on the whole model (`apply_tp`; a model that the
+   user already parallelised is checked against the mesh instead);
+2. pipeline stages (`apply_pp`), only when asked: the modules this rank runs are then
+   `StageModule`s, otherwise the transformers model itself;
+3. the device, then data parallelism over ``mesh["dp"]`` (`apply_dp`: FSDP2 shards in place;
+   DDP replicas average their gradients in `finish_gradients`).
+
+`ModelParts.finish_gradients` is what every training step runs after its last backward and
+before clipping, exactly once per step: the tp sums of replicated parameters FSDP2 hides from
+`parallelize`'s hooks, the dp average of DDP replicas, and the tied embedding's sum across
+pipeline stages. Backwards since the last finish are noticed through a hook on the outputs of
+the parts, so calling it twice (clipping, then the optimizer step) reduces once.
+`ModelParts.clip_grad_norm_` clips by the norm of the whole unsharded model's gradient.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .data_parallel import DataParallelGradSync, ReplicaGradSum, TiedEmbeddingSync, apply_dp, local_tensor
+from .mesh import ParallelDims
+from .pipeline import apply_pp, is_tied
+from .tensor_parallel import apply_tp, check_parallelized
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelParts:
+    """This rank's parts of one model on the mesh (torchtitan's ``model_parts``).
+
+    ``modules``: what this rank runs, in stage order (``[model]`` without pipeline stages).
+    ``stage_ids`` / ``num_stages``: their pipeline stage numbers and the total (``[0]`` / 1).
+    ``norm_shares``: per parameter (by id), the share of its squared gradient norm this rank
+    counts, so that the sum over the mesh is the unsharded model's (1/replicas over tp, 1/dp
+    for DDP replicas, 0 for a tied head's copy). ``export_drop``: keys a full export leaves
+    out (the head copy of a tied model split across stages).
+    """
+
+    modules: list[nn.Module]
+    mesh: DeviceMesh
+    dims: ParallelDims
+    stage_ids: list[int] = field(default_factory=lambda: [0])
+    num_stages: int = 1
+    norm_shares: dict[int, float] = field(default_factory=dict)
+    export_drop: set[str] = field(default_factory=set)
+    finishers: list = field(default_factory=list)
+    _backwards: int = 0
+    _finished: int = 0
+
+    def named_parameters(self):
+        for module in self.modules:
+            yield from module.named_parameters()
+
+    def parameters(self):
+        for _, p in self.named_parameters():
+            yield p
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids
+
+    def watch_backward(self) -> None:
+        """Count backwards through the parts: a hook on every output that requires grad."""
+        def mark(_grad):
+            self._backwards += 1
+
+        def on_output(module, args, output):
+            if torch.is_grad_enabled():
+                for t in _tensors(output):
+                    if t.requires_grad:
+                        t.register_hook(mark)
+                        break  # one per output: a backward through any of them marks it
+
+        for module in self.modules:
+            module.register_forward_hook(on_output)
+
+    def finish_gradients(self) -> bool:
+        """Reduce the gradients of the backwards since the last call (a collective); False when
+        there was none to finish."""
+        if self._backwards == self._finished:
+            return False
+        for finish in self.finishers:
+            finish()
+        self._finished = self._backwards
+        return True
+
+    def grad_norm_sq(self, params: list[nn.Parameter] | None = None) -> torch.Tensor:
+        """This rank's share of the squared gradient norm (float64, on the gradients' device)."""
+        chosen = {id(p) for p in params} if params is not None else None
+        grads, shares = [], []
+        for p in self.parameters():
+            share = self.norm_shares.get(id(p), 0.0)
+            if p.grad is None or share == 0.0 or (chosen is not None and id(p) not in chosen):
+                continue
+            grads.append(local_tensor(p.grad).detach())
+            shares.append(share)
+        if not grads:
+            return torch.zeros((), dtype=torch.float64)
+        norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))  # one launch, no host sync
+        return (norms.square() * torch.tensor(shares, dtype=torch.float64).to(norms.device)).sum()
+
+    def clip_grad_norm_(self, max_norm: float, params: list[nn.Parameter] | None = None) -> float:
+        """Finish the gradients, clip them by the whole model's gradient norm over the mesh
+        (a collective over all ranks); return the norm before clipping. ``max_norm <= 0``
+        only measures. ``params``: a subset to measure and clip (default: all)."""
+        self.finish_gradients()
+        total = self.grad_norm_sq(params).to(self.device)
+        dist.all_reduce(total)  # the default group spans the mesh
+        norm = math.sqrt(total.item())
+        if max_norm > 0 and norm > max_norm:
+            chosen = list(self.parameters()) if params is None else params
+            grads = [local_tensor(p.grad) for p in chosen if p.grad is not None]
+            torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
+        return norm
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+
+def _tensors(output):
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, dict):  # transformers' ModelOutput is a dict
+        for value in output.values():
+            yield from _tensors(value)
+    elif isinstance(output, (list, tuple)):
+        for value in output:
+            yield from _tensors(value)
+
+
+def distribute(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    dims: ParallelDims,
+    *,
+    compression=None,
+    sequence_parallel: bool = False,
+    device: torch.device | None = None,
+    param_dtype: torch.dtype | None = None,
+    pipeline: bool = False,
+    stages_per_rank: int = 1,
+    seq_len: int = 2048,
+) -> ModelParts:
+    """Lay ``model`` out on ``mesh`` (a collective on every rank); return this rank's parts.
+
+    ``compression`` / ``sequence_parallel`` go to `parallelize` when the model is not yet
+    tensor parallel (``compression=None``: plain TP). ``pipeline``: split into
+    ``pp * stages_per_rank`` `StageModule`s (``seq_len`` balances them); without it pp must be 1.
+    ``param_dtype``: FSDP2's compute dtype (e.g. bf16 under mixed precision).
+    """
+    if not pipeline and dims.pp > 1:
+        raise ValueError(
+            f"the mesh has pp={dims.pp} but this model is prepared without pipeline stages; use "
+            "accelerator.prepare_pipeline(model, ...) (or the Trainer), or size the mesh so that dp x tp "
+            "covers every process (e.g. parallelism_config dp_replicate_size / dp_shard_size)"
+        )
+    if getattr(model, "taco", None) is not None:
+        check_parallelized(model, mesh)
+        replicas = _replicas_of(model, dims.tp)
+    else:
+        replicas = apply_tp(model, mesh, compression, sequence_parallel)
+    tied = is_tied(model) if pipeline else False
+    if pipeline:
+        plan = apply_pp(model, mesh, stages_per_rank, seq_len=seq_len,
+                        sequence_parallel=sequence_parallel and dims.tp > 1)
+        modules, stage_ids, num_stages = plan.modules, plan.stage_ids, plan.num_stages
+        prefix = "model."
+    else:
+        modules, stage_ids, num_stages, prefix = [model], [0], 1, ""
+    parts = ModelParts(modules, mesh, dims, stage_ids, num_stages)
+    if device is not None:
+        for module in modules:
+            module.to(device)
+    split_tied = tied and num_stages > 1
+    skip, tied_sync = _split_tied(parts) if split_tied else (set(), None)
+    fsdp = dims.dp_mode == "fsdp" and dims.dp > 1
+    if fsdp and dims.tp > 1:
+        replica_sum = ReplicaGradSum(modules, mesh)  # before FSDP2 replaces the parameter objects
+        if replica_sum:
+            parts.finishers.append(replica_sum)
+    parts.modules = [apply_dp(m, mesh, dims.dp_mode, param_dtype=param_dtype) for m in modules]
+    if dims.dp_mode == "ddp" and dims.dp > 1:
+        parts.finishers.append(DataParallelGradSync(parts.modules, mesh))
+    if tied_sync is not None:
+        parts.finishers.append(tied_sync)
+    dp_share = 1.0 / dims.dp if dims.dp_mode == "ddp" else 1.0
+    for name, p in parts.named_parameters():
+        key = name[len(prefix):] if name.startswith(prefix) else name
+        parts.norm_shares[id(p)] = 0.0 if name in skip else dp_share / replicas.get(key, dims.tp)
+    parts.watch_backward()
+    return parts
+
+
+def _replicas_of(model: nn.Module, tp: int) -> dict[str, int]:
+    """How many tp ranks hold each parameter's values (an emulated model holds them whole)."""
+    if model.taco.emulated:
+        return {n: 1 for n, _ in model.named_parameters()}
+    from ..models.checkpoint import tp_replicas
+
+    return tp_replicas(model, tp)
+
+
+def _split_tied(parts: ModelParts) -> tuple[set[str], TiedEmbeddingSync]:
+    """A tied embedding and head on different stages: the last stage's head is a copy kept
+    equal by a gradient sum (`TiedEmbeddingSync`); its norm counts once, its export not at all."""
+    first = last = None
+    skip = set()
+    for s, stage in zip(parts.stage_ids, parts.modules):
+        if s == 0:
+            first = stage.model.get_input_embeddings().weight
+        if s == parts.num_stages - 1:
+            last = stage.model.lm_head.weight
+            skip.add("model.lm_head.weight")
+    parts.export_drop = {"lm_head.weight"}
+    return skip, TiedEmbeddingSync(parts.modules, parts.mesh, first, last)
