@@ -278,12 +278,40 @@ def _subgroups() -> dict:
     return out
 
 
+def _autotune() -> dict:
+    """`autotune.time_collective`: real timings agree on every rank; the rule on fixed clocks."""
+    from taco_accel.comm import autotune
+
+    rank = dist.get_rank()
+    x = _input(98, rank, (4, 256))
+    out = {"real": [autotune.time_collective(op, x, None, CFG).to_dict() for op in ("all_reduce", "all_gather")]}
+    clocks = {  # (plain, compressed) seconds per timed call, on rank 0 and on the others
+        "faster": ((1.0, 0.9), (1.0, 0.9)),
+        "within_margin": ((1.0, 0.96), (1.0, 0.96)),
+        "one_rank_slow": ((1.0, 3.0), (1.0, 0.5)),
+    }
+    original = autotune._seconds
+    try:
+        for label, per_rank in clocks.items():
+            ticks = iter(per_rank[rank > 0] * autotune.REPS)
+
+            def fake(call, device, ticks=ticks):
+                call()
+                return next(ticks)
+
+            autotune._seconds = fake
+            out[label] = autotune.time_collective("all_reduce", x, None, CFG).to_dict()
+    finally:
+        autotune._seconds = original
+    return out
+
+
 def _battery() -> dict:
     world = dist.get_world_size()
     results = dict(
         accuracy=_accuracy(None, list(range(world))), formats=_formats(), plain=_plain(),
         threshold=_threshold(), pieces=_pieces(), drift=_drift(), nonfinite=_nonfinite(),
-        stats=_stats(), misc=_misc(),
+        stats=_stats(), misc=_misc(), autotune=_autotune(),
     )
     if world == 4:
         results["subgroups"] = _subgroups()
@@ -425,6 +453,17 @@ def test_requires_grad_strided_and_input_errors(ranks):
     assert "divisible by the group size" in misc["rs_rows"]
     assert "0-d" in misc["ag_0d"]
     assert all(p["misc"]["p2p"] and p["misc"]["p2p_all_reduce"] for p in ranks)
+
+
+def test_autotune_same_decision_on_every_rank(ranks):
+    for per_rank in ranks:
+        assert per_rank["autotune"] == ranks[0]["autotune"]  # every figure, not only the verdict
+    got = ranks[0]["autotune"]
+    assert [t["kind"] for t in got["real"]] == ["all_reduce", "all_gather"]
+    assert all(t["plain_s"] > 0 and t["compressed_s"] > 0 for t in got["real"])
+    assert got["faster"]["compress"] and got["faster"]["compressed_s"] == 0.9
+    assert not got["within_margin"]["compress"]  # 4% faster is within the 5% margin: plain
+    assert not got["one_rank_slow"]["compress"] and got["one_rank_slow"]["compressed_s"] == 3.0  # the slowest rank
 
 
 def test_subgroups(ranks):

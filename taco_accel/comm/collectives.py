@@ -11,6 +11,11 @@ tensor of the input's dtype, and every rank of the group must make the same call
 Autograd: the inputs are detached and the results do not require grad; layer 3 wraps these
 functions in autograd functions that define the backward collectives.
 
+``async_op=True`` returns a `Pending` instead: the transfer (plain), or the first piece
+(compressed), is under way; call ``progress()`` between other work so that compressed pieces
+advance, and ``wait()`` for the result. Layer 3 overlaps the backward all-reduce of a
+column-parallel region's input gradient with the weight-gradient matmuls this way (Megatron).
+
 Non-finite values follow ``config.nonfinite`` on both paths. ``"propagate"``: a group holding
 NaN or Inf decodes to NaN on every rank (the plain path keeps them as they are). ``"zero"``:
 they count as 0. ``"raise"``: every rank of the group raises `NonFiniteError` when any rank's
@@ -32,48 +37,57 @@ import torch.distributed as dist
 from ..codec import NonFiniteError, TacoConfig
 from . import stats
 from .compressed import Tally, all_gather_pieces, all_reduce_pieces, reduce_scatter_pieces
-from .dist_ops import all_gather_into, all_reduce_, reduce_scatter_into
-from .pipeline import run_pipelined
+from .dist_ops import Done, all_gather_into, all_reduce_, reduce_scatter_into
+from .pipeline import Pipeline
 
 _PIECES = dict(all_reduce=all_reduce_pieces, reduce_scatter=reduce_scatter_pieces, all_gather=all_gather_pieces)
 _SAME_BYTES_EVERYWHERE = {"all_reduce": True, "reduce_scatter": False, "all_gather": True}
 
 
 def all_reduce(
-    x: torch.Tensor, group=None, config: TacoConfig | None = None, *, site: str | None = None
-) -> torch.Tensor:
+    x: torch.Tensor, group=None, config: TacoConfig | None = None, *, site: str | None = None,
+    async_op: bool = False,
+):
     """Sum of ``x`` over the ranks of ``group``: a new tensor of x's shape and dtype.
 
     Compressed: the two-shot TACO all-reduce; every rank gets bit-identical bytes.
     """
-    return _collective("all_reduce", x, x.shape, group, config, site)
+    return _collective("all_reduce", x, group, config, site, async_op)
 
 
 def reduce_scatter(
-    x: torch.Tensor, group=None, config: TacoConfig | None = None, *, site: str | None = None
-) -> torch.Tensor:
+    x: torch.Tensor, group=None, config: TacoConfig | None = None, *, site: str | None = None,
+    async_op: bool = False,
+):
     """x has P*m rows along dim 0; returns this rank's m rows of the sum over the group's ranks.
 
     Compressed: each rank's row block is compressed as its own chunk (padded to whole
     groups), exchanged all-to-all, summed with `sum_packed` and decoded by its rank.
     """
-    world = _world(group)
-    _check_rows(x, world)
-    return _collective("reduce_scatter", x, (x.shape[0] // world, *x.shape[1:]), group, config, site)
+    return _collective("reduce_scatter", x, group, config, site, async_op)
 
 
 def all_gather(
-    x: torch.Tensor, group=None, config: TacoConfig | None = None, *, site: str | None = None
-) -> torch.Tensor:
+    x: torch.Tensor, group=None, config: TacoConfig | None = None, *, site: str | None = None,
+    async_op: bool = False,
+):
     """Concatenation of every rank's ``x`` along dim 0, in rank order.
 
     Compressed: compress, all-gather the buffers, decode all; every rank gets the same bytes.
     """
-    _check_rows(x)
-    return _collective("all_gather", x, (x.shape[0] * _world(group), *x.shape[1:]), group, config, site)
+    return _collective("all_gather", x, group, config, site, async_op)
 
 
 # --- shared steps -----------------------------------------------------------------------------
+
+
+def output_shape(kind: str, x: torch.Tensor, world: int) -> tuple[int, ...]:
+    """Shape of the result of ``kind`` on this rank's ``x`` over ``world`` ranks."""
+    if kind == "reduce_scatter":
+        return (x.shape[0] // world, *x.shape[1:])
+    if kind == "all_gather":
+        return (x.shape[0] * world, *x.shape[1:])
+    return tuple(x.shape)
 
 
 def _check_rows(x: torch.Tensor, world: int | None = None) -> None:
@@ -96,28 +110,78 @@ def _world(group) -> int:
     return world
 
 
-def _collective(kind: str, x: torch.Tensor, out_shape, group, config: TacoConfig | None, site: str | None):
-    """Run ``kind`` plain or compressed into a new tensor of ``out_shape``; record its stats."""
+def _collective(kind: str, x: torch.Tensor, group, config: TacoConfig | None, site: str | None,
+                async_op: bool = False):
+    """Run ``kind`` plain or compressed into a new tensor; record its stats (at `Pending.wait`)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{kind} expects a torch.Tensor, got {type(x).__name__}")
-    x, world, site = x.detach(), _world(group), site or kind
-    out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
-    nbytes = x.numel() * x.element_size()
-    plain = stats.plain_bytes(kind, nbytes, world)
-    if _plain_path(config, nbytes, world):
-        _plain(kind, _zero_policy(x, config).contiguous(), out, group, world)
-        stats.record(site, sent=plain, uncompressed=plain, compressed=False)
-        if config is not None and config.nonfinite == "raise" and out.is_floating_point():
-            _raise_if_flag(~torch.isfinite(out).all(), group, world, site, agree=not _SAME_BYTES_EVERYWHERE[kind])
+    x, world = x.detach(), _world(group)
+    if kind != "all_reduce":
+        _check_rows(x, world if kind == "reduce_scatter" else None)
+    pending = Pending(kind, x, group, config, site or kind)
+    return pending if async_op else pending.wait()
+
+
+class Pending:
+    """A collective in flight: `progress` lets compressed pieces advance between other work,
+    `wait` returns the result (and records the site's statistics).
+
+    The plain collective is one ``async_op`` call of torch.distributed; the compressed one is
+    a `Pipeline` of pieces, each `progress` one tick of it (codec work of one piece, the
+    transfers of the others in flight). Every rank of the group must call `progress` as
+    often, in the same order relative to other collectives.
+    """
+
+    def __init__(self, kind: str, x: torch.Tensor, group, config: TacoConfig | None, site: str) -> None:
+        self.kind, self.x, self.group, self.config, self.site = kind, x, group, config, site
+        self.world = _world(group)
+        self.out = torch.empty(output_shape(kind, x, self.world), dtype=x.dtype, device=x.device)
+        nbytes = x.numel() * x.element_size()
+        self.compressed = not _plain_path(config, nbytes, self.world)
+        if self.compressed:
+            self.tally = Tally(check_nonfinite=config.nonfinite == "raise")
+            pieces = _PIECES[kind](x.contiguous(), self.out, _codec_config(config), group, self.world, self.tally)
+            self._pipeline = Pipeline(pieces)
+            self._pipeline.tick()  # the first piece encoded and on the wire
+        else:
+            self.sent = stats.plain_bytes(kind, nbytes, self.world)
+            self._work = _plain(kind, _zero_policy(x, config).contiguous(), self.out, group, self.world)
+        self._done = False
+
+    def progress(self) -> None:
+        """One step of the compressed pipeline (nothing for a plain collective)."""
+        if self.compressed and not self._done:
+            self._done = not self._pipeline.tick()
+
+    def result(self) -> tuple[torch.Tensor, int, bool]:
+        """``(out, bytes this rank sent, compressed?)`` once complete; no statistics."""
+        if self.compressed:
+            self._pipeline.finish()
+            self.sent = self.tally.sent
+            flag = self.tally.any_nonfinite() if self.tally.check_nonfinite else None
+        else:
+            self._work.wait()
+            raising = self.config is not None and self.config.nonfinite == "raise" and self.out.is_floating_point()
+            flag = ~torch.isfinite(self.out).all() if raising else None
+        if flag is not None:
+            _raise_if_flag(flag, self.group, self.world, self.site, agree=not _SAME_BYTES_EVERYWHERE[self.kind])
+        return self.out, self.sent, self.compressed
+
+    def wait(self) -> torch.Tensor:
+        """The result, a new tensor; records the call under its site."""
+        out, sent, compressed = self.result()
+        nbytes = self.x.numel() * self.x.element_size()
+        stats.record(self.site, sent=sent, uncompressed=stats.plain_bytes(self.kind, nbytes, self.world),
+                     compressed=compressed)
+        if compressed and stats.should_sample(self.site):
+            stats.record_error(self.site, _relative_error(out, _exact(self.kind, self.x, out.shape, self.group)))
         return out
-    tally = Tally(check_nonfinite=config.nonfinite == "raise")
-    run_pipelined(_PIECES[kind](x.contiguous(), out, _codec_config(config), group, world, tally))
-    stats.record(site, sent=tally.sent, uncompressed=plain, compressed=True)
-    if stats.should_sample(site):
-        stats.record_error(site, _relative_error(out, _exact(kind, x, out_shape, group)))
-    if tally.check_nonfinite:
-        _raise_if_flag(tally.any_nonfinite(), group, world, site, agree=not _SAME_BYTES_EVERYWHERE[kind])
-    return out
+
+
+def run_collective(kind: str, x: torch.Tensor, group, config: TacoConfig | None, site: str = ""):
+    """``(out, bytes this rank sent, compressed?)`` of ``kind`` on the detached ``x``; no
+    statistics (`autotune` times with it)."""
+    return Pending(kind, x, group, config, site).result()
 
 
 def _plain_path(config: TacoConfig | None, nbytes: int, world: int) -> bool:
@@ -125,17 +189,18 @@ def _plain_path(config: TacoConfig | None, nbytes: int, world: int) -> bool:
     return config is None or world == 1 or nbytes == 0 or nbytes < config.threshold_bytes
 
 
-def _plain(kind: str, src: torch.Tensor, out: torch.Tensor, group, world: int) -> None:
-    """out <- the plain collective ``kind`` of src (contiguous), in src's dtype."""
+def _plain(kind: str, src: torch.Tensor, out: torch.Tensor, group, world: int):
+    """Start out <- the plain collective ``kind`` of src (contiguous), in src's dtype; returns
+    its work handle."""
     if world == 1:
         out.copy_(src.view(out.shape))
-    elif kind == "all_reduce":
+        return Done()
+    if kind == "all_reduce":
         out.copy_(src)
-        all_reduce_(out, group)
-    elif kind == "reduce_scatter":
-        reduce_scatter_into(out, src, group)
-    else:
-        all_gather_into(out, src, group).wait()
+        return all_reduce_(out, group, async_op=True)
+    if kind == "reduce_scatter":
+        return reduce_scatter_into(out, src, group, async_op=True)
+    return all_gather_into(out, src, group)
 
 
 @functools.lru_cache(maxsize=64)
@@ -173,7 +238,7 @@ def _nonfinite_error(site: str) -> NonFiniteError:
 def _exact(kind: str, x: torch.Tensor, out_shape, group) -> torch.Tensor:
     """The float64 result of the plain collective (one extra collective, for error sampling)."""
     ref = torch.empty(out_shape, dtype=torch.float64, device=x.device)
-    _plain(kind, x.double().contiguous(), ref, group, dist.get_world_size(group))
+    _plain(kind, x.double().contiguous(), ref, group, dist.get_world_size(group)).wait()
     return ref
 
 

@@ -26,7 +26,7 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 _no_native_all_to_all: set[str] = set()  # backends seen refusing all_to_all_single
 
 
-class _Done:
+class Done:
     """A finished work handle (for paths that complete synchronously)."""
 
     def wait(self) -> bool:
@@ -38,14 +38,14 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, group=None):
     return _all_gather_single(out, x, group=group, async_op=True)
 
 
-def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group=None) -> None:
-    """out [n] <- this rank's block of the sum over ranks of x [P*n] (synchronous)."""
-    _reduce_scatter_single(out, x, group=group)
+def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group=None, async_op: bool = False):
+    """out [n] <- this rank's block of the sum over ranks of x [P*n]; a work handle if ``async_op``."""
+    return _reduce_scatter_single(out, x, group=group, async_op=async_op)
 
 
-def all_reduce_(x: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> None:
-    """x <- op over the ranks of x, in place (synchronous)."""
-    dist.all_reduce(x, op=op, group=group)
+def all_reduce_(x: torch.Tensor, group=None, op=dist.ReduceOp.SUM, async_op: bool = False):
+    """x <- op over the ranks of x, in place; a work handle if ``async_op``."""
+    return dist.all_reduce(x, op=op, group=group, async_op=async_op)
 
 
 def all_to_all(out: torch.Tensor, x: torch.Tensor, group=None):
@@ -77,7 +77,7 @@ def all_to_all_p2p(out: torch.Tensor, x: torch.Tensor, group=None):
             global_peer = dist.get_global_rank(group, peer) if group is not None else peer
             ops.append(dist.P2POp(dist.isend, send[peer], global_peer, group))
             ops.append(dist.P2POp(dist.irecv, recv[peer], global_peer, group))
-    return _AllOf(dist.batch_isend_irecv(ops)) if ops else _Done()
+    return _AllOf(dist.batch_isend_irecv(ops)) if ops else Done()
 
 
 class _AllOf:

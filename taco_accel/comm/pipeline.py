@@ -48,11 +48,31 @@ def _advance(step: Iterator) -> bool:
     return True
 
 
+class Pipeline:
+    """Piece generators advanced once per `tick`, newest first; `finish` runs them to the end.
+
+    Ticks are the points where other work (a weight-gradient matmul) can run while the pieces'
+    messages are in flight; the order of collectives depends only on the number of ticks, so
+    every rank must tick at the same points (they do: they run the same program).
+    """
+
+    def __init__(self, steps: Iterable[Iterator]) -> None:
+        self._pending = iter(steps)
+        self._live: list[Iterator] = []  # oldest first
+
+    def tick(self) -> bool:
+        """Start the next piece (if any) and advance every live one; False once all are done."""
+        step = next(self._pending, None)
+        if step is not None:
+            self._live.append(step)
+        self._live = [s for s in reversed(self._live) if _advance(s)][::-1]
+        return step is not None or bool(self._live)
+
+    def finish(self) -> None:
+        while self.tick():
+            pass
+
+
 def run_pipelined(steps: Iterable[Iterator]) -> None:
     """Run piece generators to completion, each advanced once per tick, newest first."""
-    live: list[Iterator] = []  # oldest first
-    for step in steps:
-        live.append(step)
-        live = [s for s in reversed(live) if _advance(s)][::-1]
-    while live:
-        live = [s for s in reversed(live) if _advance(s)][::-1]
+    Pipeline(steps).finish()
