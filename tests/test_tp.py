@@ -71,6 +71,42 @@ def test_compression_forms():
         Compression(forward="e4m3")
 
 
+def test_compression_modes_and_record():
+    auto = Compression.resolve("auto")
+    assert auto.auto and auto.rule_for("layers.0.mlp/bwd") == (TacoConfig(), True)
+    assert Compression.resolve("on").config_for("x/fwd").threshold_bytes == 0
+    assert Compression.resolve("off").config_for("x/fwd") is None
+    on = TacoConfig(threshold_bytes=0)
+    mixed = Compression.resolve({"forward": TacoConfig(), "backward": None, "auto": True, "sites": {"lm_head/*": on}})
+    assert mixed.rule_for("layers.0.mlp.down_proj/fwd") == (TacoConfig(), True)
+    assert mixed.rule_for("layers.0.mlp/bwd") == (None, False)  # explicit off wins
+    assert mixed.rule_for("lm_head/bwd") == (on, False)  # explicit on wins
+    assert Compression.resolve(mixed.to_dict() | {"forward": TacoConfig(), "sites": {}}).auto
+    with pytest.raises(ValueError, match="compression='fp8' is not supported; pass 'auto', 'on', 'off'"):
+        Compression.resolve("fp8")
+
+
+def test_auto_sites_decide_once_and_record():
+    """Without a group to time (emulation), an auto site decides by its size threshold."""
+    table = SiteTable(None, Compression.resolve({"forward": TacoConfig(threshold_bytes=1000), "auto": True,
+                                                 "sites": {"b/*": None}}), timed=False)
+    small, big = table.site("a/fwd"), table.site("c/fwd")
+    off, bwd = table.site("b/fwd"), table.site("a/bwd")
+    assert "3 decided by timing in the first steps (auto), 1 plain" in table.summary()
+    assert small.decision is None and table.decisions()["a/fwd"]["compressed"] is None
+    assert small.call_config("all_reduce", torch.ones(100)).threshold_bytes == 2**62  # 400 B: plain
+    assert big.call_config("all_reduce", torch.ones(1000)).threshold_bytes == 1000  # 4000 B: compressed
+    assert small.decision.rule == "size" and not small.decision.compress and big.decision.compress
+    assert small.call_config("all_reduce", torch.ones(800)).threshold_bytes == 1000  # over 2x: decided again
+    assert off.call_config("all_reduce", torch.ones(1000)) is None and off.mode == "off"
+    record = table.decisions()
+    assert record["a/fwd"]["compressed"] and record["b/fwd"] == {"mode": "off", "config": None, "compressed": False}
+    assert record["a/bwd"]["compressed"] is None and bwd.mode == "auto"  # never called
+    assert "auto: compressed (size rule" in str(table) and "auto: undecided" in str(table)
+    table.set_group_sizes({"c/fwd": 32})  # calibration keeps the decision
+    assert big.call_config("all_reduce", torch.ones(1000)).group_size == 32
+
+
 def test_site_table_print_and_sizes(tmp_path):
     table = SiteTable(None, Compression.resolve(TacoConfig()))
     table.site("layers.0.mlp.down_proj/fwd")
@@ -205,8 +241,27 @@ def _compressed_site() -> dict:
     return {"compressed_calls": stats["blk/bwd"].compressed_calls, "finite": bool(torch.isfinite(x.grad).all())}
 
 
+def _auto_sites() -> dict:
+    """Auto sites timed on the real group: one decision for all ranks, stats that follow it."""
+    from taco_accel.tp.auto import AutoDecider
+
+    torch.manual_seed(dist.get_rank())
+    decider = AutoDecider(None)
+    first, second = (Site(f"blk{i}/bwd", None, TacoConfig(group_size=32), decider) for i in range(2))
+    comm.pop_comm_stats()
+    for site in (first, second):
+        x = torch.randn(4, 64, requires_grad=True)
+        RegionEntry(None, site)(x).mul(torch.randn(4, 64)).sum().backward()
+    stats = comm.pop_comm_stats()
+    return {
+        "decisions": [s.decision.to_dict() for s in (first, second)],
+        "compressed_calls": [stats[s.name].compressed_calls for s in (first, second)],
+    }
+
+
 def _worker() -> dict:
     return {
+        "auto": _auto_sites(),
         "mlp": _mlp(None, conv1d=False),
         "mlp_conv1d": _mlp(None, conv1d=True),
         "mlp_sp": _mlp(SequenceState(True, WORLD), conv1d=False),
@@ -237,6 +292,15 @@ def test_vocab_parallel_embedding_and_cross_entropy(measured):
 def test_replicated_kv_heads_sum_their_gradients(measured):
     for result in measured:
         assert max(result["replicated_kv"].values()) < 1e-5, result["replicated_kv"]
+
+
+def test_auto_sites_agree_share_timings_and_report_what_ran(measured):
+    auto = measured[0]["auto"]
+    assert all(result["auto"] == auto for result in measured)  # the same figures on every rank
+    first, second = auto["decisions"]
+    assert first["rule"] == "timed" and first["timed_at"] is None and first["nbytes"] == 4 * 64 * 4
+    assert second["timed_at"] == "blk0/bwd" and second["compress"] == first["compress"]  # one timing
+    assert auto["compressed_calls"] == [int(first["compress"])] * 2  # stats say what was sent
 
 
 def test_compressed_site_goes_through_the_codec(measured):

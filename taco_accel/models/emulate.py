@@ -51,15 +51,14 @@ def emulate_tp(model: nn.Module, plan: TPPlan, tp, compression, sequence_paralle
     compression = Compression.resolve(compression)
     group = EmulatedGroup(tp)
     context = TPContext(
-        plan, None, tp, 0, compression, SiteTable(None, compression), SequenceState(bool(sequence_parallel), tp),
-        logits="full", emulator=group,
+        plan, None, tp, 0, compression, SiteTable(None, compression, timed=False),
+        SequenceState(bool(sequence_parallel), tp), logits="full", emulator=group,
     )
     _EmulatedRewrite(model, plan, context).install()
     model.taco = context
     logger.info(
-        "emulated tensor parallel %s: tp=%d in one process, sequence_parallel=%s, %d communication sites "
-        "(%d compressed)",
-        plan.name, tp, context.sequence_parallel, len(context.sites), len(context.sites.group_sizes()),
+        "emulated tensor parallel %s: tp=%d in one process, sequence_parallel=%s, %s",
+        plan.name, tp, context.sequence_parallel, context.sites.summary(),
     )
     return model
 

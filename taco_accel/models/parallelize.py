@@ -85,7 +85,7 @@ def _short(plan: TPPlan, name: str) -> str:
 def parallelize(
     model: nn.Module,
     tp: int | None = None,
-    compression: TacoConfig | Compression | dict | None = TacoConfig(),
+    compression: str | TacoConfig | Compression | dict | None = "auto",
     sequence_parallel: bool = False,
     device_mesh=None,
     emulate: bool = False,
@@ -100,9 +100,15 @@ def parallelize(
         tp: tensor-parallel degree. Default: the size of ``device_mesh``'s tp group, else the
             world size. A tp smaller than the world size without a mesh makes groups of
             consecutive ranks.
-        compression: codec settings of the TP collectives: a `TacoConfig` (both directions),
-            ``None`` (plain TP), a `Compression` or a dict ``{"forward": cfg|None,
-            "backward": cfg|None, "sites": {pattern: cfg|None}}``.
+        compression: whether and how the TP collectives are compressed. ``"auto"`` (default):
+            every site is timed plain against compressed at its real message size on this
+            group during its first call (the first training step) and compressed only where
+            that is faster, the same decision on every rank (`taco_accel.tp.auto`); the
+            decisions are logged and ``model.taco.sites.decisions()`` returns them as a dict.
+            ``"on"``: every message compressed; ``"off"`` or ``None``: plain TP. A `TacoConfig`
+            (both directions, compressed from its ``threshold_bytes`` on), a `Compression` or
+            a dict ``{"forward": cfg|None, "backward": cfg|None, "sites": {pattern: cfg|None},
+            "auto": bool}`` set it per direction and per site.
         sequence_parallel: split the residual stream along the sequence between blocks
             (norms and dropout on 1/tp of the tokens); training sequences must divide by tp.
         device_mesh: a 1-D DeviceMesh, a DeviceMesh with a ``"tp"`` dimension, or a
@@ -138,8 +144,8 @@ def parallelize(
     _sync_rng(group)
     model.taco = context
     logger.info(
-        "tensor parallel %s: tp=%d, sequence_parallel=%s, %d communication sites (%d compressed)",
-        plan.name, tp, context.sequence_parallel, len(context.sites), len(context.sites.group_sizes()),
+        "tensor parallel %s: tp=%d, sequence_parallel=%s, %s",
+        plan.name, tp, context.sequence_parallel, context.sites.summary(),
     )
     return model
 

@@ -51,7 +51,7 @@ from .utils import ShardSpec
 def _all_reduce(group: EmulatedGroup, xs: list[torch.Tensor], site: Site) -> torch.Tensor:
     for x in xs:
         site.observe(x)
-    return group.all_reduce(xs, site.config, site=site.name)
+    return group.all_reduce(xs, site.call_config("all_reduce", xs[0]), site=site.name)
 
 
 def _all_gather_seq(group: EmulatedGroup, x: torch.Tensor, site: Site, dim: int) -> torch.Tensor:
@@ -59,7 +59,8 @@ def _all_gather_seq(group: EmulatedGroup, x: torch.Tensor, site: Site, dim: int)
     shards = [part.movedim(dim, 0).contiguous() for part in x.chunk(group.size, dim)]  # (s/tp, b, h) each
     for shard in shards:
         site.observe(shard)
-    return group.all_gather(shards, site.config, site=site.name).movedim(0, dim).contiguous()
+    config = site.call_config("all_gather", shards[0])
+    return group.all_gather(shards, config, site=site.name).movedim(0, dim).contiguous()
 
 
 def _reduce_scatter_seq(group: EmulatedGroup, xs: list[torch.Tensor], site: Site, dim: int) -> torch.Tensor:
@@ -67,7 +68,8 @@ def _reduce_scatter_seq(group: EmulatedGroup, xs: list[torch.Tensor], site: Site
     moved = [x.movedim(dim, 0).contiguous() for x in xs]  # (s, b, h) each
     for x in moved:
         site.observe(x)
-    shards = group.reduce_scatter(moved, site.config, site=site.name)  # tp x (s/tp, b, h)
+    config = site.call_config("reduce_scatter", moved[0])
+    shards = group.reduce_scatter(moved, config, site=site.name)  # tp x (s/tp, b, h)
     return torch.cat(shards).movedim(0, dim).contiguous()
 
 

@@ -28,14 +28,14 @@ from .utils import ShardSpec, group_rank, group_size
 
 def _all_reduce(x: torch.Tensor, site: Site) -> torch.Tensor:
     site.observe(x)
-    return comm.all_reduce(x.contiguous(), site.group, site.config, site=site.name)
+    return comm.all_reduce(x.contiguous(), site.group, site.call_config("all_reduce", x), site=site.name)
 
 
 def _all_gather(x: torch.Tensor, site: Site, dim: int) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` (the collectives work along dim 0)."""
     x = x.movedim(dim, 0).contiguous()
     site.observe(x)
-    out = comm.all_gather(x, site.group, site.config, site=site.name)
+    out = comm.all_gather(x, site.group, site.call_config("all_gather", x), site=site.name)
     return out.movedim(0, dim).contiguous()
 
 
@@ -43,7 +43,7 @@ def _reduce_scatter(x: torch.Tensor, site: Site, dim: int) -> torch.Tensor:
     """This rank's part (along ``dim``) of the sum of every rank's ``x``."""
     x = x.movedim(dim, 0).contiguous()
     site.observe(x)
-    out = comm.reduce_scatter(x, site.group, site.config, site=site.name)
+    out = comm.reduce_scatter(x, site.group, site.call_config("reduce_scatter", x), site=site.name)
     return out.movedim(0, dim).contiguous()
 
 

@@ -4,7 +4,8 @@ A site is named after the module that owns it plus the direction of the tensor i
 ``layers.3.mlp.down_proj/fwd`` (the forward all-reduce of a row-parallel output) or
 ``layers.3.self_attn/bwd`` (the backward all-reduce of the attention input gradient).
 `Compression` says which `TacoConfig` each site starts with (per direction, then per-site
-patterns); `SiteTable` holds the sites of one model and carries the data-driven reshaping:
+patterns) and whether timing decides if it is used (the auto mode, `taco_accel.tp.auto`);
+`SiteTable` holds the sites of one model, their decisions, and the data-driven reshaping:
 record what each site sends for a few steps, pick its group size with `codec.calibrate`,
 print / save / load the choice.
 """
@@ -24,10 +25,15 @@ import torch.distributed as dist
 
 from ..codec import TacoConfig, calibrate
 from ..codec.config import GROUP_SIZES
+from .auto import AutoDecider
 
 logger = logging.getLogger(__name__)
 
 DIRECTIONS = ("fwd", "bwd")
+
+
+ON = TacoConfig(threshold_bytes=0)  # "on": every message of every site compressed
+MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -42,11 +48,22 @@ class Compression:
         sites: per-site overrides, ``{pattern: TacoConfig | None}`` with shell-style
             patterns on site names, e.g. ``{"lm_head/*": None, "layers.0.*": cfg}``. When
             several patterns match, the last one wins.
+        auto: decide per site from timings on the real group (`taco_accel.tp.auto`): a
+            forward / backward site with settings is compressed only where the compressed
+            collective measured faster than the plain one at that site's message, the same
+            decision on every rank. Explicit choices still win: a direction set to ``None`` stays
+            plain, and a site matched by ``sites`` follows its pattern (a `TacoConfig` there is
+            compressed by its size threshold, ``None`` plain), untimed.
+
+    `resolve` also takes the strings ``"auto"`` (the default of `parallelize`: ``auto=True``
+    with ``TacoConfig()``), ``"on"`` (every message compressed: ``TacoConfig(threshold_bytes=0)``)
+    and ``"off"`` (plain TP).
     """
 
     forward: TacoConfig | None = TacoConfig()
     backward: TacoConfig | None = TacoConfig()
     sites: Mapping[str, TacoConfig | None] = field(default_factory=dict)
+    auto: bool = False
 
     def __post_init__(self) -> None:
         for name in ("forward", "backward"):
@@ -56,13 +73,18 @@ class Compression:
         for pattern, value in self.sites.items():
             if value is not None and not isinstance(value, TacoConfig):
                 raise ValueError(f"Compression.sites[{pattern!r}]={value!r} must be a TacoConfig or None")
+        if not isinstance(self.auto, bool):
+            raise ValueError(f"Compression.auto={self.auto!r} must be True or False")
 
     @classmethod
     def resolve(cls, value) -> "Compression":
-        """Accept a `Compression`, a `TacoConfig` (both directions), ``None`` (plain TP) or a
-        dict ``{"forward": cfg, "backward": cfg, "sites": {...}}``."""
+        """Accept a `Compression`, ``"auto"`` / ``"on"`` / ``"off"``, a `TacoConfig` (both
+        directions, compressed by its size threshold), ``None`` (plain TP) or a dict
+        ``{"forward": cfg, "backward": cfg, "sites": {...}, "auto": bool}``."""
         if isinstance(value, Compression):
             return value
+        if isinstance(value, str) and value in MODES:
+            return {"auto": cls(auto=True), "on": cls(ON, ON), "off": cls(None, None)}[value]
         if value is None or isinstance(value, TacoConfig):
             return cls(forward=value, backward=value)
         if isinstance(value, Mapping):
@@ -70,20 +92,31 @@ class Compression:
             if unknown:
                 raise ValueError(
                     f"compression dict has unknown keys {sorted(unknown)}; use 'forward', "
-                    "'backward' and 'sites'"
+                    "'backward', 'sites' and 'auto'"
                 )
             return cls(**value)
         raise ValueError(
-            f"compression={value!r} is not supported; pass a TacoConfig, None, a "
-            "taco_accel.Compression or a dict {'forward': cfg|None, 'backward': cfg|None}"
+            f"compression={value!r} is not supported; pass 'auto', 'on', 'off', a TacoConfig, None, "
+            "a taco_accel.Compression or a dict {'forward': cfg|None, 'backward': cfg|None}"
         )
 
     def config_for(self, site: str) -> TacoConfig | None:
-        config = self.forward if site.endswith("/fwd") else self.backward
+        return self.rule_for(site)[0]
+
+    def rule_for(self, site: str) -> tuple[TacoConfig | None, bool]:
+        """``(settings, decided by timing?)`` of the site called ``site``."""
+        config, auto = (self.forward if site.endswith("/fwd") else self.backward), self.auto
         for pattern, override in self.sites.items():
             if fnmatch.fnmatchcase(site, pattern):
-                config = override
-        return config
+                config, auto = override, False
+        return config, auto and config is not None
+
+    def to_dict(self) -> dict:
+        """JSON-ready values (a run record); `resolve` accepts them back after
+        ``TacoConfig.from_dict`` on each config."""
+        conf = lambda c: None if c is None else c.to_dict()  # noqa: E731
+        return {"forward": conf(self.forward), "backward": conf(self.backward),
+                "sites": {p: conf(c) for p, c in self.sites.items()}, "auto": self.auto}
 
 
 class Site:
@@ -91,15 +124,44 @@ class Site:
 
     ``config`` is mutable on purpose: calibration and `SiteTable.load` change the group size
     of a running model. `observe` keeps a small sample of what the site sends while a
-    calibration records.
+    calibration records. With a ``decider`` (the auto mode) ``config`` is the candidate and
+    the site is plain or compressed by its ``decision`` (None until its first call);
+    `call_config` is what a collective of this site must use.
     """
 
-    __slots__ = ("name", "group", "config", "samples", "_max_elements")
+    __slots__ = ("name", "group", "_config", "decider", "decision", "samples", "_max_elements", "_call")
 
-    def __init__(self, name: str, group, config: TacoConfig | None) -> None:
-        self.name, self.group, self.config = name, group, config
+    def __init__(self, name: str, group, config: TacoConfig | None, decider=None) -> None:
+        self.name, self.group, self.decider, self.decision = name, group, decider, None
+        self.config = config
         self.samples: list[torch.Tensor] | None = None  # a list only while calibrating
         self._max_elements = 0
+        if decider is not None:
+            decider.sites.append(self)
+
+    @property
+    def config(self) -> TacoConfig | None:
+        return self._config
+
+    @config.setter
+    def config(self, value: TacoConfig | None) -> None:
+        self._config = value
+        self._call = value if self.decider is None else _decided(value, self.decision)
+
+    def call_config(self, kind: str, x: torch.Tensor) -> TacoConfig | None:
+        """The settings for sending ``x`` through the collective ``kind`` from this site.
+
+        In auto mode the first call (and a call with a message over twice the one timed) decides;
+        timing is a collective call, which every rank makes at the same site in the same order.
+        """
+        if self.decider is None:
+            return self._call
+        decision = self.decision
+        if decision is None or x.numel() * x.element_size() > 2 * decision.nbytes:
+            self.decision = self.decider.decide(self, kind, x)
+            self._call = _decided(self._config, self.decision)
+            self.decider.decided()
+        return self._call
 
     def observe(self, x: torch.Tensor) -> None:
         """Keep evenly spaced rows of ``x`` (at most ``max_elements`` values) for calibration."""
@@ -110,8 +172,50 @@ class Site:
         pick = torch.linspace(0, rows.shape[0] - 1, keep, device=rows.device).long()
         self.samples.append(rows[pick].float())
 
+    @property
+    def mode(self) -> str:
+        """``"auto"``, ``"off"`` (plain), ``"on"`` (every message) or ``"size"`` (messages from
+        ``config.threshold_bytes`` on)."""
+        if self.decider is not None:
+            return "auto"
+        if self.config is None:
+            return "off"
+        return "on" if self.config.threshold_bytes == 0 else "size"
+
+    def describe(self) -> str:
+        """One line: the codec and whether it is used."""
+        codec, mode = describe(self.config), self.mode
+        if mode == "auto":
+            return f"{codec}, auto: {'undecided' if self.decision is None else self.decision}"
+        if mode == "size":
+            return f"{codec}, messages from {self.config.threshold_bytes / 2**20:g} MiB"
+        return codec
+
+    def record(self) -> dict:
+        """JSON-ready: mode, codec settings, and the auto decision (``compressed`` None: not yet)."""
+        out = {"mode": self.mode, "config": None if self.config is None else self.config.to_dict()}
+        if self.decider is not None:
+            out["compressed"] = None if self.decision is None else self.decision.compress
+            out["decision"] = None if self.decision is None else self.decision.to_dict()
+        else:
+            out["compressed"] = {"off": False, "on": True, "size": None}[self.mode]
+        return out
+
     def __repr__(self) -> str:
-        return f"Site({self.name!r}, {describe(self.config)})"
+        return f"Site({self.name!r}, {self.describe()})"
+
+
+def _decided(config: TacoConfig | None, decision) -> TacoConfig | None:
+    """The settings a decided auto site sends with: compressed from the timed size on, or
+    plain (the codec settings kept for their non-finite policy, the threshold out of reach)."""
+    if config is None or decision is None:
+        return None
+    if decision.compress:
+        return config.replace(threshold_bytes=min(config.threshold_bytes, decision.nbytes))
+    return config.replace(threshold_bytes=NEVER)
+
+
+NEVER = 2**62  # a threshold no message reaches
 
 
 def describe(config: TacoConfig | None) -> str:
@@ -119,18 +223,44 @@ def describe(config: TacoConfig | None) -> str:
 
 
 class SiteTable(Mapping[str, Site]):
-    """The sites of one parallelised model, by name, in the order they were created."""
+    """The sites of one parallelised model, by name, in the order they were created.
 
-    def __init__(self, group, compression: Compression) -> None:
+    ``timed=False`` (an emulated model: no real group) makes auto sites decide by size.
+    `decisions` returns what each site does, for logs and run records.
+    """
+
+    def __init__(self, group, compression: Compression, timed: bool = True) -> None:
         self.group = group
         self.compression = compression
+        self.decider = AutoDecider(group, timed) if compression.auto else None
         self._sites: dict[str, Site] = {}
 
     def site(self, name: str) -> Site:
         """The site called ``name``, created with its configured settings on first use."""
         if name not in self._sites:
-            self._sites[name] = Site(name, self.group, self.compression.config_for(name))
+            config, auto = self.compression.rule_for(name)
+            self._sites[name] = Site(name, self.group, config, self.decider if auto else None)
         return self._sites[name]
+
+    def decisions(self) -> dict[str, dict]:
+        """``{site: Site.record()}``: JSON-ready, in creation order (``compressed`` True / False,
+        or None where it depends on the message size or an auto site has not run yet)."""
+        return {name: site.record() for name, site in self._sites.items()}
+
+    def summary(self) -> str:
+        """What the sites do, in a few words (the `parallelize` log line)."""
+        sites = list(self._sites.values())
+        count = {mode: sum(s.mode == mode for s in sites) for mode in ("auto", "on", "size", "off")}
+        parts = []
+        if count["auto"]:
+            parts.append(f"{count['auto']} decided by timing in the first steps (auto)")
+        if count["on"]:
+            parts.append(f"{count['on']} compressed")
+        if count["size"]:
+            sizes = sorted({s.config.threshold_bytes / 2**20 for s in sites if s.mode == "size"})
+            parts.append(f"{count['size']} compressed from {'/'.join(f'{b:g}' for b in sizes)} MiB on")
+        parts.append(f"{count['off']} plain")
+        return f"{len(sites)} communication sites: " + ", ".join(parts)
 
     def __getitem__(self, name: str) -> Site:
         return self._sites[name]
@@ -144,7 +274,7 @@ class SiteTable(Mapping[str, Site]):
     # -- group sizes: print, save, load ---------------------------------------------------
 
     def group_sizes(self) -> dict[str, int]:
-        """``{site: group size}`` for every compressed site."""
+        """``{site: group size}`` for every site with codec settings (compressed, or may be)."""
         return {n: s.config.group_size for n, s in self._sites.items() if s.config is not None}
 
     def set_group_sizes(self, sizes: Mapping[str, int]) -> None:
@@ -168,11 +298,11 @@ class SiteTable(Mapping[str, Site]):
     def __str__(self) -> str:
         width = max((len(n) for n in self._sites), default=4)
         lines = [f"{'site':<{width}}  codec"]
-        lines += [f"{n:<{width}}  {describe(s.config)}" for n, s in self._sites.items()]
+        lines += [f"{n:<{width}}  {s.describe()}" for n, s in self._sites.items()]
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return f"SiteTable({len(self)} sites, {len(self.group_sizes())} compressed)"
+        return f"SiteTable({self.summary()})"
 
     # -- calibration ------------------------------------------------------------------------
 
