@@ -101,6 +101,8 @@ class Accelerator(_AccelerateAccelerator):
             from accelerate import ParallelismConfig
 
             parallelism_config = ParallelismConfig()  # reads PARALLELISM_CONFIG_* from the launch
+        if not torch.cuda.is_available():
+            kwargs["cpu"] = True  # else Accelerate treats N CPU processes as N separate single-process runs
         with without_parallelism_config():  # Accelerate would build (or refuse) its own mesh
             super().__init__(*args, **kwargs)
         if self.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
@@ -109,9 +111,13 @@ class Accelerator(_AccelerateAccelerator):
                 "out itself: use distributed_type MULTI_GPU (or --multi_gpu) with a parallelism_config block "
                 "(parallelism_config_tp_size, parallelism_config_dp_shard_size for FSDP2)"
             )
-        requested = parallel_dims or _dims_from_config(parallelism_config, pp_size, self.num_processes)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world != self.num_processes:
+            raise RuntimeError(f"torch.distributed has {world} processes but Accelerate sees {self.num_processes} "
+                               f"({self.distributed_type.value}); launch with accelerate launch or torchrun")
+        requested = parallel_dims or _dims_from_config(parallelism_config, pp_size, world)
         self.emulated_tp = 1
-        if requested.world_size > 1 and self.num_processes == 1 and requested.pp == requested.dp == 1:
+        if requested.world_size > 1 and world == 1 and requested.pp == requested.dp == 1:
             self.emulated_tp, requested = requested.tp, ParallelDims(dp_mode=requested.dp_mode)
             logger.warning("one process: tensor parallelism tp=%d is emulated in this process (the numerics of "
                            "TACO-compressed TP, not its speed); launch %d processes for real TP",
