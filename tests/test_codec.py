@@ -34,7 +34,7 @@ from taco_accel.bench.fidelity import gradient_spikes, naive_per_tensor, rows_of
 from taco_accel.codec import NonFiniteError, Packed, TacoConfig, WireLayout, compress, decompress, sum_packed
 from taco_accel.codec.config import GROUP_SIZES
 from taco_accel.codec.hadamard import sign_vector
-from taco_accel.codec.reference import TINY_AMAX
+from taco_accel.codec.kernels.reference import TINY_AMAX
 
 FORMATS = ("e4m3", "e5m2", "int8")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -378,7 +378,7 @@ def test_reference_divisions_round_once():
     (`tl.div_rn`): against float64, whichever side the Python number is on. torch's own
     ``448.0 / t`` is a reciprocal product (torch 2.13: one bit off for about a quarter of fp32
     values), and on CUDA so is ``t / 448.0``."""
-    from taco_accel.codec.reference import divide
+    from taco_accel.codec.kernels.reference import divide
 
     t = torch.rand(200_000, generator=torch.Generator().manual_seed(0)) * torch.logspace(-30, 30, 200_000)
     for qmax in (448.0, 57344.0, 127.0):

@@ -15,8 +15,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from taco_accel.codec import NonFiniteError, TacoConfig, WireLayout, compress, decompress, sum_packed  # noqa: E402
-from taco_accel.codec.api import Packed  # noqa: E402
+from taco_accel.codec import (  # noqa: E402
+    NonFiniteError, Packed, TacoConfig, Tuning, WireLayout, compress, decompress, dispatch, sum_packed,
+)
+from taco_accel.codec.dispatch import Kernel  # noqa: E402
+from taco_accel.codec.kernels import sm_count  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 VARIANTS = {
@@ -178,35 +181,36 @@ def compile_for_hopper(source_cls, fn, signature, constexprs, num_warps, **optio
 
 COMPILE_SCRIPT = HOPPER_PRELUDE + """
 from triton.compiler import ASTSource
-from taco_accel.codec import triton_kernels as tk
+from taco_accel.codec.kernels import triton_kernels as tk
+from taco_accel.codec.tuning import STEPS, DotMode, Store, Tuning
 
 G, dtype, fmt, extra = json.loads(sys.argv[1])
 code = FMT[fmt]
 flags = {"HADAMARD": True, "SIGNS": False, "DUAL": False, **extra}
 sub, bg = min(G, tk.SUB_MAX), max(64, min(8192 // G, 256))
-tiles = 8192  # TUNING's block_elems: the launcher's warps per kernel (sums of 2 / 4 / 8 inputs: own steps)
-warps = {k: min(8, w * max(1, bg * G // tiles)) for k, w in tk.TUNING["num_warps"].items()}
+tuning = Tuning()  # the launcher's warps per kernel for tiles of block_elems (sums of 2 / 4 / 8 inputs: own steps)
+warps = {k: min(8, tuning.launch(k).num_warps * max(1, bg * G // tuning.block_elems)) for k in STEPS}
 ints = dict(chunks="i32", gpc="i32", chunk_bytes="i32", tiles_per_chunk="i32")
 launch = dict(PAD=4, NUM_STAGES=2)
 
 def build(fn, signature, constexprs, step):
     return compile_for_hopper(ASTSource, fn, signature, constexprs, warps[step])
 
-k = build(tk._compress_kernel,
+k = build(tk.compress_kernel,
           dict(x_ptr="*" + dtype, q_ptr="*" + fmt, s_ptr="*fp32", sign_ptr="*fp32", numel="i32", **ints),
           dict(G=G, SUB=sub, BG=bg, FMT=code, QMAX=448.0, ADAPTIVE=True, ZERO_NONFINITE=False,
-               DOT_MODE=tk.DOT_BF16X2, EMULATE_ROUND=False, **flags, **launch), "compress")
+               DOT_MODE=int(DotMode.BF16X2), EMULATE_ROUND=False, **flags, **launch), "compress")
 assert "mma" in k.asm["ptx"], "the transform should run on the tensor cores"
 assert "cp.async" in k.asm["ptx"], "the next tile's input should be fetched while this one is transformed"
-k = build(tk._decompress_kernel,
+k = build(tk.decompress_kernel,
           dict(q_ptr="*" + fmt, s_ptr="*fp32", out_ptr="*" + dtype, sign_ptr="*fp32", numel="i32", **ints),
-          dict(G=G, SUB=sub, BG=bg, DOT_MODE=tk.DOT_PAYLOAD, NUM_STAGES=2, STORE=tk.STORE_PLAIN, **flags),
+          dict(G=G, SUB=sub, BG=bg, DOT_MODE=int(DotMode.PAYLOAD), NUM_STAGES=2, STORE=int(Store.PLAIN), **flags),
           "decompress")
 payload = ("e4m3", "e5m2", "s8")[code]
 assert f".{payload}.{payload}" in k.asm["ptx"], "decoding should multiply the payload bytes as they are"
 for P, step in ((2, "sum_pair"), (4, "sum"), (8, "sum_many")):
-    warps[step] = tk.TUNING["num_warps"][step]  # the sum kernel is not transforming
-    build(tk._sum_kernel,
+    warps[step] = tuning.launch(step).num_warps  # the sum kernel is not transforming
+    build(tk.sum_kernel,
           dict(q_ptr="*" + fmt, s_ptr="*fp32", out_q_ptr="*" + fmt, out_s_ptr="*fp32", input_stride="i32",
                **ints),
           dict(P=P, G=G, BG=max(16, min(8192 // G, 256)), FMT=code, QMAX=448.0, DUAL=flags["DUAL"], ADAPTIVE=True,
@@ -245,30 +249,33 @@ def compile_in_fresh_process(script: str, arg) -> None:
 
 GLUON_COMPILE_SCRIPT = HOPPER_PRELUDE + """
 from triton.experimental.gluon._runtime import GluonASTSource
-from taco_accel.codec import gluon_kernels as gk
+from taco_accel.codec.kernels import gluon_kernels as gk
+from taco_accel.codec.tuning import Tuning
+
+NW = Tuning().rows_warps
 
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 decode, encode = json.loads(sys.argv[1])
 for G, fmt, out, flags in decode:
-    constexprs = dict(G=G, NW=gk.WARPS, Q_BYTES=1, OUT_BYTES=BYTES[out],
+    constexprs = dict(G=G, NW=NW, Q_BYTES=1, OUT_BYTES=BYTES[out],
                       **{"HADAMARD": True, "SIGNS": False, "DUAL": False, "CHUNKED": False, "WIDE": False, **flags})
     signature = dict(q_ptr="*" + fmt, s_ptr="*fp32", out_ptr="*" + out, sign_ptr="*fp32", numel="i32", gpc="i32",
                      chunk_bytes="i32")
-    k = compile_for_hopper(GluonASTSource, gk._decompress_rows_kernel, signature, constexprs, gk.WARPS)
+    k = compile_for_hopper(GluonASTSource, gk.decompress_rows_kernel, signature, constexprs, NW)
     ptx = k.asm["ptx"]
     # 16 bytes per lane and access: the payload and the output move whole rows per warp
     assert ptx.count("ld.global.v4") >= G // 16 and ptx.count("st.global.v4") >= G * BYTES[out] // 16, ptx
     assert ".local" not in ptx, "a group per thread should stay in registers"
 for G, x, fmt, flags in encode:
     words = flags.get("WORDS", False)
-    constexprs = dict(G=G, NW=gk.WARPS, X_BYTES=BYTES[x], FMT=FMT[fmt], QMAX=127.0,
+    constexprs = dict(G=G, NW=NW, X_BYTES=BYTES[x], FMT=FMT[fmt], QMAX=127.0,
                       **{"WORDS": False, "HADAMARD": True, "SIGNS": False, "DUAL": False, "ADAPTIVE": True,
                          "ZERO_NONFINITE": False, "CHUNKED": False, "WIDE": False, "PAD": 4, "SPLIT": False, **flags})
     signature = dict(x_ptr="*i32" if words else "*" + x, q_ptr="*" + fmt, s_ptr="*fp32", sign_ptr="*fp32",
                      numel="i32", gpc="i32", chunk_bytes="i32", head="i32", body="i32")
     split = constexprs["SPLIT"]
-    k = compile_for_hopper(GluonASTSource, gk._compress_rows_kernel, signature, constexprs, gk.WARPS,
-                           **({"maxnreg": gk.SPLIT_REGISTERS} if split else {}))
+    k = compile_for_hopper(GluonASTSource, gk.compress_rows_kernel, signature, constexprs, NW,
+                           **({"maxnreg": Tuning().split_registers} if split else {}))
     ptx = k.asm["ptx"]
     # 16 bytes per lane and access; split: a code with 4 lanes a group and one with 2
     lanes = (4, 2) if split else (1,)
@@ -286,9 +293,7 @@ def test_gluon_kernels_compile_for_hopper():
     """The one-group-per-thread decoder and encoder (Gluon, which the interpreter cannot run) build
     for sm_90 at every group size they serve, each payload format, input and output type, with
     signs, dual scales, chunks, 64-bit offsets and bf16 read as words or as values."""
-    from taco_accel.codec import gluon_kernels
-
-    if not gluon_kernels.AVAILABLE:
+    if not dispatch.gluon_available():
         pytest.skip("this triton has no Gluon")
     decode = [(128, "fp8e4nv", "bf16", {}), (64, "fp8e5", "fp32", dict(HADAMARD=False, CHUNKED=True)),
               (32, "i8", "fp16", dict(DUAL=True, SIGNS=True, WIDE=True)),
@@ -304,25 +309,24 @@ def test_gluon_kernels_compile_for_hopper():
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="Gluon kernels run on a GPU only")
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_gluon_decoder_matches_tensor_core_decoder(group_size, monkeypatch):
+def test_gluon_decoder_matches_tensor_core_decoder(group_size):
     """Both decoders of one buffer (1 or 3 chunks, a partial last group, a NaN group) agree for every
     variant and output type: equal NaNs, values within the tensor-core kernel's fp8 accumulation
-    (3e-5 relative, RESULTS.md) and a few values one output rounding step apart."""
-    from taco_accel.codec import triton_kernels as tk
-
+    (a few 1e-5 relative) and a few values one output rounding step apart."""
     x = sample((6, (3 * 45 * group_size - 3) // 6), torch.float32).reshape(-1)
     x[5] = float("nan")
+    tiles_only = Tuning(rows_max_group=0)
     for variant, chunks in itertools.product(VARIANTS, (1, 3)):
         ref_cfg, tri_cfg = configs(group_size, variant)
-        assert tk._codes_by_rows(tri_cfg, x)
+        layout = WireLayout.for_tensor(x.numel(), tri_cfg, chunks)
+        assert dispatch.select("decompress", tri_cfg, x.device, layout, Tuning()) is Kernel.ROWS
+        assert dispatch.select("decompress", tri_cfg, x.device, layout, tiles_only) is Kernel.TILES
         for dtype in DTYPES:
             packed = as_triton(compress(x.to(dtype), ref_cfg, chunks=chunks), tri_cfg)
             rows = torch.full((x.numel(),), 7.0, dtype=dtype, device=DEVICE)
             decompress(packed, rows)
-            monkeypatch.setitem(tk.TUNING, "rows_max_group", 0)
             tiles = torch.full_like(rows, 7.0)
-            decompress(packed, tiles)
-            monkeypatch.undo()
+            decompress(packed, tiles, tuning=tiles_only)
             assert torch.equal(rows.isnan(), tiles.isnan()) and rows[:group_size].isnan().all(), (variant, chunks, dtype)
             rows, tiles = rows.float().nan_to_num(), tiles.float().nan_to_num()
             tol = {torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 4e-3}[dtype]
@@ -332,58 +336,171 @@ def test_gluon_decoder_matches_tensor_core_decoder(group_size, monkeypatch):
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="Gluon kernels run on a GPU only")
 @pytest.mark.parametrize("group_size, schedule", [(32, "one-lane"), (64, "one-lane"), (128, "one-lane"), (128, "split"),
                                                    (128, "split-short-waves")])
-def test_gluon_encoder_matches_reference(group_size, schedule, monkeypatch):
+def test_gluon_encoder_matches_reference(group_size, schedule):
     """The Gluon encoder, a group in one lane or split over 4 and 2 lanes (`split_schedule`; at
     this size all 4-lane, so also with waves of 66 groups: 4-lane head, 2-lane body, 4-lane
     tail), against the reference (1 or 3 chunks, a partial last group, a NaN group,
     an Inf group, a group past fp32's range once transformed) for every variant and input type,
     bf16 read as words and, from an odd start or of odd length, as values; also under
     nonfinite="zero". The payload equals the reference's but for values at a rounding tie."""
-    from taco_accel.codec import gluon_kernels
-    from taco_accel.codec import triton_kernels as tk
+    from taco_accel.codec.kernels import gluon_kernels
 
     split = schedule != "one-lane"
-    monkeypatch.setitem(tk.TUNING, "split_max_groups", 2**40 if split else 0)
+    tuning = Tuning(split_max_groups=2**40 if split else 0)
     if schedule == "split-short-waves":  # a wave of 66 groups of 4-lane programs, whatever the SM count
-        monkeypatch.setattr(gluon_kernels, "SPLIT_WARPS_PER_SM", 66 / 8 / tk._sm_count(DEVICE))
+        tuning = tuning.replace(split_warps_per_sm=66 / 8 / sm_count(DEVICE))
     x = sample((6, (3 * 45 * group_size - 4) // 6), torch.float32).reshape(-1)
     x[5] = float("nan")
     x[group_size * 3 + 1] = -float("inf")
     x[group_size * 7: group_size * 8] = 3e38
     odd = sample((1, 3 * group_size + 3), torch.float32).reshape(-1)
     words = x.to(torch.bfloat16)
-    assert gluon_kernels._reads_words(words)
-    assert not gluon_kernels._reads_words(words[1:-1]) and not gluon_kernels._reads_words(odd.to(torch.bfloat16))
+    assert gluon_kernels.reads_words(words)
+    assert not gluon_kernels.reads_words(words[1:-1]) and not gluon_kernels.reads_words(odd.to(torch.bfloat16))
     for variant, chunks in itertools.product(VARIANTS, (1, 3)):
         ref_cfg, tri_cfg = configs(group_size, variant)
-        assert tk._codes_by_rows(tri_cfg, x)
         layout = WireLayout.for_tensor(x.numel(), tri_cfg, chunks)
-        assert tk._splits_groups(layout, tri_cfg) == split
+        expected = Kernel.SPLIT_ROWS if split else Kernel.ROWS
+        assert dispatch.select("compress", tri_cfg, x.device, layout, tuning) is expected
         if schedule == "split-short-waves":
-            head, body, _ = gluon_kernels.split_schedule(layout, tk._sm_count(x.device))
+            head, body, _ = gluon_kernels.split_schedule(layout, sm_count(x.device), tuning)
             assert body > 0 and head + body < layout.groups_per_chunk and (head > 0) == (chunks == 1)
         cases = [(x.to(dtype), tri_cfg) for dtype in DTYPES] + [(x.to(torch.bfloat16)[1:-1], tri_cfg),
                                                                 (odd.to(torch.bfloat16), tri_cfg),
                                                                 (x, tri_cfg.replace(nonfinite="zero"))]
         for values, cfg in cases:
             ref = compress(values, ref_cfg.replace(nonfinite=cfg.nonfinite), chunks=chunks)
-            got = compress(values, cfg, chunks=chunks)
+            got = compress(values, cfg, chunks=chunks, tuning=tuning)
             assert_payload_close(ref, got, cfg.format)
             assert not ref.layout.padding(got.buffer).any(), (variant, chunks, values.dtype)
 
 
-def test_groups_of_128_split_up_to_the_threshold():
-    """The Gluon encoder splits groups of 128 over lanes up to TUNING["split_max_groups"] groups
-    (every chunk counted), and not beyond it nor at any other group size."""
-    from taco_accel.codec import triton_kernels as tk
+# --- which kernel runs: dispatch.select's table ---------------------------------------------------
 
-    limit = tk.TUNING["split_max_groups"]
-    cfg = TacoConfig(backend="triton")
-    assert cfg.group_size == 128
-    assert tk._splits_groups(WireLayout.for_tensor(limit * 128, cfg), cfg)
-    assert not tk._splits_groups(WireLayout.for_tensor(limit * 128 + 1, cfg), cfg)
-    assert not tk._splits_groups(WireLayout.for_tensor(limit * 128 + 1024, cfg, chunks=8), cfg)
-    assert not tk._splits_groups(WireLayout.for_tensor(4096, cfg.replace(group_size=64)), cfg.replace(group_size=64))
+CUDA = torch.device("cuda")
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """`dispatch.select` as on a machine with an NVIDIA GPU and Gluon (no interpreter): the table's
+    rows hold on any machine, since select only reads the device type and these facts."""
+    monkeypatch.setattr(dispatch, "interpreting", lambda: False)
+    monkeypatch.setattr(dispatch, "gluon_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(dispatch, "failed_builds", {})
+
+
+def layout_of(numel: int, group_size: int = 128, chunks: int = 1) -> WireLayout:
+    return WireLayout.for_tensor(numel, TacoConfig(group_size=group_size), chunks)
+
+
+@pytest.mark.parametrize("op, backend, device, group_size, numel, expected", [
+    ("compress", "torch", CUDA, 128, 2**20, Kernel.REFERENCE),
+    ("sum", "auto", CPU, 128, 2**20, Kernel.REFERENCE),
+    ("compress", "auto", CUDA, 128, 2**20, Kernel.SPLIT_ROWS),
+    ("compress", "triton", CUDA, 128, 6 * 2**23, Kernel.SPLIT_ROWS),  # 6 * 2**16 groups: the limit
+    ("compress", "auto", CUDA, 128, 6 * 2**23 + 1, Kernel.ROWS),
+    ("compress", "auto", CUDA, 64, 2**20, Kernel.ROWS),
+    ("compress", "auto", CUDA, 32, 2**30, Kernel.ROWS),
+    ("decompress", "auto", CUDA, 128, 2**20, Kernel.ROWS),
+    ("decompress", "auto", CUDA, 256, 2**20, Kernel.TILES),
+    ("compress", "auto", CUDA, 512, 2**20, Kernel.TILES),
+    ("sum", "auto", CUDA, 128, 2**20, Kernel.TILES),
+    ("sum", "triton", CUDA, 32, 2**20, Kernel.TILES),
+])
+def test_dispatch_table(compiled, op, backend, device, group_size, numel, expected):
+    config = TacoConfig(group_size=group_size, backend=backend)
+    assert dispatch.select(op, config, device, layout_of(numel, group_size), Tuning()) is expected
+
+
+def test_dispatch_split_counts_the_groups_of_every_chunk(compiled):
+    """The split limit is on the groups of all chunks together, and only G = 128 splits."""
+    limit = Tuning().split_max_groups
+    config = TacoConfig()
+
+    def kernel(numel, chunks=1, group_size=128, tuning=Tuning()):
+        layout = layout_of(numel, group_size, chunks)
+        return dispatch.select("compress", config.replace(group_size=group_size), CUDA, layout, tuning)
+
+    assert kernel(limit * 128) is Kernel.SPLIT_ROWS
+    assert kernel(limit * 128 + 1) is Kernel.ROWS
+    assert kernel(limit * 128 + 1024, chunks=8) is Kernel.ROWS
+    assert kernel(4096, group_size=64) is Kernel.ROWS
+    assert kernel(4096, tuning=Tuning(split_max_groups=0)) is Kernel.ROWS
+
+
+def test_dispatch_follows_the_tuning_it_is_given(compiled):
+    """rows_max_group = 0 sends every group size to the tensor-core kernels, splits included."""
+    tiles_only = Tuning(rows_max_group=0)
+    for op in ("compress", "decompress"):
+        for g in (32, 128):
+            assert dispatch.select(op, TacoConfig(group_size=g), CUDA, layout_of(4096, g), tiles_only) is Kernel.TILES
+    assert dispatch.select("compress", TacoConfig(group_size=64), CUDA, layout_of(4096, 64),
+                           Tuning(rows_max_group=32)) is Kernel.TILES
+
+
+def test_dispatch_on_other_platforms(compiled, monkeypatch):
+    """No Gluon, ROCm or the interpreter: the tensor-core kernels; backend='triton' where this
+    machine cannot run them: a RuntimeError that says how to fix it."""
+    config, layout = TacoConfig(backend="triton"), layout_of(4096)
+    monkeypatch.setattr(dispatch, "gluon_available", lambda: False)
+    assert dispatch.select("compress", config, CUDA, layout, Tuning()) is Kernel.TILES
+    monkeypatch.setattr(dispatch, "gluon_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert dispatch.select("decompress", config, CUDA, layout, Tuning()) is Kernel.TILES
+    monkeypatch.setattr(torch.version, "hip", None)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        dispatch.select("compress", config, CPU, layout, Tuning())
+    monkeypatch.setattr(dispatch, "interpreting", lambda: True)
+    assert dispatch.select("compress", config, CPU, layout, Tuning()) is Kernel.TILES
+    assert dispatch.select("compress", config, CUDA, layout, Tuning()) is Kernel.TILES
+    monkeypatch.setattr(dispatch, "triton_available", lambda: False)
+    with pytest.raises(RuntimeError, match="pip install triton"):
+        dispatch.select("compress", config, CUDA, layout, Tuning())
+    assert dispatch.select("compress", config.replace(backend="auto"), CUDA, layout, Tuning()) is Kernel.REFERENCE
+    with pytest.raises(ValueError, match="unknown codec operation"):
+        dispatch.select("encode", config, CUDA, layout, Tuning())
+
+
+def test_a_kernel_that_fails_to_build_falls_back_once_with_one_warning(compiled, monkeypatch):
+    """A Gluon kernel that does not compile: the call writes what the tensor-core kernel writes,
+    one warning names the kernel and the compiler's reason, and select skips that kernel from
+    then on (the next row of its table matches; the decoder's kernel is not affected)."""
+    import warnings
+
+    import triton
+
+    from taco_accel.codec.kernels import gluon_kernels
+
+    select = dispatch.select
+    # the GPU's choice for these CPU tensors, which then run in the interpreter
+    monkeypatch.setattr(dispatch, "select", lambda op, cfg, device, layout, tuning: select(op, cfg, CUDA, layout, tuning))
+    monkeypatch.setattr(dispatch, "sm_count", lambda device: 132)
+    calls = []
+
+    def broken(*args):
+        calls.append(args)
+        raise triton.compiler.errors.CompilationError("src", None, "gl.foo is not defined")
+
+    monkeypatch.setattr(gluon_kernels, "compress_rows_into", broken)
+    config = TacoConfig(backend="triton")
+    x = sample((3, 1000), torch.float32)
+    with pytest.warns(RuntimeWarning, match=r"Gluon kernel for compress \(gluon, a group over 2-4 lanes\).*gl.foo is"):
+        got = compress(x, config)
+    assert len(calls) == 1 and calls[0][-1] == 132  # the split encoder was asked first
+    assert torch.equal(got.buffer, compress(x, config, tuning=Tuning(rows_max_group=0)).buffer)
+    assert dispatch.failed_builds == {(Kernel.SPLIT_ROWS, "compress"): "gl.foo is not defined"}
+    layout = got.layout
+    assert select("compress", config, CUDA, layout, Tuning()) is Kernel.ROWS  # the next row of the table
+    assert select("decompress", config, CUDA, layout, Tuning()) is Kernel.ROWS
+    with pytest.warns(RuntimeWarning, match=r"compress \(gluon, a group per lane\)"):  # ROWS fails too
+        compress(x, config)
+    assert len(calls) == 2 and calls[1][-1] == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no further warning: neither Gluon encoder is tried again
+        assert torch.equal(compress(x, config).buffer, got.buffer)
+    assert len(calls) == 2 and select("compress", config, CUDA, layout, Tuning()) is Kernel.TILES
 
 
 @pytest.mark.parametrize("sms", [1, 132, 1 / 16])
@@ -394,11 +511,11 @@ def test_split_schedule_codes_each_group_once_and_reads_whole_groups_unmasked(nu
     with masks, before ``head`` and after ``head + body``; of 16 over 2 lanes, without masks,
     between): every group of every chunk coded by exactly one program, the unmasked ones whole
     groups of the input in every chunk, tiles aligned."""
-    from taco_accel.codec import gluon_kernels as gk
+    from taco_accel.codec.kernels import gluon_kernels as gk
 
     layout = WireLayout.for_tensor(numel, TacoConfig(), chunks)
     gpc = layout.groups_per_chunk
-    head, body, programs = gk.split_schedule(layout, sms)
+    head, body, programs = gk.split_schedule(layout, sms, Tuning())
     assert head % 16 == 0 and body % 16 == 0 and 0 <= head and 0 <= body and head + body <= gpc
     last_values = numel - (layout.chunks - 1) * gpc * 128  # the last chunk holds the fewest values
     assert (head + body) * 128 <= max(0, last_values), "the body must not read past the input"
@@ -412,29 +529,37 @@ def test_split_schedule_codes_each_group_once_and_reads_whole_groups_unmasked(nu
     assert sorted(coded) == list(range(gpc))
 
 
-def test_every_launch_step_has_every_setting():
-    """The launcher looks each kernel's warps, stages and programs per SM up by one step name
-    (compress, decompress and the three sum steps); a missing entry is a KeyError on the GPU only."""
-    from taco_accel.codec import triton_kernels as tk
+def test_tuning_is_a_frozen_value_with_every_launch_step():
+    """The launcher looks each kernel's launch up by step name (compress, decompress and the three
+    sums); tuning cannot be changed in place, only replaced."""
+    import dataclasses
 
-    steps = {"compress", "decompress", "sum_pair", "sum", "sum_many"}
-    for key in ("num_warps", "num_stages", "programs_per_sm"):
-        assert set(tk.TUNING[key]) == steps, key
+    from taco_accel.codec import Launch
+    from taco_accel.codec.tuning import STEPS
+
+    tuning = Tuning()
+    for step in STEPS:
+        assert isinstance(tuning.launch(step), Launch)
+    with pytest.raises(ValueError, match="unknown kernel step"):
+        tuning.launch("sum_all")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        tuning.block_elems = 4096
+    assert tuning.replace(block_elems=4096).block_elems == 4096 and tuning.block_elems == 8192
+    assert hash(tuning) == hash(Tuning())  # usable as a cache key
 
 
 @pytest.mark.parametrize("group_size", [64, 256])
-def test_evict_first_stores_match_plain_stores(group_size, monkeypatch):
+def test_evict_first_stores_match_plain_stores(group_size):
     """Evict-first stores of the decoded values write what plain stores write."""
-    from taco_accel.codec import triton_kernels as tk
+    from taco_accel.codec.tuning import Store
 
     torch.manual_seed(0)
     cfg = TacoConfig(group_size=group_size, backend="triton")
+    tiles = Tuning(rows_max_group=0)  # the tensor-core decoder, which has the setting
     for numel in (64 * group_size + 5 * group_size, 3 * group_size + 7):  # a partial tile; a partial group
         packed = compress(torch.randn(numel, device=DEVICE).to(torch.bfloat16), cfg)
-        plain = decompress(packed)
-        monkeypatch.setitem(tk.TUNING, "stores", tk.STORE_STREAM)
-        assert torch.equal(decompress(packed), plain)
-        monkeypatch.setitem(tk.TUNING, "stores", tk.STORE_PLAIN)
+        plain = decompress(packed, tuning=tiles)
+        assert torch.equal(decompress(packed, tuning=tiles.replace(stores=Store.STREAM)), plain)
 
 
 @pytest.mark.parametrize("group_size", [64, 128])
@@ -459,7 +584,7 @@ def test_compress_and_sum_tiles_end_at_chunk_ends(group_size, variant):
     """Compress and the sum walk each chunk in tiles of their own too (71 groups per chunk: at
     G = 128 two tiles, the second partial): into a poisoned buffer they write every payload
     byte and scale as the reference does, and zeros into each chunk's padding."""
-    from taco_accel.codec import triton_kernels as tk
+    from taco_accel.codec.kernels import triton_kernels as tk
 
     ref_cfg, tri_cfg = configs(group_size, variant)
     x = sample((5, (3 * 71 * group_size - 1) // 5), torch.float32).reshape(-1)  # rows 1e4 apart in scale
@@ -468,7 +593,7 @@ def test_compress_and_sum_tiles_end_at_chunk_ends(group_size, variant):
     assert layout.groups_per_chunk == 71 and layout.chunk_bytes > layout.used_bytes  # padded chunks
     ref = compress(x, ref_cfg, chunks=3)
     poisoned = torch.full((layout.total_bytes,), 0xAB, dtype=torch.uint8, device=DEVICE)
-    tk.compress_into(x, poisoned, layout, tri_cfg)
+    tk.compress_into(x, poisoned, layout, tri_cfg, Tuning())
     assert_payload_close(ref, Packed(poisoned, x.shape, x.dtype, tri_cfg, layout), ref_cfg.format)
     assert (layout.padding(poisoned) == 0).all()
 
@@ -476,7 +601,7 @@ def test_compress_and_sum_tiles_end_at_chunk_ends(group_size, variant):
     stacked = ref.buffer.view(3, -1)  # the three chunks as the inputs of one reduce step
     expect = sum_packed(stacked, chunk_layout, ref_cfg)
     summed = torch.full_like(expect, 0xAB)
-    tk.sum_into(stacked, chunk_layout, tri_cfg, summed)
+    tk.sum_into(stacked, chunk_layout, tri_cfg, summed, Tuning())
     as_packed = [Packed(b, torch.Size([chunk_layout.numel]), torch.float32, c, chunk_layout)
                  for b, c in ((expect, ref_cfg), (summed, tri_cfg))]
     assert_payload_close(*as_packed, ref_cfg.format)

@@ -12,6 +12,7 @@ CUDA it runs the reference on the CPU only (figures for orientation, no kernels)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import statistics
@@ -20,8 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..codec import TacoConfig, WireLayout, compress, decompress, sum_packed
-from ..codec.api import Packed
+from ..codec import Launch, Packed, TacoConfig, Tuning, WireLayout, compress, decompress, sum_packed
+from ..codec.tuning import STEPS, DotMode, Store
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -110,9 +111,10 @@ class Rotating:
 
 
 def bench_case(numel: int, config: TacoConfig, dtype: torch.dtype, device: torch.device, peers: tuple,
-               backends: tuple | None = None, eager: bool = True) -> list[dict]:
-    """Time compress / decompress / sum(P) for one size and config (both backends by default);
-    ``eager``: also time plain launches (``eager`` seconds, else None)."""
+               backends: tuple | None = None, eager: bool = True, tuning: Tuning = Tuning()) -> list[dict]:
+    """Time compress / decompress / sum(P) for one size and config (both backends by default),
+    the kernels launched with ``tuning``; ``eager``: also time plain launches (``eager`` seconds,
+    else None)."""
     rows = []
     elem = torch.finfo(dtype).bits // 8
     backends = backends or (("triton", "torch") if device.type == "cuda" else ("torch",))
@@ -126,22 +128,25 @@ def bench_case(numel: int, config: TacoConfig, dtype: torch.dtype, device: torch
     for backend in backends:
         cfg = config.replace(backend=backend)
         xs = Rotating(lambda: torch.randn(numel, device=device, dtype=dtype) * 0.02, numel * elem, device)
-        rows.append(row("compress", backend, numel * elem + wire, lambda: compress(xs.next(), cfg)))
+        rows.append(row("compress", backend, numel * elem + wire, lambda: compress(xs.next(), cfg, tuning=tuning)))
         packs = Rotating(lambda: compress(torch.randn(numel, device=device, dtype=dtype), cfg), wire, device)
         out = torch.empty(numel, device=device, dtype=dtype)
-        rows.append(row("decompress", backend, numel * elem + wire, lambda: decompress(packs.next(), out)))
+        rows.append(row("decompress", backend, numel * elem + wire,
+                        lambda: decompress(packs.next(), out, tuning=tuning)))
         layout = WireLayout.for_tensor(numel, cfg)
         for p in peers:
             stacks = Rotating(
                 lambda: torch.stack([compress(torch.randn(numel, device=device, dtype=dtype), cfg).buffer for _ in range(p)]),
                 wire * p, device,
             )
-            rows.append(row(f"sum P={p}", backend, (p + 1) * wire, lambda: sum_packed(stacks.next(), layout, cfg)))
+            rows.append(row(f"sum P={p}", backend, (p + 1) * wire,
+                            lambda: sum_packed(stacks.next(), layout, cfg, tuning=tuning)))
     return rows
 
 
-def check_kernels(device: torch.device, group_sizes: tuple = (32, 64, 128, 256, 512)) -> bool:
-    """Triton against the reference on this device: payload agreement, scales, decoded values."""
+def check_kernels(device: torch.device, group_sizes: tuple = (32, 64, 128, 256, 512), tuning: Tuning = Tuning()) -> bool:
+    """The kernels (launched with ``tuning``) against the reference on this device: payload
+    agreement, scales, decoded values."""
     ok = True
     print("check: triton vs torch reference on", device)
     print(f"{'config':44s} {'dtype':5s} {'payload!=':>9s} {'scale rel':>9s} {'decode rel':>10s} {'sum!=':>7s}")
@@ -151,7 +156,7 @@ def check_kernels(device: torch.device, group_sizes: tuple = (32, 64, 128, 256, 
         ref = TacoConfig(group_size=g, backend="torch", **kw)
         tri = ref.replace(backend="triton")
         x = (torch.randn(7, 4099, device=device) * torch.logspace(-3, 1, 7, device=device)[:, None]).to(dtype)
-        pr, pt = compress(x, ref, chunks=3), compress(x, tri, chunks=3)
+        pr, pt = compress(x, ref, chunks=3), compress(x, tri, chunks=3, tuning=tuning)
         lay = pr.layout
         qr = lay.payload(pr.buffer, ref.format).float()
         qt = lay.payload(pt.buffer, ref.format).float()
@@ -159,11 +164,11 @@ def check_kernels(device: torch.device, group_sizes: tuple = (32, 64, 128, 256, 
         sr, st = lay.scales(pr.buffer), lay.scales(pt.buffer)
         srel = ((sr - st).abs() / sr.abs().clamp_min(1e-30)).max().item()
         dr = decompress(pr).float()
-        dt = decompress(Packed(pr.buffer, pr.shape, pr.dtype, tri, pr.layout)).float()
+        dt = decompress(Packed(pr.buffer, pr.shape, pr.dtype, tri, pr.layout), tuning=tuning).float()
         drel = ((dr - dt).norm() / dr.norm()).item()
         stacked = torch.stack([compress(x * (i + 1), ref).buffer for i in range(4)])
         one = WireLayout.for_tensor(x.numel(), ref)
-        s_r, s_t = sum_packed(stacked, one, ref), sum_packed(stacked, one, tri)
+        s_r, s_t = sum_packed(stacked, one, ref), sum_packed(stacked, one, tri, tuning=tuning)
         smis = (one.payload(s_r, ref.format).float() != one.payload(s_t, ref.format).float()).float().mean().item()
         bad = mism > 2e-3 or srel > 1e-5 or drel > 1e-2 or smis > 2e-3 or dt.isnan().any().item()
         ok &= not bad
@@ -172,78 +177,79 @@ def check_kernels(device: torch.device, group_sizes: tuple = (32, 64, 128, 256, 
     return ok
 
 
-def sweep_variants(tk) -> list[tuple[str, str, dict]]:
-    """(name, input dtype, TUNING changes) of every launch variant `sweep` can time."""
-    base = tk.TUNING
+def sweep_variants(base: Tuning = Tuning()) -> list[tuple[str, str, Tuning]]:
+    """(name, input dtype, tuning) of every launch variant `sweep` can time, each a change of ``base``."""
     tiles = dict(rows_max_group=0)  # the tensor-core kernels at G = 128, which Gluon codes by default
 
-    def override(stages=None, per_sm=..., **kw):  # the tensor-core kernels' launch settings
-        stages = base["num_stages"] if stages is None else dict(base["num_stages"], compress=stages, decompress=stages)
-        programs = base["programs_per_sm"] if per_sm is ... else dict.fromkeys(base["programs_per_sm"], per_sm)
-        return dict(num_stages=stages, programs_per_sm=programs, **tiles, **kw)
+    def each_step(**changes) -> dict:  # a change of every tensor-core step's `Launch`
+        return {step: dataclasses.replace(base.launch(step), **changes) for step in STEPS}
 
-    def decompress_on(per_sm):
-        return dict(base["programs_per_sm"], decompress=per_sm)
+    def tile_variant(*, stages=None, **changes) -> Tuning:  # the tensor-core kernels' launch settings
+        if stages is not None:
+            changes.update({step: dataclasses.replace(base.launch(step), num_stages=stages)
+                            for step in ("compress", "decompress")})
+        return base.replace(**tiles, **changes)
 
-    variants = [("defaults", "bf16", {})]
-    variants += [(f"{n} stages", "bf16", override(stages=n)) for n in (2, 4)]
-    variants += [("all resident", "bf16", override(per_sm=None)), ("one per tile", "bf16", override(per_sm=0))]
-    variants += [(f"{n} per SM", "bf16", override(per_sm=n)) for n in (2, 3, 4)]
-    variants += [(f"{n} warps", "bf16", override(num_warps=dict.fromkeys(base["num_warps"], n))) for n in (4, 8)]
-    variants += [("a group a lane", "bf16", dict(split_max_groups=0)),  # G = 128 split over lanes by default up to 48M
-                 ("tensor-core kernels", "bf16", tiles),
-                 ("bf16 decode", "bf16", override(payload_dot=False)),
-                 ("16K per tile", "bf16", override(block_elems=16384)),
-                 ("balanced grid", "bf16", override(balance=True)),
-                 ("evict-first st", "bf16", override(stores=tk.STORE_STREAM)),
-                 ("evict-first 3/SM", "bf16", dict(programs_per_sm=decompress_on(3), stores=tk.STORE_STREAM, **tiles))]
-    variants += [(f"fp32 {name}", "fp32", override(dot_mode=mode)) for name, mode in (("tf32", tk.DOT_TF32),
-                                                                                      ("bf16x2", tk.DOT_BF16X2))]
+    variants = [("defaults", "bf16", base)]
+    variants += [(f"{n} stages", "bf16", tile_variant(stages=n)) for n in (2, 4)]
+    variants += [("all resident", "bf16", tile_variant(**each_step(programs_per_sm=None))),
+                 ("one per tile", "bf16", tile_variant(**each_step(programs_per_sm=0)))]
+    variants += [(f"{n} per SM", "bf16", tile_variant(**each_step(programs_per_sm=n))) for n in (2, 3, 4)]
+    variants += [(f"{n} warps", "bf16", tile_variant(**each_step(num_warps=n))) for n in (4, 8)]
+    variants += [("a group a lane", "bf16", base.replace(split_max_groups=0)),  # G = 128 split over lanes by default
+                 ("tensor-core kernels", "bf16", base.replace(**tiles)),
+                 ("bf16 decode", "bf16", tile_variant(payload_dot=False)),
+                 ("16K per tile", "bf16", tile_variant(block_elems=16384)),
+                 ("balanced grid", "bf16", tile_variant(balance=True)),
+                 ("evict-first st", "bf16", tile_variant(stores=Store.STREAM)),
+                 ("evict-first 3/SM", "bf16", base.replace(**tiles, stores=Store.STREAM,
+                                                           decompress=dataclasses.replace(base.decompress,
+                                                                                          programs_per_sm=3)))]
+    variants += [(f"fp32 {name}", "fp32", tile_variant(dot_mode=mode)) for name, mode in (("tf32", DotMode.TF32),
+                                                                                          ("bf16x2", DotMode.BF16X2))]
     return variants
 
 
-def sweep(device: torch.device, numel: int, copy_bw: float, names: set[str] | None = None) -> None:
-    """Time launch variants at one size, G=128, against the defaults in TUNING (`sweep_variants`:
-    pipeline stages, resident programs per SM, all that fit, or one program per tile instead of a
+def sweep(device: torch.device, numel: int, copy_bw: float, names: set[str] | None = None,
+          base: Tuning = Tuning()) -> None:
+    """Time launch variants at one size, G=128, against ``base`` (`sweep_variants`: pipeline
+    stages, resident programs per SM, all that fit, or one program per tile instead of a
     persistent grid, each group of the Gluon encoder in one lane at every size, the tensor-core
-    kernels instead of the Gluon ones (G <= 128 compresses and decompresses with `gluon_kernels`
-    on CUDA, so the variants of launch settings run the tensor-core kernels), decoding with bf16
-    instead of fp8 products, twice the values per tile, 4 or 8 warps in every kernel, a grid
-    balanced to equal tile counts, evict-first stores of decoded values, and on fp32 input tf32
-    against two bf16 products); ``names``: only these."""
-    from ..codec import triton_kernels as tk
-
-    base = {k: dict(v) if isinstance(v, dict) else v for k, v in tk.TUNING.items()}
+    kernels instead of the Gluon ones (G <= 128 compresses and decompresses with the Gluon
+    kernels on NVIDIA GPUs, so the variants of launch settings run the tensor-core kernels),
+    decoding with bf16 instead of fp8 products, twice the values per tile, 4 or 8 warps in every
+    kernel, a grid balanced to equal tile counts, evict-first stores of decoded values, and on
+    fp32 input tf32 against two bf16 products); ``names``: only these. Each variant is a `Tuning`
+    passed to the calls: nothing global changes."""
     cfg = TacoConfig(backend="triton")
-    variants = [v for v in sweep_variants(tk) if names is None or v[0] in names]
+    variants = [v for v in sweep_variants(base) if names is None or v[0] in names]
     print(f"\nsweep at {numel / 2**20:.0f}M elements, G=128 (fraction of copy bandwidth); defaults: {base}")
     print(f"{'variant':>18s} {'compress':>9s} {'decomp':>7s} {'sum P=2':>8s} {'sum P=8':>8s}")
-    for name, dname, change in variants:
-        tk.TUNING.update(change)
+    for name, dname, tuning in variants:
         try:
-            rows = bench_case(numel, cfg, DTYPES[dname], device, (2, 8), backends=("triton",), eager=False)
+            rows = bench_case(numel, cfg, DTYPES[dname], device, (2, 8), backends=("triton",), eager=False,
+                              tuning=tuning)
         except Exception as e:  # a variant that does not compile is a result too
             print(f"{name:>18s}  failed: {type(e).__name__}: {str(e)[:80]}")
             continue
-        finally:
-            tk.TUNING.update(base)
         frac = {r["step"]: r["bytes"] / r["seconds"] / copy_bw for r in rows}
         print(f"{name:>18s} {frac['compress']:9.2f} {frac['decompress']:7.2f} {frac['sum P=2']:8.2f} "
               f"{frac['sum P=8']:8.2f}", flush=True)
 
 
-def apply_tuning(assignments: Sequence[str]) -> dict:
-    """``key=value`` overrides of `triton_kernels.TUNING` (values as JSON, a dict merged into the
-    current one: ``stores=2``, ``num_warps={"compress": 8}``); returns the new TUNING."""
-    from ..codec import triton_kernels as tk
-
+def parse_tuning(assignments: Sequence[str], base: Tuning = Tuning()) -> Tuning:
+    """``base`` with ``KEY=JSON`` changes (a step's `Launch` merged field by field:
+    ``stores=1``, ``compress={"num_warps": 8}``, ``rows_max_group=0``)."""
+    fields = {f.name for f in dataclasses.fields(Tuning)}
+    changes = {}
     for item in assignments:
         key, sep, text = item.partition("=")
-        if not sep or key not in tk.TUNING:
-            raise SystemExit(f"--tuning {item!r}: use KEY=JSON with KEY one of {sorted(tk.TUNING)}")
+        if not sep or key not in fields:
+            raise SystemExit(f"--tuning {item!r}: use KEY=JSON with KEY one of {sorted(fields)}")
         value = json.loads(text)
-        tk.TUNING[key] = {**tk.TUNING[key], **value} if isinstance(tk.TUNING[key], dict) else value
-    return tk.TUNING
+        current = getattr(base, key)
+        changes[key] = dataclasses.replace(current, **value) if isinstance(current, Launch) else value
+    return base.replace(**changes)
 
 
 def main(argv=None) -> None:
@@ -258,19 +264,20 @@ def main(argv=None) -> None:
     parser.add_argument("--sweep-sizes", default="16M,64M", help="sizes of the kernel variant sweep")
     parser.add_argument("--sweep-variants", help="comma-separated names of the sweep's variants (default: all)")
     parser.add_argument("--tuning", nargs="+", default=[], metavar="KEY=JSON",
-                        help="override launch settings of triton_kernels.TUNING for the check and the table")
+                        help="launch settings (fields of codec.Tuning) for the check, the sweep's base and the table")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     sizes = args.sizes or ("1M,4M,16M,64M,256M" if cuda else "64K,1M")
     sizes = [parse_size(s) for s in sizes.split(",")]
     peers = tuple(int(p) for p in args.peers.split(","))
+    tuning = parse_tuning(args.tuning)
     if cuda:
         print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
         if args.tuning:
-            print("tuning:", apply_tuning(args.tuning))
+            print("tuning:", tuning)
         checked = tuple(int(g) for g in args.check_group_sizes.split(","))
-        if not args.no_check and not check_kernels(device, checked):
+        if not args.no_check and not check_kernels(device, checked, tuning):
             raise SystemExit("kernel check failed")
     copy_bw = copy_bandwidth(device)
     print(f"\ncopy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write)")
@@ -287,14 +294,14 @@ def main(argv=None) -> None:
     if cuda and not args.no_sweep:
         names = set(args.sweep_variants.split(",")) if args.sweep_variants else None
         for size in args.sweep_sizes.split(","):
-            sweep(device, parse_size(size), copy_bw, names)
+            sweep(device, parse_size(size), copy_bw, names, tuning)
     print(f"\n{args.dtype} input; us = median device time (CUDA graph replays); GB/s = (bytes read +"
           f" written) / that time; frac = of copy bandwidth; of same = of the same-size copy; eager us = plain"
           f" launches, host overhead included")
     print(f"{'elements':>9s} {'G':>4s} {'step':>10s} {'backend':>7s} {'us':>9s} {'GB/s':>7s} {'frac':>5s} {'of same':>7s}"
           f" {'eager us':>9s}" + ("  speedup" if cuda else ""), flush=True)
     for numel, g in itertools.product(sizes, [int(v) for v in args.group_sizes.split(",")]):
-        rows = bench_case(numel, TacoConfig(group_size=g), DTYPES[args.dtype], device, peers)
+        rows = bench_case(numel, TacoConfig(group_size=g), DTYPES[args.dtype], device, peers, tuning=tuning)
         for row in rows:  # printed per case, so a run cut short keeps what it measured
             speed = ""
             if cuda and row["backend"] == "triton":

@@ -279,7 +279,7 @@ def tiny_magnitude_table(seed: int) -> str:
     """Where the adaptive scale can matter: fp32 values near the underflow range.
 
     The codec flushes a group to zero when its largest transformed value is below
-    ``reference.TINY_AMAX`` (1e-33), where ``qmax / amax`` or the scale would leave fp32's
+    ``codec.kernels.reference.TINY_AMAX`` (1e-33), where ``qmax / amax`` or the scale would leave fp32's
     normal range; the dual layout's ``a`` (clamped at 1e3) lifts groups by three decades first.
     """
     gen = torch.Generator().manual_seed(seed)

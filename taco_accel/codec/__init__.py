@@ -1,20 +1,24 @@
 """Layer 1: the TACO FP8 codec (pure tensor code, no torch.distributed).
 
-`compress` / `decompress` a tensor to and from one uint8 wire buffer, `sum_packed` for the
-reduce step of the two-shot all-reduce, and `calibrate` to pick a group size from data.
+`compress` / `decompress` a tensor to and from one uint8 wire buffer (`layout`), `sum_packed`
+for the reduce step of the two-shot all-reduce, and `calibrate` to pick a group size from data.
+`dispatch` picks the implementation (`kernels/`: the PyTorch reference, Triton and Gluon
+kernels) per call; `Tuning` holds the kernels' launch settings.
 """
 
-from .api import NonFiniteError, Packed, backend_for, compress, decompress, sum_packed
+from .api import NonFiniteError, Packed, compress, decompress, sum_packed
 from .calibrate import calibrate, relative_rms_error
 from .config import TacoConfig
 from .layout import WireLayout
+from .tuning import Launch, Tuning
 
 __all__ = [
+    "Launch",
     "NonFiniteError",
     "Packed",
     "TacoConfig",
+    "Tuning",
     "WireLayout",
-    "backend_for",
     "calibrate",
     "compress",
     "decompress",

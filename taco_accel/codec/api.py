@@ -1,17 +1,19 @@
-"""Public entry points of the codec: `compress`, `decompress`, `sum_packed`, and backend choice."""
+"""Public entry points of the codec: `compress`, `decompress`, `sum_packed`.
+
+Each takes ``tuning=`` (a `Tuning`; default ``Tuning()``) for the kernels' launch settings, and
+hands the work to `dispatch`, which picks the implementation.
+"""
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
-from . import reference
+from . import dispatch
 from .config import TacoConfig
 from .layout import WireLayout
+from .tuning import DEFAULT_TUNING, Tuning
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -43,38 +45,6 @@ class Packed:
         return self.buffer.device
 
 
-@functools.lru_cache(maxsize=None)
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def backend_for(config: TacoConfig, device: torch.device) -> ModuleType:
-    """The module (reference or Triton) that implements the codec for tensors on ``device``."""
-    wants_triton = config.backend == "triton" or (config.backend == "auto" and device.type == "cuda")
-    if not wants_triton:
-        return reference
-    if not triton_available():
-        if config.backend == "triton":
-            raise RuntimeError("TacoConfig(backend='triton') needs the triton package: pip install triton")
-        return reference
-    if device.type != "cuda" and not _interpreting():
-        raise RuntimeError(
-            f"TacoConfig(backend='triton') needs CUDA tensors (got {device.type}); use "
-            "backend='auto' or 'torch', or set TRITON_INTERPRET=1 to run the kernels on the CPU"
-        )
-    from . import triton_kernels
-
-    return triton_kernels
-
-
 def _check_input(x: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"compress expects a torch.Tensor, got {type(x).__name__}")
@@ -90,7 +60,8 @@ def _raise_if_nonfinite(scales: torch.Tensor, what: str) -> None:
         )
 
 
-def compress(x: torch.Tensor, config: TacoConfig | None = None, *, chunks: int = 1) -> Packed:
+def compress(x: torch.Tensor, config: TacoConfig | None = None, *, chunks: int = 1,
+             tuning: Tuning | None = None) -> Packed:
     """Encode ``x`` (fp32 / fp16 / bf16, any shape, any numel) into one wire buffer.
 
     ``chunks`` > 1 cuts the buffer into that many equal chunks of whole groups (the unit the
@@ -101,13 +72,13 @@ def compress(x: torch.Tensor, config: TacoConfig | None = None, *, chunks: int =
     layout = WireLayout.for_tensor(x.numel(), config, chunks)
     buffer = torch.empty(layout.total_bytes, dtype=torch.uint8, device=x.device)
     if layout.numel:
-        backend_for(config, x.device).compress_into(x.reshape(-1), buffer, layout, config)
+        dispatch.compress_into(x.reshape(-1), buffer, layout, config, tuning or DEFAULT_TUNING)
         if config.nonfinite == "raise":
             _raise_if_nonfinite(layout.scales(buffer), "the tensor to compress")
     return Packed(buffer, x.shape, x.dtype, config, layout)
 
 
-def decompress(packed: Packed, out: torch.Tensor | None = None) -> torch.Tensor:
+def decompress(packed: Packed, out: torch.Tensor | None = None, *, tuning: Tuning | None = None) -> torch.Tensor:
     """Decode ``packed`` to a tensor of its original shape, dtype and device (or into ``out``)."""
     if packed.buffer.dim() != 1 or packed.buffer.numel() != packed.layout.total_bytes:
         raise ValueError(
@@ -119,12 +90,12 @@ def decompress(packed: Packed, out: torch.Tensor | None = None) -> torch.Tensor:
     elif out.numel() != packed.layout.numel or not out.is_contiguous() or out.device != packed.device:
         raise ValueError(f"out must be a contiguous tensor of {packed.layout.numel} elements on {packed.device}")
     if packed.layout.numel:
-        backend = backend_for(packed.config, packed.device)
-        backend.decompress_into(packed.buffer, packed.layout, packed.config, out.view(-1))
+        dispatch.decompress_into(packed.buffer, packed.layout, packed.config, out.view(-1), tuning or DEFAULT_TUNING)
     return out
 
 
-def sum_packed(stacked: torch.Tensor, layout: WireLayout, config: TacoConfig) -> torch.Tensor:
+def sum_packed(stacked: torch.Tensor, layout: WireLayout, config: TacoConfig, *,
+               tuning: Tuning | None = None) -> torch.Tensor:
     """The reduce step of the two-shot all-reduce: dequantise, sum in fp32 and requantise.
 
     ``stacked`` is [P, layout.total_bytes] uint8 (P buffers of one layout, e.g. the chunk
@@ -137,5 +108,5 @@ def sum_packed(stacked: torch.Tensor, layout: WireLayout, config: TacoConfig) ->
         )
     out = torch.empty(layout.total_bytes, dtype=torch.uint8, device=stacked.device)
     if layout.numel:
-        backend_for(config, stacked.device).sum_into(stacked, layout, config, out)
+        dispatch.sum_into(stacked, layout, config, out, tuning or DEFAULT_TUNING)
     return out

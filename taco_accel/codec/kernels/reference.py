@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from .config import TacoConfig
-from .hadamard import device_signs, walsh_hadamard
-from .layout import PAYLOAD_DTYPES, WireLayout
+from ..config import TacoConfig
+from ..hadamard import device_signs, walsh_hadamard
+from ..layout import PAYLOAD_DTYPES, WireLayout
 
 ADAPTIVE_EPS = 1e-6
 ADAPTIVE_MIN, ADAPTIVE_MAX = 1e-3, 1e3

@@ -1,55 +1,48 @@
 """Compress and decompress with one group per thread, in Gluon (Triton's language with explicit
-layouts).
+layouts): the formulas of `reference`, for G <= `MAX_GROUP` on NVIDIA GPUs (`..dispatch` says
+when these run instead of `triton_kernels`; the CPU interpreter cannot run Gluon).
 
-For G <= 128 on NVIDIA GPUs these are the kernels `triton_kernels.compress_into` and
-`decompress_into` launch; the tensor-core kernels of `triton_kernels` code larger groups and run
-in the CPU interpreter, which cannot run Gluon. Both implement the formulas of `reference`.
+Each thread holds a whole group in registers and transforms it with log2(G) butterfly stages (G/2
+adds and G/2 subtracts each, in the reference's order: stride 1 first): no tensor-core products,
+no cross-lane reductions (but for the split groups below) and no software pipeline; a warp codes
+32 groups per program, and the many independent one-warp programs an SM holds keep its loads in
+flight. Memory is touched in layouts where a warp covers whole rows, 16 bytes per lane; the tile
+crosses shared memory once each way into the layout where a thread holds its group. Triton's
+block language can state the same arithmetic but places values on lanes itself, and then
+converts layouts between the butterfly stages.
 
-Each thread holds a whole group in registers and transforms it with log2(G) butterfly stages
-(G/2 adds and G/2 subtracts each, in the reference's order: stride 1 first), so there are no
-tensor-core products, no cross-lane reductions (but for the two-lane split below) and no software
-pipeline. Memory is touched in
-layouts where a warp covers whole rows, 16 bytes per lane; the tile crosses shared memory once
-each way into the layout where a thread holds its group. A warp codes 32 groups per program;
-with 158-167 registers per thread 12 warps fit on an SM, and their independent programs keep the
-loads in flight. The encoder reads bf16 as int32 words (two values each, the pair of the first
-butterfly) and writes a bad group's zeros under a branch that no warp without one takes: 1784
-instructions a group on sm_90 against 2032 for values loaded as bf16 with a select on each. Up to
-`SPLIT_MAX_GROUPS` groups of 128 the encoder splits each group over lanes (`split_schedule`): 2
-lanes of 64 values, the last butterfly stage between them by shuffles, and 4 lanes in the
-kernel's first and last waves.
-
-H200, bf16, G = 128, fraction of copy bandwidth at 16M / 64M / 256M values (benchmarks/RESULTS.md,
-tenth to thirteenth runs): decompress 0.88 / 0.93-0.94 / 0.97 against the tensor-core kernel's
-0.75 / 0.84 / 0.87; compress 0.84 / 0.93-0.96 / 0.94-1.01 (0.80 at 16M a group a lane) against
-0.80 / 0.89-0.90 / 0.90. Triton's block language can say the same arithmetic but places values on
-lanes itself: loaded sub-block by sub-block it made every lane read a different row (0.3-0.6 of
-copy bandwidth, ninth run), loaded whole it compiles to extra shuffles and conversions (about 20%
-more instructions, tenth run).
+The encoder reads bf16 input as int32 words (two values each: the pair of the first butterfly),
+which saves the packing and unpacking of 16-bit values around the layout change, and writes a
+bad group's zeros under a branch that no warp without one takes (instead of a select on every
+value). With few waves of programs (up to `Tuning.split_max_groups` groups of 128) it splits each
+group over lanes (`split_schedule`): 2 lanes of 64 values, the last butterfly stage between them
+by shuffles, and 4 lanes in the kernel's first and last waves, whose warps then issue fewer
+instructions while their tiles are the only ones in flight.
 """
 
 from __future__ import annotations
-
-import warnings
 
 import torch
 import triton
 import triton.language as tl
 
-from .config import TacoConfig
-from .hadamard import device_signs
-from .layout import FORMAT_CODES, PAYLOAD_DTYPES, WireLayout
+from ..config import TacoConfig
+from ..hadamard import device_signs
+from ..layout import FORMAT_CODES, PAYLOAD_DTYPES, WireLayout
+from ..tuning import Tuning
 from .reference import ADAPTIVE_EPS, ADAPTIVE_MAX, ADAPTIVE_MIN, TINY_AMAX
 
-try:  # experimental in triton; used here as in 3.6 (the H200's) and 3.9 (compiled in CPU tests)
+try:  # experimental in triton; written for its API in 3.6 and 3.9
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    AVAILABLE = hasattr(gl, "BlockedLayout") and hasattr(gluon, "constexpr_function")
-except ImportError:  # pragma: no cover - old triton: the tensor-core kernel decodes every group size
+    AVAILABLE = hasattr(gl, "BlockedLayout") and hasattr(gluon, "constexpr_function")  # fixed at import
+except ImportError:  # pragma: no cover - old triton: the tensor-core kernels code every group size
     AVAILABLE = False
 
-MAX_GROUP = 128  # a group's G fp32 values live in one thread: 158-167 registers at 128, G = 256 cannot fit
+# A group's G fp32 values live in one thread's registers: at G = 128 the kernels take 158-167 of
+# the 255 a thread may have; G = 256 cannot fit.
+MAX_GROUP = 128
 
 if AVAILABLE:
 
@@ -101,8 +94,8 @@ if AVAILABLE:
     @gluon.jit
     def _tile_origin(ROWS: gl.constexpr, WIDE: gl.constexpr):
         """(chunk c, first row r0) of this program's tile; grid (tiles of a chunk, chunks). 64-bit
-        where a buffer passes 2 GiB (WIDE), else 32-bit: 64-bit offsets before the first load cost
-        the decoder 0.04 of copy bandwidth at 16M values (RESULTS.md, tenth run)."""
+        where a buffer passes 2 GiB (WIDE), else 32-bit: 64-bit arithmetic before the first load
+        delays every program's first request to memory."""
         c = gl.program_id(1)
         r0 = gl.program_id(0) * ROWS
         if WIDE:
@@ -111,7 +104,7 @@ if AVAILABLE:
         return c, r0
 
     @gluon.jit
-    def _decompress_rows_kernel(
+    def decompress_rows_kernel(
         q_ptr, s_ptr, out_ptr, sign_ptr, numel, gpc, chunk_bytes,
         G: gl.constexpr, NW: gl.constexpr, Q_BYTES: gl.constexpr, OUT_BYTES: gl.constexpr,
         HADAMARD: gl.constexpr, SIGNS: gl.constexpr, DUAL: gl.constexpr, CHUNKED: gl.constexpr,
@@ -174,7 +167,7 @@ if AVAILABLE:
     def _through_shared(x, layout: gl.constexpr, ELEM_BYTES: gl.constexpr):
         """``x`` in ``layout``, by 16-byte stores and loads through a shared tile of its own.
         `gl.convert_layout` would go through a smaller scratch in rounds, with register moves to
-        gather each 16-byte store (64 more instructions a group for compress's input)."""
+        gather each 16-byte store."""
         tile = gl.allocate_shared_memory(x.dtype, x.shape, _swizzled(ELEM_BYTES), x)
         _barrier()
         return tile.load(layout)
@@ -208,10 +201,9 @@ if AVAILABLE:
     ):
         """Encode groups r0.. (32 * NW / LANES of them, each in LANES lanes) of chunk c. WORDS:
         bf16 input read as int32 words (x_ptr, numel: words), two values each, which a shift and
-        a mask make fp32; the two are the first butterfly's pair. Loaded as bf16 they cost 64 more
-        instructions a group on sm_90 (1848 against 1784), packing and unpacking 16-bit values
-        around the layout change. MASKED=False: every row is a whole group of the input (no
-        bounds masks: 40-80 fewer instructions)."""
+        a mask make fp32; the two are the first butterfly's pair (loaded as bf16, 16-bit values
+        would be packed and unpacked around the layout change). MASKED=False: every row is a
+        whole group of the input, read and written without bounds masks."""
         ROWS: gl.constexpr = 32 * NW // LANES
         L_ROW: gl.constexpr = gl.BlockedLayout([1, G // LANES], [32 // LANES, LANES], [NW, 1], [1, 0])
         L_Q: gl.constexpr = _coalesced(G, NW, 1)
@@ -307,7 +299,7 @@ if AVAILABLE:
         _zero_padding(q_ptr, r0, gpc, chunk_bytes, NW, PAD, LANES)
 
     @gluon.jit
-    def _compress_rows_kernel(
+    def compress_rows_kernel(
         x_ptr, q_ptr, s_ptr, sign_ptr, numel, gpc, chunk_bytes, head, body,
         G: gl.constexpr, NW: gl.constexpr, X_BYTES: gl.constexpr, WORDS: gl.constexpr, FMT: gl.constexpr,
         QMAX: gl.constexpr, HADAMARD: gl.constexpr, SIGNS: gl.constexpr, DUAL: gl.constexpr,
@@ -335,45 +327,13 @@ if AVAILABLE:
                          QMAX, HADAMARD, SIGNS, DUAL, ADAPTIVE, ZERO_NONFINITE, CHUNKED, PAD, 1, True)
 
 
-# Warps per program: one (32 groups) measured best on an H200, before 2 and 4 (RESULTS.md, tenth run).
-WARPS = 1
-# Up to this many groups of 128 (48M values) the encoder splits groups over lanes (SPLIT,
-# `split_schedule`), on an H200 0.84-0.85 of copy bandwidth at 16M values, 0.87-0.89 at 24M and
-# 0.92 at 32M against 0.80 / 0.85 / 0.88 a group a lane (RESULTS.md, thirteenth run).
-SPLIT_MAX_GROUPS = 6 * 2**16
-# The split schedule: 2 lanes a group hold 64 values, half the instructions a warp (80 registers,
-# 25 warps an SM against 12), and the programs of the kernel's first quarter wave and last half
-# wave give a group 4 lanes, whose warps issue 712 instructions instead of 1096 while their
-# tiles are the only ones left to land (twelfth and thirteenth runs: the kernel's ends wait on
-# its warps' instructions, issued at one a cycle each). The rest runs without bounds masks.
-SPLIT_HEAD_WAVES = 0.25
-SPLIT_TAIL_WAVES = 0.5
-SPLIT_WARPS_PER_SM = 25
-SPLIT_REGISTERS = 80  # the 2-lane code's own count: both codes in one kernel take 95 otherwise
-# Registers per thread each kernel may use (None: the compiler's choice). Fewer fit more warps on an
-# SM; on an H200 144 (14 warps) changed nothing and 128 (spills) lost 0.1-0.2 (RESULTS.md, eleventh run).
-MAX_REGISTERS = {"compress": None, "decompress": None}
-
-
-def _register_cap(kernel: str) -> dict:
-    cap = MAX_REGISTERS[kernel]
+def _register_cap(cap: int | None) -> dict:
     return {} if cap is None else {"maxnreg": cap}
 
 
-def disable(error: Exception) -> None:
-    """Stop using these kernels (this triton's Gluon could not build one), with one warning."""
-    global AVAILABLE
-    AVAILABLE = False
-    first = (str(error).strip().splitlines() or [type(error).__name__])[-1]
-    warnings.warn(f"taco_accel: the Gluon codec kernels do not compile with triton {triton.__version__} ({first}); "
-                  "compress and decompress fall back to the tensor-core kernels (on an H200 about 0.05 of copy "
-                  "bandwidth slower to compress at 64M values and more, 0.1 to decompress). Gluon's API changes "
-                  "between triton releases: please report your triton version.", RuntimeWarning, stacklevel=4)
-
-
-def _grid(layout: WireLayout) -> tuple[int, int]:
-    """(tiles of a chunk, chunks): a program per tile of 32 * WARPS groups."""
-    return max(1, triton.cdiv(layout.groups_per_chunk, 32 * WARPS)), layout.chunks
+def _grid(layout: WireLayout, tuning: Tuning) -> tuple[int, int]:
+    """(tiles of a chunk, chunks): a program per tile of 32 groups a warp."""
+    return max(1, triton.cdiv(layout.groups_per_chunk, 32 * tuning.rows_warps)), layout.chunks
 
 
 def whole_groups(layout: WireLayout, chunk: int) -> int:
@@ -382,17 +342,17 @@ def whole_groups(layout: WireLayout, chunk: int) -> int:
     return max(0, min(gpc, (layout.numel - chunk * gpc * g) // g))
 
 
-def split_schedule(layout: WireLayout, sms: int) -> tuple[int, int, int]:
+def split_schedule(layout: WireLayout, sms: int, tuning: Tuning) -> tuple[int, int, int]:
     """(head, body, programs) of each chunk for the split encoder on a GPU of ``sms`` SMs: the
-    kernel's first SPLIT_HEAD_WAVES and last SPLIT_TAIL_WAVES waves of programs (a wave: SMs *
-    SPLIT_WARPS_PER_SM programs) code 8 groups over 4 lanes, shared out over the chunks; the
-    ``head`` first groups of a chunk and the ``body`` next, 16 a program over 2 lanes, are
-    multiples of 16 whole groups of the input (read and written without masks)."""
+    kernel's first ``tuning.split_head_waves`` and last ``split_tail_waves`` waves of programs (a
+    wave: SMs * ``split_warps_per_sm`` programs) code 8 groups over 4 lanes, shared out over the
+    chunks; the ``head`` first groups of a chunk and the ``body`` next, 16 a program over 2 lanes,
+    are multiples of 16 whole groups of the input (read and written without masks)."""
     gpc = layout.groups_per_chunk
     whole = whole_groups(layout, layout.chunks - 1)  # the last chunk has the fewest
-    wave = sms * SPLIT_WARPS_PER_SM * 8 / layout.chunks  # groups of a wave of 4-lane programs, a chunk's share
-    head = min(int(SPLIT_HEAD_WAVES * wave), whole) // 16 * 16
-    body = max(0, min(gpc - int(SPLIT_TAIL_WAVES * wave), whole) - head) // 16 * 16
+    wave = sms * tuning.split_warps_per_sm * 8 / layout.chunks  # groups of a wave of 4-lane programs, a chunk's share
+    head = min(int(tuning.split_head_waves * wave), whole) // 16 * 16
+    body = max(0, min(gpc - int(tuning.split_tail_waves * wave), whole) - head) // 16 * 16
     return head, body, max(1, head // 8 + body // 16 + triton.cdiv(gpc - head - body, 8))
 
 
@@ -401,42 +361,46 @@ def _wide(layout: WireLayout, values: torch.Tensor) -> bool:
     return max(layout.total_bytes, layout.padded_numel * values.element_size()) >= 2**31
 
 
-def decompress_rows_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor) -> None:
+def decompress_rows_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor,
+                         tuning: Tuning) -> None:
     """Decode ``buffer`` into the flat contiguous tensor ``out``; G <= `MAX_GROUP`, CUDA only."""
     payload = buffer.view(PAYLOAD_DTYPES[config.format])
-    _decompress_rows_kernel[_grid(layout)](
+    warps = tuning.rows_warps
+    decompress_rows_kernel[_grid(layout, tuning)](
         payload, buffer.view(torch.float32), out, device_signs(config, buffer.device),
         layout.numel, layout.groups_per_chunk, layout.chunk_bytes,
-        G=config.group_size, NW=WARPS, Q_BYTES=payload.element_size(), OUT_BYTES=out.element_size(),
+        G=config.group_size, NW=warps, Q_BYTES=payload.element_size(), OUT_BYTES=out.element_size(),
         HADAMARD=config.hadamard, SIGNS=config.random_signs, DUAL=config.scales == "dual",
-        CHUNKED=layout.chunks > 1, WIDE=_wide(layout, out), num_warps=WARPS, **_register_cap("decompress"),
+        CHUNKED=layout.chunks > 1, WIDE=_wide(layout, out), num_warps=warps,
+        **_register_cap(tuning.rows_decompress_registers),
     )
 
 
-def _reads_words(x: torch.Tensor) -> bool:
+def reads_words(x: torch.Tensor) -> bool:
     """Whether bf16 ``x`` (flat, contiguous) can be read as int32 words: whole words, 4-byte aligned."""
     return (x.dtype == torch.bfloat16 and x.numel() % 2 == 0 and x.data_ptr() % 4 == 0
             and x.storage_offset() % 2 == 0)  # what `Tensor.view(torch.int32)` asks
 
 
 def compress_rows_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, config: TacoConfig,
-                       split_sms: int = 0) -> None:
+                       tuning: Tuning, split_sms: int = 0) -> None:
     """Encode the flat contiguous tensor ``x`` into ``buffer``; G <= `MAX_GROUP`, CUDA only.
     ``split_sms`` > 0 (G = 128): groups over 2 and 4 lanes (`split_schedule`) for a GPU of that
     many SMs; else a group a lane."""
-    words = _reads_words(x)
+    words = reads_words(x)
     values = x.view(torch.int32) if words else x
+    warps = tuning.rows_warps
     if split_sms:
-        head, body, programs = split_schedule(layout, split_sms)
-        grid, launch = (programs, layout.chunks), {"maxnreg": SPLIT_REGISTERS}
+        head, body, programs = split_schedule(layout, split_sms, tuning)
+        grid, launch = (programs, layout.chunks), {"maxnreg": tuning.split_registers}
     else:
-        head, body, grid, launch = 0, 0, _grid(layout), _register_cap("compress")
-    _compress_rows_kernel[grid](
+        head, body, grid, launch = 0, 0, _grid(layout, tuning), _register_cap(tuning.rows_compress_registers)
+    compress_rows_kernel[grid](
         values, buffer.view(PAYLOAD_DTYPES[config.format]), buffer.view(torch.float32),
         device_signs(config, buffer.device), values.numel(), layout.groups_per_chunk, layout.chunk_bytes, head, body,
-        G=config.group_size, NW=WARPS, X_BYTES=x.element_size(), WORDS=words, FMT=FORMAT_CODES[config.format],
+        G=config.group_size, NW=warps, X_BYTES=x.element_size(), WORDS=words, FMT=FORMAT_CODES[config.format],
         QMAX=config.qmax, HADAMARD=config.hadamard, SIGNS=config.random_signs, DUAL=config.scales == "dual",
         ADAPTIVE=config.adaptive_scale, ZERO_NONFINITE=config.nonfinite == "zero", CHUNKED=layout.chunks > 1,
-        WIDE=_wide(layout, x), PAD=layout.chunk_bytes - layout.used_bytes, SPLIT=split_sms > 0, num_warps=WARPS,
+        WIDE=_wide(layout, x), PAD=layout.chunk_bytes - layout.used_bytes, SPLIT=split_sms > 0, num_warps=warps,
         **launch,
     )

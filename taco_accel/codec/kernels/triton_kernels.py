@@ -1,66 +1,58 @@
 """Fused Triton kernels of the TACO codec: compress, decompress, dequant-sum-requant.
 
-Each kernel makes one pass over its input. The grid is persistent: as many programs as one SM
-holds at once (read from the compiled kernel's registers and shared memory; fewer where the
-sweep measured better) walk over tiles of up to BG consecutive groups of one chunk (a tile's
-addresses are one block start plus 32-bit offsets, with no per-group division), so the
-compiler's software pipeline fetches the next tiles while one is transformed, and each program
-makes the Hadamard matrix once, from the indices. On an H200 the kernels had been waiting on
-their loads, one tile per program at a time (59-62% of copy bandwidth); pipelined they reach
-75-101% at 16M-256M values (benchmarks/RESULTS.md).
+The reference's formulas (`reference`) in one pass over the input each, on tiles of up to BG
+consecutive groups of one chunk. `..dispatch` runs them for every group size on GPUs and in
+Triton's CPU interpreter; on NVIDIA GPUs `gluon_kernels` compresses and decompresses groups of
+up to 128 values instead.
 
-On NVIDIA GPUs groups of up to 128 values are compressed and decompressed elsewhere, one group
-per thread (`gluon_kernels`; H200, bf16, 16M-256M values: decompress 0.88-0.97 of copy bandwidth
-against 0.75-0.87 here, compress 0.84-1.01 against 0.80-0.90); the encoder and decoder below
-serve larger groups, other GPUs, the CPU interpreter and a triton whose Gluon cannot build those.
+Grid: persistent, as many programs as one SM holds at once (read from the compiled kernel's
+registers and shared memory, or `Launch.programs_per_sm`), each walking over tiles with
+``tl.range(..., num_stages)``, so that the compiler's software pipeline fetches the next tiles
+while one is transformed. A tile never crosses a chunk: its addresses are one block start plus
+32-bit offsets, with no per-group division by the chunk's group count.
 
-The Hadamard transform runs on the tensor cores as one dense product with H_SUB,
-SUB = min(G, 64), per sub-block of SUB values: a tile [BG, SUB] @ [SUB, SUB]. Larger groups
-are 2, 4 or 8 sub-blocks combined by butterflies (adds and subtracts of whole tiles), since
-``H_G = H_(G/SUB) (x) H_SUB``. The result is the Sylvester coefficient order that `layout`
-puts on the wire, and each tile's rows are groups, so the per-group reductions work on the
-product's own layout. Measured on an H200 (benchmarks/RESULTS.md): a Kronecker
-H_m (x) H_16 form with a transpose between two 16-wide products spent its time moving tiles
-through shared memory, and one dense H_128 product is bound by the tensor cores.
+Transform: one dense product with H_SUB, SUB = min(G, 64), per sub-block of SUB values (a tile
+[BG, SUB] @ [SUB, SUB] on the tensor cores); larger groups are 2, 4 or 8 sub-blocks combined by
+butterflies (adds and subtracts of whole tiles), since ``H_G = H_(G/SUB) (x) H_SUB``. That
+gives the Sylvester coefficient order `layout` puts on the wire, and each tile's rows are
+groups, so the per-group reductions work on the product's own register layout. A dense H_128
+product would double the tensor-core work per value; a Kronecker H_m (x) H_16 form needs a
+transpose between its products, through shared memory.
 
-Per value the kernels do as little as the format allows (an H200 moves a value of compress
-in about 0.7 ns): the 1/sqrt(G) of the transform is folded into the per-group multiplier,
-the fp8 conversion saturates in hardware (no clamp), and offsets inside a tile are 32-bit.
-
-The +-1 matrix is exact in bf16 and in fp8. bf16 inputs are exact in bf16, so they need one
+Exactness: the +-1 matrix is exact in bf16 and fp8. bf16 inputs are exact in bf16 and need one
 bf16 product; fp32 and fp16 operands go through two (high and low bf16 halves, about 16
-mantissa bits) or one tf32 product (DOT_MODE). Decoding multiplies the payload bytes as they
-are (fp8 or int8 tensor-core products, DOT_PAYLOAD: no conversion pass before the product).
-int8 products are exact; Hopper accumulates fp8 products in fewer bits than fp32, so decoded
-fp32 values lie within 3e-5 of the reference on an H200 (8e-8 through bf16 products, which
-decode at 0.66 instead of 0.81 of copy bandwidth), far under bf16 or fp16 output rounding.
-The interpreter on the CPU gets fp32 products.
+mantissa bits) or one tf32 product (`..tuning.DotMode`). Decoding multiplies the payload bytes
+as they are (fp8 or int8 products: no conversion pass first). int8 products are exact; Hopper
+accumulates fp8 products in fewer bits than fp32, so decoded fp32 values may differ from the
+reference by a few 1e-5 relative, far under bf16 or fp16 output rounding. The interpreter gets
+fp32 products (its bf16 products are wrong).
+
+Per value the kernels do as little as the format allows: the transform's 1/sqrt(G) is folded
+into the per-group multiplier, the GPU's fp8 conversion saturates by itself (no clamp), and
+offsets inside a tile are 32-bit.
 
 Under TRITON_INTERPRET=1 the fp8 cast rounds wrongly where the mantissa carries into the
-exponent and does not saturate, so the interpreter clamps and rounds to the fp8 grid first
-with exact power-of-two arithmetic (EMULATE_ROUND); the GPU uses the hardware conversion
-(round to nearest even, saturating).
+exponent and does not saturate, so the interpreter clamps and rounds to the fp8 grid first with
+exact power-of-two arithmetic (EMULATE_ROUND); the GPU uses the hardware conversion (round to
+nearest even, saturating).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from . import gluon_kernels
-from .config import TacoConfig
-from .hadamard import device_signs
-from .layout import FORMAT_CODES, PAYLOAD_DTYPES, WireLayout
+from ..config import TacoConfig
+from ..hadamard import device_signs
+from ..layout import FORMAT_CODES, PAYLOAD_DTYPES, WireLayout
+from ..tuning import DotMode, Store, Tuning
+from . import interpreting, sm_count
 from .reference import ADAPTIVE_EPS, ADAPTIVE_MAX, ADAPTIVE_MIN, TINY_AMAX
 
-# DOT_MODE: 0 = fp32 (interpreter), 1 = tf32, 2 = two bf16 products (hi + lo), 3 = one bf16
-# product (operand already exact in bf16), 4 = the payload's own type (fp8 or int8; decoding).
-DOT_FP32, DOT_TF32, DOT_BF16X2, DOT_BF16, DOT_PAYLOAD = 0, 1, 2, 3, 4
 # the reference's constants, as compile-time values the kernels may read
 _EPS = tl.constexpr(ADAPTIVE_EPS)
 _A_MIN = tl.constexpr(ADAPTIVE_MIN)
@@ -68,43 +60,14 @@ _A_MAX = tl.constexpr(ADAPTIVE_MAX)
 _TINY = tl.constexpr(TINY_AMAX)
 SUB_MAX = 64  # largest dense Hadamard block (128 costs twice the tensor-core work per value)
 
-# how decompress stores decoded values: plain or evict-first (.cs) stores
-STORE_PLAIN, STORE_STREAM = 0, 1
-
-# Launch settings (benchmarks/RESULTS.md has the sweeps); the benchmark overrides them.
-# block_elems: values per tile; num_warps: per kernel, for tiles of block_elems values
-# ("sum_pair", "sum", "sum_many": the sum of 2, of 3-4 and of more inputs); programs_per_sm:
-# persistent programs per SM, per kernel as num_warps (None: as many as fit at once, 0: one
-# program per tile); num_stages: tiles in flight per program; payload_dot: decode with fp8 /
-# int8 products; balance: as many programs as give every program the same number of tiles;
-# stores: how decompress stores (STORE_*); rows_max_group: the largest G compressed and decompressed
-# one group per thread by `gluon_kernels` on CUDA (0: the tensor-core kernels here code every G;
-# the settings above are theirs, except the sums', which always run here); split_max_groups: up to
-# how many groups of G = 128 (all chunks) `gluon_kernels` encodes each group in 2 or 4 lanes
-# (`gluon_kernels.split_schedule`) instead of one (0: never). Bulk (TMA) copies were measured and
-# not kept: stores of decoded values (decompress 0.62 of copy bandwidth against 0.81), loads of the
-# payload (0.72-0.82 against 0.77-0.83 with plain loads, 8M-64M values), of compress's input and of
-# the sums' inputs (RESULTS.md).
-TUNING = {"block_elems": 8192,
-          "num_warps": {"compress": 4, "decompress": 8, "sum_pair": 8, "sum": 4, "sum_many": 8},
-          "dot_mode": DOT_BF16X2,
-          "programs_per_sm": {"compress": None, "decompress": 2, "sum_pair": None, "sum": None, "sum_many": None},
-          "num_stages": {"compress": 3, "decompress": 3, "sum_pair": 1, "sum": 2, "sum_many": 2},
-          "payload_dot": True,
-          "balance": False, "stores": STORE_PLAIN, "rows_max_group": gluon_kernels.MAX_GROUP,
-          "split_max_groups": gluon_kernels.SPLIT_MAX_GROUPS}
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 
 # --- device-side helpers -----------------------------------------------------------------------
 
 
 @triton.jit
 def _dot(a, b, DOT_MODE: tl.constexpr):
-    """a [R, K] @ b [K, K] (+-1 entries, already in the mode's operand type) -> fp32."""
+    """a [R, K] @ b [K, K] (+-1 entries, already in the mode's operand type) -> fp32; DOT_MODE is a
+    `DotMode` value (0 FP32, 1 TF32, 2 BF16X2, 3 BF16, 4 PAYLOAD)."""
     if DOT_MODE == 0:
         out = tl.dot(a.to(tl.float32), b, input_precision="ieee")
     elif DOT_MODE == 1:
@@ -124,8 +87,8 @@ def _dot(a, b, DOT_MODE: tl.constexpr):
 @triton.jit
 def _hadamard(N: tl.constexpr, DOT_MODE: tl.constexpr, payload_ty):
     """Sylvester's H_N, H[i, j] = (-1)^popcount(i & j), in the operand type of DOT_MODE. Made
-    from the indices, not loaded: every program needs it before its first product, and loading
-    it from memory cost 0.02-0.04 of copy bandwidth at 16M values (RESULTS.md)."""
+    from the indices, not loaded: every program needs it before its first product, and a load
+    would stand between the program's start and its first tile."""
     bits = tl.arange(0, N)[:, None] & tl.arange(0, N)[None, :]
     bits = bits ^ (bits >> 4)
     bits = bits ^ (bits >> 2)
@@ -195,8 +158,7 @@ def _chunk_tile(tile, tiles_per_chunk, gpc, BG: tl.constexpr):
     """Where tile ``tile`` lies: its chunk c (int64) and first row r0 in the chunk, and
     which of its BG rows are groups (r0 + row < gpc). Tiles do not cross chunks, so each of a
     tile's offsets is one block start plus 32-bit multiples of G, with no per-group division
-    by gpc (H200, of copy bandwidth: decompress +0.02-0.09 at 4M-32M values, the sum of 2
-    inputs +0.08-0.12 at 8M-256M; RESULTS.md)."""
+    by gpc (an integer division per value costs more than the memory time of a value)."""
     c = tl.cast(tile // tiles_per_chunk, tl.int64)
     r0 = (tile % tiles_per_chunk) * BG
     return c, r0, r0 + tl.arange(0, BG) < gpc
@@ -405,7 +367,7 @@ def _compress_tile(
 
 
 @triton.jit
-def _compress_kernel(
+def compress_kernel(
     x_ptr, q_ptr, s_ptr, sign_ptr,
     numel, chunks, gpc, chunk_bytes, tiles_per_chunk,
     G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr, FMT: tl.constexpr, QMAX: tl.constexpr,
@@ -413,6 +375,8 @@ def _compress_kernel(
     ZERO_NONFINITE: tl.constexpr, DOT_MODE: tl.constexpr, EMULATE_ROUND: tl.constexpr, PAD: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
+    """Encode x (``numel`` values) into the payload at q_ptr and the scales at s_ptr (views of one
+    buffer of ``chunks`` chunks of ``gpc`` groups, `layout`); each program walks over tiles."""
     h = _hadamard(SUB, DOT_MODE, q_ptr.dtype.element_ty)
     for tile in tl.range(tl.program_id(0), tiles_per_chunk * chunks, tl.num_programs(0), num_stages=NUM_STAGES):
         _compress_tile(tile, x_ptr, q_ptr, s_ptr, sign_ptr, h, numel, gpc, chunk_bytes, tiles_per_chunk,
@@ -468,10 +432,8 @@ def _join2(a, b):
 def _store_decoded(out_blk, left, x, scale, sign_ptr, j: tl.constexpr, G: tl.constexpr, W: tl.constexpr,
                    BG: tl.constexpr, SIGNS: tl.constexpr, STORE: tl.constexpr):
     """Scale and store slab j, [BG, W], of a decoded tile. Sub-blocks go out in pairs (W = 2 SUB,
-    whole rows at G = 128), with one layout conversion through shared memory per pair instead
-    of one per sub-block. H200, bf16, against one store per sub-block: +0.01 to +0.03 of copy
-    bandwidth at 64M-256M values for G = 128 and 512, +0.03 to +0.11 at 16M-64M for G = 256,
-    -0.01 / -0.03 at 16M for G = 128 / 512 (RESULTS.md)."""
+    whole rows at G = 128), with one layout conversion (product layout -> 16-byte stores, through
+    shared memory) per pair instead of one per sub-block."""
     x = x * scale[:, None]
     if SIGNS:
         x = x * tl.load(sign_ptr + j * W + tl.arange(0, W)[None, :])
@@ -527,13 +489,14 @@ def _decompress_tile(
 
 
 @triton.jit
-def _decompress_kernel(
+def decompress_kernel(
     q_ptr, s_ptr, out_ptr, sign_ptr,
     numel, chunks, gpc, chunk_bytes, tiles_per_chunk,
     G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr,
     HADAMARD: tl.constexpr, SIGNS: tl.constexpr, DUAL: tl.constexpr, DOT_MODE: tl.constexpr,
     NUM_STAGES: tl.constexpr, STORE: tl.constexpr,
 ):
+    """Decode the buffer (payload at q_ptr, scales at s_ptr) into ``numel`` values at out_ptr."""
     h = _hadamard(SUB, DOT_MODE, q_ptr.dtype.element_ty)
     for tile in tl.range(tl.program_id(0), tiles_per_chunk * chunks, tl.num_programs(0), num_stages=NUM_STAGES):
         _decompress_tile(tile, q_ptr, s_ptr, out_ptr, sign_ptr, h, numel, gpc, chunk_bytes, tiles_per_chunk,
@@ -570,13 +533,15 @@ def _sum_tile(
 
 
 @triton.jit
-def _sum_kernel(
+def sum_kernel(
     q_ptr, s_ptr, out_q_ptr, out_s_ptr, input_stride,
     chunks, gpc, chunk_bytes, tiles_per_chunk,
     P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, FMT: tl.constexpr, QMAX: tl.constexpr,
     DUAL: tl.constexpr, ADAPTIVE: tl.constexpr, EMULATE_ROUND: tl.constexpr, PAD: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
+    """Dequantise P buffers of one layout (``input_stride`` bytes apart), sum them in fp32 and
+    requantise the sum into the buffer at out_q_ptr / out_s_ptr, in the transformed domain."""
     stride = input_stride.to(tl.int64)  # bytes between inputs, a multiple of 4
     for tile in tl.range(tl.program_id(0), tiles_per_chunk * chunks, tl.num_programs(0), num_stages=NUM_STAGES):
         _sum_tile(tile, q_ptr, s_ptr, out_q_ptr, out_s_ptr, stride, gpc, chunk_bytes, tiles_per_chunk,
@@ -587,15 +552,15 @@ def _sum_kernel(
 
 
 @functools.lru_cache(maxsize=4096)
-def _launch(layout: WireLayout, group_size: int, tuning: tuple, transform: bool) -> tuple[int, dict]:
+def _launch(layout: WireLayout, group_size: int, launch: tuple, transform: bool) -> tuple[int, dict]:
     """Tile count and the launch arguments every kernel shares (cached: launches are on the hot
     path). Tiles hold up to BG groups of one chunk (`_chunk_tile`). Tiles of the transforming
     kernels keep at least 64 groups, the row count of one Hopper warpgroup product; larger
     groups take more warps instead of more registers."""
-    block_elems, num_warps, stages = tuning
+    block_elems, num_warps, stages = launch
     bg = max(64 if transform else 16, min(block_elems // group_size, 256))
     warps = min(8, num_warps * max(1, bg * group_size // block_elems)) if transform else num_warps
-    if _interpreting():  # numpy computes masked rows too: tiles no larger than a chunk keep CPU tests fast
+    if interpreting():  # numpy computes masked rows too: tiles no larger than a chunk keep CPU tests fast
         bg = min(bg, max(16, triton.next_power_of_2(layout.groups_per_chunk)))
     per_chunk = triton.cdiv(layout.groups_per_chunk, bg)
     args = dict(chunks=layout.chunks, gpc=layout.groups_per_chunk, chunk_bytes=layout.chunk_bytes,
@@ -603,12 +568,13 @@ def _launch(layout: WireLayout, group_size: int, tuning: tuple, transform: bool)
     return per_chunk * layout.chunks, args
 
 
-def _common(layout: WireLayout, config: TacoConfig, step: str) -> tuple[int, dict]:
-    tuning = (TUNING["block_elems"], TUNING["num_warps"][step], TUNING["num_stages"][step])
-    return _launch(layout, config.group_size, tuning, not step.startswith("sum"))
+def _common(layout: WireLayout, config: TacoConfig, step: str, tuning: Tuning) -> tuple[int, dict]:
+    launch = tuning.launch(step)
+    return _launch(layout, config.group_size, (tuning.block_elems, launch.num_warps, launch.num_stages),
+                   not step.startswith("sum"))
 
 
-_resident: dict[tuple, tuple[int, int]] = {}
+_resident: dict[tuple, tuple[int, int]] = {}  # a cache of compiled kernels' resources
 
 
 def _resident_config(kernel, args: tuple, kwargs: dict, device: torch.device) -> tuple[int, int]:
@@ -641,103 +607,75 @@ def _resident_config(kernel, args: tuple, kwargs: dict, device: torch.device) ->
     return per_sm, stages
 
 
-def _run(kernel, step: str, tiles: int, args: tuple, kwargs: dict) -> None:
+def _run(kernel, step: str, tiles: int, args: tuple, kwargs: dict, tuning: Tuning) -> None:
     """Launch a persistent kernel: programs step over the tiles (one program per tile in the
-    interpreter or with TUNING["programs_per_sm"][step] = 0)."""
-    if _interpreting():
+    interpreter or with ``programs_per_sm`` = 0)."""
+    if interpreting():
         kernel[(max(1, tiles),)](*args, **kwargs)
         return
     device = args[0].device
     per_sm, stages = _resident_config(kernel, args, kwargs, device)
-    if TUNING["programs_per_sm"][step] is not None:
-        per_sm = TUNING["programs_per_sm"][step]
-    programs = tiles if per_sm == 0 else min(tiles, per_sm * _sm_count(device))
-    if TUNING["balance"]:
+    if tuning.launch(step).programs_per_sm is not None:
+        per_sm = tuning.launch(step).programs_per_sm
+    programs = tiles if per_sm == 0 else min(tiles, per_sm * sm_count(device))
+    if tuning.balance:
         programs = triton.cdiv(tiles, triton.cdiv(tiles, programs))
     kernel[(max(1, programs),)](*args, **{**kwargs, "NUM_STAGES": stages})
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def _dot_mode(exact_in_bf16: bool, tuning: Tuning) -> int:
+    if interpreting():
+        return int(DotMode.FP32)
+    mode = tuning.dot_mode
+    return int(DotMode.BF16 if exact_in_bf16 and mode == DotMode.BF16X2 else mode)
 
 
-def _dot_mode(exact_in_bf16: bool) -> int:
-    if _interpreting():
-        return DOT_FP32
-    mode = TUNING["dot_mode"]
-    return DOT_BF16 if exact_in_bf16 and mode == DOT_BF16X2 else mode
+def _sum_step(inputs: int) -> str:
+    """The launch step of a sum of ``inputs`` buffers: the loads in flight per tile differ."""
+    return "sum_pair" if inputs <= 2 else "sum" if inputs <= 4 else "sum_many"
 
 
-def _codes_by_rows(config: TacoConfig, tensor: torch.Tensor) -> bool:
-    """Whether `gluon_kernels` encodes and decodes: Gluon compiled for an NVIDIA GPU (not the
-    interpreter), G small enough for one group per thread (RESULTS.md, tenth and eleventh runs)."""
-    return (gluon_kernels.AVAILABLE and not _interpreting() and tensor.is_cuda and torch.version.hip is None
-            and config.group_size <= min(TUNING["rows_max_group"], gluon_kernels.MAX_GROUP))
-
-
-def _splits_groups(layout: WireLayout, config: TacoConfig) -> bool:
-    """Whether the Gluon encoder splits each group over lanes (`gluon_kernels.split_schedule`):
-    G = 128 up to TUNING["split_max_groups"] groups (`gluon_kernels.SPLIT_MAX_GROUPS` says why)."""
-    return config.group_size == 128 and layout.num_groups <= TUNING["split_max_groups"]
-
-
-def _ran_by_rows(launch, *args) -> bool:
-    """Run a `gluon_kernels` launch; False where this triton's Gluon cannot build the kernel (one
-    warning, and the tensor-core kernels from then on: nothing was written yet)."""
-    try:
-        launch(*args)
-        return True
-    except triton.compiler.errors.CompilationError as error:
-        gluon_kernels.disable(error)
-        return False
-
-
-def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, config: TacoConfig) -> None:
+def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, config: TacoConfig,
+                  tuning: Tuning) -> None:
     """Encode the flat tensor ``x`` into ``buffer``; same contract as the reference."""
     x = x.contiguous()
-    if _codes_by_rows(config, x):
-        split_sms = _sm_count(x.device) if _splits_groups(layout, config) else 0
-        if _ran_by_rows(gluon_kernels.compress_rows_into, x.view(-1), buffer, layout, config, split_sms):
-            return
     signs = device_signs(config, x.device)  # read only with random signs (SIGNS)
-    tiles, common = _common(layout, config, "compress")
+    tiles, common = _common(layout, config, "compress", tuning)
     args = (x, buffer.view(PAYLOAD_DTYPES[config.format]), buffer.view(torch.float32), signs)
-    _run(_compress_kernel, "compress", tiles, args, dict(
+    _run(compress_kernel, "compress", tiles, args, dict(
         numel=layout.numel, **common, PAD=layout.chunk_bytes - layout.used_bytes, SUB=min(config.group_size, SUB_MAX),
         FMT=FORMAT_CODES[config.format], QMAX=config.qmax, HADAMARD=config.hadamard,
         SIGNS=config.random_signs, DUAL=config.scales == "dual", ADAPTIVE=config.adaptive_scale,
-        ZERO_NONFINITE=config.nonfinite == "zero", DOT_MODE=_dot_mode(x.dtype == torch.bfloat16),
-        EMULATE_ROUND=_interpreting(),
-    ))
+        ZERO_NONFINITE=config.nonfinite == "zero", DOT_MODE=_dot_mode(x.dtype == torch.bfloat16, tuning),
+        EMULATE_ROUND=interpreting(),
+    ), tuning)
 
 
-def decompress_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor) -> None:
+def decompress_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor,
+                    tuning: Tuning) -> None:
     """Decode ``buffer`` into the flat contiguous tensor ``out``."""
-    if _codes_by_rows(config, out) and _ran_by_rows(gluon_kernels.decompress_rows_into, buffer, layout, config, out):
-        return
     signs = device_signs(config, buffer.device)
-    tiles, common = _common(layout, config, "decompress")
-    mode = _dot_mode(True)
-    if mode != DOT_FP32 and TUNING["payload_dot"]:
-        mode = DOT_PAYLOAD
+    tiles, common = _common(layout, config, "decompress", tuning)
+    mode = _dot_mode(True, tuning)
+    if mode != DotMode.FP32 and tuning.payload_dot:
+        mode = int(DotMode.PAYLOAD)
     args = (buffer.view(PAYLOAD_DTYPES[config.format]), buffer.view(torch.float32), out, signs)
-    _run(_decompress_kernel, "decompress", tiles, args, dict(
+    _run(decompress_kernel, "decompress", tiles, args, dict(
         numel=layout.numel, **common, SUB=min(config.group_size, SUB_MAX),
         HADAMARD=config.hadamard, SIGNS=config.random_signs, DUAL=config.scales == "dual", DOT_MODE=mode,
-        STORE=TUNING["stores"],
-    ))
+        STORE=int(tuning.stores),
+    ), tuning)
 
 
-def sum_into(stacked: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor) -> None:
+def sum_into(stacked: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor,
+             tuning: Tuning) -> None:
     """Dequantise, sum and requantise the P buffers of ``stacked`` [P, total_bytes] into ``out``."""
-    inputs = stacked.shape[0]
-    step = "sum_pair" if inputs <= 2 else "sum" if inputs <= 4 else "sum_many"  # measured (RESULTS.md)
-    tiles, common = _common(layout, config, step)
+    step = _sum_step(stacked.shape[0])
+    tiles, common = _common(layout, config, step, tuning)
     fmt_dtype = PAYLOAD_DTYPES[config.format]
     args = (stacked.view(fmt_dtype), stacked.view(torch.float32), out.view(fmt_dtype), out.view(torch.float32))
-    _run(_sum_kernel, step, tiles, args, dict(
+    _run(sum_kernel, step, tiles, args, dict(
         input_stride=stacked.stride(0), **common, PAD=layout.chunk_bytes - layout.used_bytes, P=stacked.shape[0],
         FMT=FORMAT_CODES[config.format], QMAX=config.qmax, DUAL=config.scales == "dual",
-        ADAPTIVE=config.adaptive_scale, EMULATE_ROUND=_interpreting(),
-    ))
+        ADAPTIVE=config.adaptive_scale, EMULATE_ROUND=interpreting(),
+    ), tuning)
