@@ -41,6 +41,7 @@ from torch import nn
 from ..comm.emulated import EmulatedGroup
 from .cross_entropy import combine_loss_parts, local_loss_parts
 from .layers import _weight_and_layout
+from .mappings import from_blocks, to_blocks
 from .regions import SEQ_DIM, SequenceState, _hidden_states, _with_hidden_states
 from .sites import Site
 from .utils import ShardSpec
@@ -56,21 +57,21 @@ def _all_reduce(group: EmulatedGroup, xs: list[torch.Tensor], site: Site) -> tor
 
 def _all_gather_seq(group: EmulatedGroup, x: torch.Tensor, site: Site, dim: int) -> torch.Tensor:
     """Every rank's shard of ``x`` along ``dim`` through the all-gather; whole again."""
-    shards = [part.movedim(dim, 0).contiguous() for part in x.chunk(group.size, dim)]  # (s/tp, b, h) each
+    shards = [part.contiguous() for part in x.chunk(group.size, dim)]  # (b, s/tp, h) each: the ranks' blocks
     for shard in shards:
         site.observe(shard)
     config = site.call_config("all_gather", shards[0])
-    return group.all_gather(shards, config, site=site.name).movedim(0, dim).contiguous()
+    return from_blocks(group.all_gather([s.unsqueeze(0) for s in shards], config, site=site.name), dim)
 
 
 def _reduce_scatter_seq(group: EmulatedGroup, xs: list[torch.Tensor], site: Site, dim: int) -> torch.Tensor:
     """The sum of the tp partials through the reduce-scatter along ``dim``: the ranks' shards, whole."""
-    moved = [x.movedim(dim, 0).contiguous() for x in xs]  # (s, b, h) each
-    for x in moved:
+    blocks = [to_blocks(x, group.size, dim) for x in xs]  # (tp, b, s/tp, h) each
+    for x in blocks:
         site.observe(x)
-    config = site.call_config("reduce_scatter", moved[0])
-    shards = group.reduce_scatter(moved, config, site=site.name)  # tp x (s/tp, b, h)
-    return torch.cat(shards).movedim(0, dim).contiguous()
+    config = site.call_config("reduce_scatter", blocks[0])
+    shards = group.reduce_scatter(blocks, config, site=site.name)  # tp x (1, b, s/tp, h)
+    return torch.cat([s.squeeze(0) for s in shards], dim=dim)
 
 
 # --- autograd functions -----------------------------------------------------------------------

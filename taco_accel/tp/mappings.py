@@ -32,19 +32,35 @@ def _all_reduce(x: torch.Tensor, site: Site) -> torch.Tensor:
 
 
 def _all_gather(x: torch.Tensor, site: Site, dim: int) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim`` (the collectives work along dim 0)."""
-    x = x.movedim(dim, 0).contiguous()
+    """Concatenate every rank's ``x`` along ``dim``; the wire carries each rank's ``x`` as one
+    block in its own layout (`to_blocks` / `from_blocks`)."""
+    x = x.contiguous()
     site.observe(x)
-    out = comm.all_gather(x, site.group, site.call_config("all_gather", x), site=site.name)
-    return out.movedim(0, dim).contiguous()
+    out = comm.all_gather(x.unsqueeze(0), site.group, site.call_config("all_gather", x), site=site.name)
+    return from_blocks(out, dim)  # (P, *x.shape) -> x.shape with dim P times longer
 
 
 def _reduce_scatter(x: torch.Tensor, site: Site, dim: int) -> torch.Tensor:
     """This rank's part (along ``dim``) of the sum of every rank's ``x``."""
-    x = x.movedim(dim, 0).contiguous()
-    site.observe(x)
-    out = comm.reduce_scatter(x, site.group, site.call_config("reduce_scatter", x), site=site.name)
-    return out.movedim(0, dim).contiguous()
+    blocks = to_blocks(x, group_size(site.group), dim)  # (P, *part shape)
+    site.observe(blocks)
+    out = comm.reduce_scatter(blocks, site.group, site.call_config("reduce_scatter", blocks), site=site.name)
+    return out.squeeze(0)
+
+
+def to_blocks(x: torch.Tensor, parts: int, dim: int) -> torch.Tensor:
+    """(..., P*m, ...) -> (P, ..., m, ...) contiguous: block r is rank r's part along ``dim``
+    (no copy when every dim before ``dim`` has size 1, e.g. batch 1 along the sequence)."""
+    shape = list(x.shape)
+    split = x.reshape(*shape[:dim], parts, shape[dim] // parts, *shape[dim + 1:])
+    return split.movedim(dim, 0).contiguous()
+
+
+def from_blocks(blocks: torch.Tensor, dim: int) -> torch.Tensor:
+    """(P, ..., m, ...) -> (..., P*m, ...): the blocks concatenated along ``dim`` (one copy at
+    most, none when every dim before ``dim`` has size 1)."""
+    shape = list(blocks.shape[1:])
+    return blocks.movedim(0, dim).reshape(*shape[:dim], blocks.shape[0] * shape[dim], *shape[dim + 1:])
 
 
 def _split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
