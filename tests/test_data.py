@@ -84,3 +84,23 @@ def test_short_validation_text_is_repeated():
     tokens = torch.arange(3 * 16 + 1, dtype=torch.int32)  # 3 windows, batch of 4
     (inputs, labels), = eval_batches(tokens, 16, batch=4, num_batches=2)
     assert inputs.shape == (4, 16) and torch.equal(inputs[3], inputs[0])
+
+
+def test_token_cache_keys_on_document_boundaries(tmp_path):
+    tok = build_tokenizer("byte")
+    first = tokenize(["ab", "c"], tok, tmp_path)
+    second = tokenize(["a", "bc"], tok, tmp_path)  # the same characters, EOS elsewhere
+    assert len(list(tmp_path.glob("tokens-*.pt"))) == 2
+    assert not torch.equal(first, second) and second[1] == tok.eos_token_id
+
+
+def test_batch_arguments_out_of_range_raise():
+    tokens = torch.arange(1000, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"dp_rank=2: pass an int in \[0, dp_size=2\)"):
+        PackedBatches(tokens, seq_len=16, global_batch=4, dp_rank=2, dp_size=2)
+    with pytest.raises(ValueError, match="seq_len=0: pass a positive int"):
+        PackedBatches(tokens, seq_len=0, global_batch=4)
+    with pytest.raises(ValueError, match="dp_rank=-1"):
+        eval_batches(tokens, 16, batch=4, num_batches=1, dp_rank=-1, dp_size=2)
+    with pytest.raises(ValueError, match="val_every=1"):
+        split_documents(["a", "b"], val_every=1)

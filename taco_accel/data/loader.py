@@ -11,11 +11,13 @@ its whole state, so a resumed run sees exactly the batches an uninterrupted one 
 
 from __future__ import annotations
 
+import bisect
 import glob
 import hashlib
 import json
 import logging
 import os
+from array import array
 from pathlib import Path
 
 import torch
@@ -23,30 +25,120 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def read_records(path: str, columns: list[str] | None = None) -> list[dict]:
+class Records(list):
+    """A list of record dicts that remembers where each came from: ``where(i)`` is
+    ``"file.jsonl:LINE"``, ``"file.json (item i)"``, ``"file.parquet (row i)"`` or the file of a
+    plain-text record, for error messages. One entry per file (and the line numbers of a
+    .jsonl file as a compact array)."""
+
+    def __init__(self, records=(), origin: tuple[str, str] | None = None, lines=None) -> None:
+        super().__init__(records)
+        # (first index, path, kind, line numbers of a .jsonl file)
+        self.segments: list[tuple[int, str, str, array | None]] = []
+        if origin is not None:
+            self.segments.append((0, *origin, lines))
+        self._starts = [seg[0] for seg in self.segments]
+
+    def extend_from(self, other: "Records") -> None:
+        """Append ``other``'s records and their origins."""
+        offset = len(self)
+        self.extend(other)
+        added = [(offset + start, *rest) for start, *rest in other.segments]
+        self.segments += added
+        self._starts += [seg[0] for seg in added]
+
+    def _segment(self, index: int):
+        pos = bisect.bisect_right(self._starts, index) - 1
+        return self.segments[pos] if pos >= 0 else None
+
+    def where(self, index: int) -> str:
+        segment = self._segment(index)
+        if segment is None:
+            return f"record {index}"
+        start, path, kind, lines = segment
+        if kind == "line":
+            return f"{path}:{lines[index - start]}"
+        return path if kind == "file" else f"{path} ({kind} {index - start})"
+
+    def is_plain_text(self, index: int) -> bool:
+        """Whether record ``index`` is a whole plain-text file (``{"text": contents}``)."""
+        segment = self._segment(index)
+        return segment is not None and segment[2] == "file"
+
+
+def where(records: list, index: int) -> str:
+    """Where record ``index`` came from (`Records.where`), or its index in a plain list."""
+    return records.where(index) if isinstance(records, Records) else f"record {index}"
+
+
+def _read_jsonl(path: str) -> Records:
+    rows, lines = [], array("q")
+    with open(path, encoding="utf-8-sig") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: not valid JSON ({error.msg}, column {error.colno})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{number}: expected a JSON object {{...}} per line, "
+                                 f"got a {type(row).__name__}")
+            rows.append(row)
+            lines.append(number)
+    return Records(rows, (path, "line"), lines)
+
+
+def read_records(path: str, columns: list[str] | None = None) -> Records:
     """The records of one local file: .jsonl / .json (a list or one object) / .parquet (only
-    ``columns`` if given); any other file is one ``{"text": contents}`` record."""
-    if path.endswith(".jsonl"):
-        with open(path, encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
-    if path.endswith(".json"):
-        with open(path, encoding="utf-8") as f:
-            rows = json.load(f)
-        return rows if isinstance(rows, list) else [rows]
+    ``columns`` if given); any other file is one ``{"text": contents}`` record. Malformed
+    files raise a ValueError that names the file and the line."""
+    try:
+        if path.endswith(".jsonl"):
+            return _read_jsonl(path)
+        if path.endswith(".json"):
+            with open(path, encoding="utf-8-sig") as f:
+                try:
+                    rows = json.load(f)
+                except json.JSONDecodeError as error:
+                    at = f"{path}:{error.lineno}"
+                    raise ValueError(f"{at}: not valid JSON ({error.msg}, column {error.colno})") from None
+            rows = rows if isinstance(rows, list) else [rows]
+            bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
+            if bad is not None:
+                raise ValueError(f"{path} (item {bad}): expected a JSON object {{...}}, "
+                                 f"got a {type(rows[bad]).__name__}")
+            return Records(rows, (path, "item"))
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text (byte {error.start}: {error.reason})") from None
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        return pq.read_table(path, columns=columns).to_pylist()
+        names = pq.read_schema(path).names
+        missing = [c for c in columns or () if c not in names]
+        if missing:
+            raise ValueError(f"{path}: no column {missing} in a file with columns {names}")
+        return Records(pq.read_table(path, columns=columns).to_pylist(), (path, "row"))
     with open(path, encoding="utf-8", errors="replace") as f:
-        return [{"text": f.read()}]
+        return Records([{"text": f.read()}], (path, "file"))
 
 
-def load_records(source: str, *, split: str = "train", columns: list[str] | None = None) -> list[dict]:
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
+
+
+def load_records(source: str, *, split: str = "train", columns: list[str] | None = None) -> Records:
     """Records from local files (a path, a folder or a glob of .jsonl / .json / .parquet /
     text) or a datasets name ``"name"`` / ``"name:config"`` (from the local datasets cache)."""
+    source = os.path.expanduser(source)
     files = sorted(glob.glob(os.path.join(source, "*"))) if os.path.isdir(source) else sorted(glob.glob(source))
     if files:
-        return [r for f in files if os.path.isfile(f) for r in read_records(f, columns)]
+        records = Records()
+        for f in files:
+            if os.path.isfile(f):
+                records.extend_from(read_records(f, columns))
+        return records
+    if os.path.isdir(source) or source.endswith(DATA_SUFFIXES) or source.startswith((".", "/", "~")):
+        raise ValueError(f"data source {source!r}: no such file (or an empty folder / a glob that matches nothing)")
     try:
         import datasets
     except ImportError:
@@ -56,23 +148,37 @@ def load_records(source: str, *, split: str = "train", columns: list[str] | None
         ) from None
     name, _, config = source.partition(":")
     ds = datasets.load_dataset(name, config or None, split=split)
-    return list(ds.select_columns(columns) if columns else ds)
+    return Records(ds.select_columns(columns) if columns else ds, (f"{source} (split {split})", "row"))
 
 
 def load_texts(source: str | None = None, *, split: str = "train", text_field: str = "text") -> list[str]:
     """Documents from ``source``: None or ``"stdlib"`` (the shipped corpus), or what
     `load_records` reads (a text file is one document; other records give ``text_field``).
-    Empty documents are dropped."""
+    Empty documents are dropped; a record without ``text_field``, or whose value is not text,
+    raises a ValueError naming its file and line and the fields it has."""
     if source in (None, "", "stdlib"):
         from .corpus import load_documents
 
         return load_documents()
     records = load_records(source, split=split, columns=[text_field])
-    return [t for t in (r[text_field] if text_field in r else r["text"] for r in records) if t]
+    texts = []
+    for index, record in enumerate(records):
+        key = "text" if text_field not in record and records.is_plain_text(index) else text_field
+        if key not in record:
+            raise ValueError(f"{records.where(index)}: no {text_field!r} field in a record with fields "
+                             f"{sorted(record)}; name the text field (--text-field)")
+        text = record[key]
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"{records.where(index)}: the {key!r} field is a {type(text).__name__}, not text")
+        if text:
+            texts.append(text)
+    return texts
 
 
 def split_documents(docs: list[str], val_every: int = 20) -> tuple[list[str], list[str]]:
     """(train, validation): every ``val_every``-th document goes to validation."""
+    if isinstance(val_every, bool) or not isinstance(val_every, int) or val_every < 2:
+        raise ValueError(f"val_every={val_every!r}: pass an int >= 2 (every val_every-th document is held out)")
     if len(docs) < 2:
         text = docs[0] if docs else ""
         cut = len(text) * (val_every - 1) // val_every
@@ -84,13 +190,18 @@ def split_documents(docs: list[str], val_every: int = 20) -> tuple[list[str], li
 def tokenize(docs: list[str], tokenizer, cache_dir: str | os.PathLike | None = None) -> torch.Tensor:
     """All documents as one 1-D int32 token stream, each followed by EOS; cached on disk by a
     hash of the tokenizer and the text."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("the tokenizer has no EOS token (eos_token_id is None): documents are joined with EOS; "
+                         "set tokenizer.eos_token")
     digest = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode() if hasattr(tokenizer, "backend_tokenizer") else repr(tokenizer).encode())
-    for d in docs:
-        digest.update(d.encode("utf-8", "replace"))
+    for d in docs:  # each length first: ["ab", "c"] and ["a", "bc"] have other EOS positions
+        text = d.encode("utf-8", "replace")
+        digest.update(len(text).to_bytes(8, "little"))
+        digest.update(text)
     path = Path(cache_dir) / f"tokens-{digest.hexdigest()[:16]}.pt" if cache_dir else None
     if path is not None and path.exists():
         return torch.load(path)
-    eos = tokenizer.eos_token_id
     ids: list[int] = []
     for enc in tokenizer(docs, add_special_tokens=False)["input_ids"]:
         ids.extend(enc)
@@ -109,6 +220,19 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
 
 
+def _check_positive(**values) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: pass a positive int")
+
+
+def check_dp(dp_rank: int, dp_size: int) -> None:
+    """A ValueError unless 0 <= dp_rank < dp_size (another rank would read other ranks' or no data)."""
+    _check_positive(dp_size=dp_size)
+    if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank={dp_rank!r}: pass an int in [0, dp_size={dp_size})")
+
+
 def _windows(tokens: torch.Tensor, idx: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, labels) of the windows ``idx``: seq_len + 1 tokens from ``idx * seq_len``, shifted."""
     w = tokens[idx.unsqueeze(1) * seq_len + torch.arange(seq_len + 1)].long()  # (b, s+1)
@@ -123,6 +247,8 @@ class PackedBatches:
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch: int, dp_rank: int = 0, dp_size: int = 1,
                  seed: int = 0):
+        _check_positive(seq_len=seq_len, global_batch=global_batch)
+        check_dp(dp_rank, dp_size)
         if global_batch % dp_size:
             raise ValueError(f"global batch {global_batch} is not divisible by dp={dp_size}")
         self.windows = (tokens.numel() - 1) // seq_len
@@ -171,6 +297,10 @@ def eval_batches(tokens: torch.Tensor, seq_len: int, batch: int, num_batches: in
                  dp_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The first ``num_batches`` global batches of validation windows, in order (this rank's
     slices). Validation text shorter than one batch is repeated, with a warning."""
+    _check_positive(seq_len=seq_len, batch=batch, num_batches=num_batches)
+    check_dp(dp_rank, dp_size)
+    if batch % dp_size:
+        raise ValueError(f"batch {batch} is not divisible by dp={dp_size}")
     windows = (tokens.numel() - 1) // seq_len
     if windows < 1:
         raise ValueError(f"the validation text has {tokens.numel()} tokens, fewer than one window of {seq_len + 1}")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .loader import epoch_permutation
+from .loader import _check_positive, check_dp, epoch_permutation, where
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,8 @@ class RecordFields:
 
     def kind(self, record: dict) -> str:
         """``"messages"``, ``"pair"`` or ``"text"``, or a ValueError naming the fields it knows."""
+        if not isinstance(record, dict):
+            raise ValueError(f"a record must be an object with fields, got a {type(record).__name__}")
         if self.prompt or self.response:
             missing = [f for f in (self.prompt, self.response) if f and f not in record]
             if missing or not (self.prompt and self.response):
@@ -71,12 +73,40 @@ class RecordFields:
 
     def pair(self, record: dict) -> tuple[str, str]:
         if self.prompt:
-            return str(record[self.prompt]), str(record[self.response])
+            return _text(record, self.prompt), _text(record, self.response)
         prompt_key, response_key = next((p, r) for p, r in PAIRS if p in record and r in record)
-        prompt = str(record[prompt_key])
+        prompt = _text(record, prompt_key)
         if prompt_key == "instruction" and record.get("input"):  # Alpaca
-            prompt = f"{prompt}\n\n{record['input']}"
-        return prompt, str(record[response_key])
+            prompt = f"{prompt}\n\n{_text(record, 'input')}"
+        return prompt, _text(record, response_key)
+
+    def conversation(self, record: dict) -> list[dict]:
+        """The record's messages, each with a text ``role`` and ``content``; the last one,
+        the response, not a user or system turn."""
+        messages = record[self.messages]
+        if not isinstance(messages, list):
+            raise ValueError(f"the {self.messages!r} field is a {type(messages).__name__}, not a list of messages")
+        for index, message in enumerate(messages):
+            if not isinstance(message, dict) or not all(isinstance(message.get(k), str) for k in ("role", "content")):
+                fields = sorted(message) if isinstance(message, dict) else type(message).__name__
+                raise ValueError(f"message {index} of {self.messages!r} ({fields}) needs text 'role' and 'content' "
+                                 "fields")
+        if messages and messages[-1]["role"] in ("user", "system"):
+            raise ValueError(f"the last message is a {messages[-1]['role']!r} turn; it is the response the model "
+                             "learns, so it must be the assistant's")
+        return messages
+
+    def text_of(self, record: dict) -> str:
+        return _text(record, self.text)
+
+
+def _text(record: dict, key: str) -> str:
+    """``record[key]`` as text: numbers are written out; null, lists and objects raise (a null
+    would otherwise train on the word "None")."""
+    value = record[key]
+    if value is None or isinstance(value, (list, dict)):
+        raise ValueError(f"the {key!r} field is {'null' if value is None else 'a ' + type(value).__name__}, not text")
+    return str(value)
 
 
 def resolve_format(fmt: str, tokenizer, warn: bool = True) -> str:
@@ -94,11 +124,11 @@ def resolve_format(fmt: str, tokenizer, warn: bool = True) -> str:
 
 def _messages(record: dict, fields: RecordFields, kind: str) -> list[dict]:
     if kind == "messages":
-        messages = list(record[fields.messages])
+        messages = list(fields.conversation(record))
     else:
         prompt, response = fields.pair(record)
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
-    if fields.system and messages[0].get("role") != "system":
+    if fields.system and (not messages or messages[0]["role"] != "system"):
         messages = [{"role": "system", "content": fields.system}] + messages
     return messages
 
@@ -117,7 +147,9 @@ def split_prompt_response(record: dict, tokenizer, fmt: str, fields: RecordField
                              "use --format plain or a template whose generation prompt is a prefix")
         return prompt, full[len(prompt):]
     if kind == "messages":
-        messages = record[fields.messages]
+        messages = fields.conversation(record)
+        if len(messages) < 2:
+            raise ValueError(f"a conversation needs a prompt and a response, got {len(messages)} message(s)")
         history = "\n".join(f"{m['role']}: {m['content']}" for m in messages[:-1])
         return PLAIN_TEMPLATE.format(prompt=history), messages[-1]["content"]
     prompt, response = fields.pair(record)
@@ -131,31 +163,47 @@ def tokenize_records(records: list[dict], tokenizer, *, fmt: str = "auto", max_l
     prompt (keeping at least a quarter of ``max_len`` of it), then the end of its response; one
     left without a response token is dropped (with a warning when ``warn``)."""
     fmt = resolve_format(fmt, tokenizer, warn)
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
+        raise ValueError(f"max_len={max_len!r}: pass an int >= 2 (a prompt token and a response token)")
     eos, out, dropped = tokenizer.eos_token_id, [], 0
-    for record in records:
-        if fields.kind(record) == "text":
-            ids = tokenizer(record[fields.text], add_special_tokens=True)["input_ids"] + [eos]
-            out += [(ids[i:i + max_len], ids[i:i + max_len]) for i in range(0, len(ids) - 1, max_len)]
-            continue
-        prompt, response = split_prompt_response(record, tokenizer, fmt, fields)
-        prompt_ids = tokenizer(prompt, add_special_tokens=fmt == "plain")["input_ids"]
-        response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
-        if fmt == "plain":  # a chat template ends the turn itself
-            response_ids.append(eos)
-        room = max_len - len(response_ids)
-        if len(prompt_ids) > room:  # too long: the prompt loses its start (its end leads to the response)
-            prompt_ids = prompt_ids[len(prompt_ids) - max(room, max_len // 4):]
-        ids = (prompt_ids + response_ids)[:max_len]
-        labels = ([IGNORE] * len(prompt_ids) + response_ids)[:max_len]
-        if all(label == IGNORE for label in labels):
+    if eos is None:
+        raise ValueError("the tokenizer has no EOS token (eos_token_id is None); set tokenizer.eos_token")
+    for index, record in enumerate(records):
+        try:
+            example = _tokenize_record(record, tokenizer, fmt, max_len, fields, eos)
+        except (ValueError, KeyError, TypeError) as error:
+            message = f"missing field {error}" if isinstance(error, KeyError) else str(error)
+            raise ValueError(f"{where(records, index)}: {message}") from error
+        if example is None:
             dropped += 1
-            continue
-        out.append((ids, labels))
+        else:
+            out.extend(example)
     if dropped and warn:
         logger.warning("dropped %d example(s) whose prompt fills all %d tokens; raise --max-len", dropped, max_len)
     if not out:
         raise ValueError("no training example left after tokenization; check the data and --max-len")
     return out
+
+
+def _tokenize_record(record: dict, tokenizer, fmt: str, max_len: int, fields: RecordFields,
+                     eos: int) -> list[tuple[list[int], list[int]]] | None:
+    """The examples of one record (text: its windows), or None when its prompt leaves no room."""
+    if fields.kind(record) == "text":
+        ids = tokenizer(fields.text_of(record), add_special_tokens=True)["input_ids"] + [eos]
+        return [(ids[i:i + max_len], ids[i:i + max_len]) for i in range(0, len(ids) - 1, max_len)]
+    prompt, response = split_prompt_response(record, tokenizer, fmt, fields)
+    prompt_ids = tokenizer(prompt, add_special_tokens=fmt == "plain")["input_ids"]
+    response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+    if fmt == "plain":  # a chat template ends the turn itself
+        response_ids.append(eos)
+    room = max_len - len(response_ids)
+    if len(prompt_ids) > room:  # too long: the prompt loses its start (its end leads to the response)
+        prompt_ids = prompt_ids[len(prompt_ids) - max(room, max_len // 4):]
+    ids = (prompt_ids + response_ids)[:max_len]
+    labels = ([IGNORE] * len(prompt_ids) + response_ids)[:max_len]
+    if all(label == IGNORE for label in labels):
+        return None
+    return [(ids, labels)]
 
 
 def split_examples(examples: list, eval_fraction: float) -> tuple[list, list]:
@@ -187,6 +235,10 @@ class SFTBatches:
 
     def __init__(self, examples: list, micro_batch_size: int, micro_batches: int, pad_id: int, *, dp_rank: int = 0,
                  dp_size: int = 1, seed: int = 0, pad_multiple: int = 1):
+        if not examples:
+            raise ValueError("no examples to draw batches from")
+        _check_positive(micro_batch_size=micro_batch_size, micro_batches=micro_batches, pad_multiple=pad_multiple)
+        check_dp(dp_rank, dp_size)
         self.examples, self.pad_id, self.pad_multiple = examples, pad_id, pad_multiple
         self.micro_batch_size, self.micro_batches = micro_batch_size, micro_batches
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
