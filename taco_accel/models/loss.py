@@ -9,7 +9,9 @@ small pieces around that code, which it does not change:
   ``generate``) it gathers the full (b, s, V) logits. ``model.taco.logits = "full"`` or
   ``"local"`` forces one of the two.
 - `CausalLMLoss` as ``model.loss_function``: on a vocabulary slice it runs
-  `vocab_parallel_cross_entropy`; on full logits it defers to transformers' loss.
+  `vocab_parallel_cross_entropy`; on full logits it defers to transformers' loss. Labels
+  outside the vocabulary (other than ``ignore_index``) raise an IndexError on every rank,
+  as ``F.cross_entropy`` does (`checks.check_labels`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import nn
 
 from ..tp.cross_entropy import vocab_parallel_cross_entropy
 from ..tp.sites import Site
+from .checks import check_labels
 
 LOGITS_MODES = ("auto", "full", "local")
 
@@ -47,6 +50,7 @@ class CausalLMLoss:
         if shift_labels is None:  # tokens < n predict n
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         shift_labels = shift_labels.to(logits.device)
+        check_labels(shift_labels, logits, vocab_size, ignore_index)  # a label with no row raises
         loss = self.token_losses(logits, shift_labels, ignore_index)
         if num_items_in_batch is None:
             return loss.sum() / (shift_labels != ignore_index).sum()

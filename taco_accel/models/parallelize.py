@@ -17,8 +17,9 @@ from ..tp.regions import EnterRegionHook, RegionEntry, RegionExit, SequenceGathe
 from ..tp.sites import Compression, Site, SiteTable
 from ..tp.utils import ShardSpec, divide, group_rank, group_size
 from . import gpt2, llama, qwen  # noqa: F401  (register the built-in plans)
+from .checks import check_call, install_input_checks, verify_same_model
 from .loss import CausalLMLoss, LogitsMode
-from .plan import AttentionDims, Colwise, EnterRegion, Rowwise, TPPlan, plan_for
+from .plan import AttentionDims, Colwise, EnterRegion, Rowwise, TPPlan
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ def parallelize(
     sequence_parallel: bool = False,
     device_mesh=None,
     emulate: bool = False,
+    verify: bool = True,
 ) -> nn.Module:
     """Make a transformers causal LM tensor parallel over ``tp`` ranks, in place; returns it.
 
@@ -118,15 +120,25 @@ def parallelize(
             calls on the same per-rank tensors, so losses and gradients match a real
             compressed run (see `taco_accel.tp.emulate`). The parameters stay whole, so the
             model saves and loads as the transformers model it was. Needs ``tp``.
+        verify: check that every TP rank holds the same model (`checks.verify_same_model`:
+            config, parameter names, shapes, dtypes and a checksum of 4096 sampled values
+            each, one all-gather over the group; it grows with the number of parameter
+            tensors, not their size: measured on CPU for a 110M-parameter Qwen2, 146 tensors,
+            8 ms to compute and 30 ms with the exchange on 2 gloo ranks), and that the first
+            forward gives every TP rank the same ``input_ids`` (one all-gather of 5 numbers).
+            False skips both (huge models, or a start-up that must not wait).
+
+    Refused with a ValueError: peft, quantized, DDP/FSDP-wrapped or DTensor-sharded models,
+    ``nn.Linear`` / ``nn.Embedding`` subclasses where the plan swaps modules, argument values
+    outside their range. Every forward raises an IndexError for token ids (and the loss for
+    labels other than -100) outside the vocabulary, as plain transformers does.
     """
     if getattr(model, "taco", None) is not None:
         raise ValueError(
             f"this model is already parallelised (tp={model.taco.tp}); call parallelize on a "
             "fresh transformers model, or use it as it is"
         )
-    plan = plan_for(model)
-    if plan.check is not None:
-        plan.check(model.config)
+    plan = check_call(model, tp, sequence_parallel, device_mesh, emulate, verify)  # before any collective
     if emulate:
         from .emulate import emulate_tp  # it builds on this module
 
@@ -134,6 +146,8 @@ def parallelize(
     if tp is not None:
         _check_tp(model, plan, tp)  # before any collective: wrong numbers fail fast
     group, tp = _resolve_group(tp, device_mesh)
+    if verify:
+        verify_same_model(model, group)  # a collective: every rank raises on a difference
     _check_tp(model, plan, tp)
     compression = Compression.resolve(compression)
     context = TPContext(
@@ -141,6 +155,7 @@ def parallelize(
         SequenceState(bool(sequence_parallel), tp),
     )
     _apply_plan(model, plan, context)
+    install_input_checks(model, plan, group, same_batch=verify)
     _sync_rng(group)
     model.taco = context
     logger.info(
