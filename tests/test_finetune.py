@@ -162,7 +162,7 @@ def test_lora_recipe_from_a_checkpoint_folder(base_checkpoint, tmp_path):
 
     run = tmp_path / "run"
     done = _launch("qwen_finetune.py", tmp_path, "--model", base_checkpoint, "--output-dir", str(run),
-                   "--lora-r", "4", "--lr", "5e-3", "--compression-threshold", "0")
+                   "--lora-r", "4", "--lr", "5e-3", "--compression", "on")
     assert "tp=2" in done.stderr and "held-out perplexity" in done.stderr
     rows = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and rows[-1]["comm_bytes_saved"] > 0

@@ -24,10 +24,12 @@ def test_compression_flags():
     from taco_accel.integrations.cli import compression_from_args
 
     assert compression_from_args(_args("--compression", "off"), 128) is None
-    assert compression_from_args(_args("--preset", "small"), 512) == TacoConfig()
+    assert compression_from_args(_args("--preset", "small"), 512) == "auto"  # timing decides, per site
     tiny = compression_from_args(_args("--preset", "nano"), 32)
-    assert (tiny.group_size, tiny.threshold_bytes) == (32, 0)  # G fits h; tiny messages compressed
-    assert compression_from_args(_args("--preset", "small", "--group-size", "64"), 512).group_size == 64
+    assert (tiny.group_size, tiny.threshold_bytes) == (32, 0)  # G fits h; a small preset compresses everything
+    assert compression_from_args(_args("--preset", "small", "--compression", "on"), 512) == TacoConfig(threshold_bytes=0)
+    auto = compression_from_args(_args("--preset", "small", "--group-size", "64"), 512)
+    assert auto == {"forward": TacoConfig(group_size=64), "backward": TacoConfig(group_size=64), "auto": True}
 
 
 def test_compression_settings_file(tmp_path):
@@ -42,15 +44,59 @@ def test_compression_settings_file(tmp_path):
     per_site.write_text(json.dumps({"forward": {}, "backward": None, "sites": {"lm_head/*": None}}))
     value = compression_from_args(_args("--preset", "small", "--compression", str(per_site)), 512)
     assert value == {"forward": TacoConfig(), "backward": None, "sites": {"lm_head/*": None}}
-    with pytest.raises(ValueError, match="on, off or a JSON"):
+    with pytest.raises(ValueError, match="auto, on, off or a JSON"):
         compression_from_args(_args("--compression", "maybe"), 128)
 
 
-def test_config_from_args_defaults_to_the_launch_environment():
+def test_config_from_args_defaults_to_the_launch_environment(monkeypatch):
     from taco_accel.integrations.cli import config_from_args
 
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.delenv("ACCELERATE_USE_PARALLELISM_CONFIG", raising=False)
     cfg = config_from_args("gpt2", _args("--preset", "tiny", "--trackers", "none", "--schedule", "interleaved_1f1b"))
     assert (cfg.family, cfg.pp, cfg.dp, cfg.tp, cfg.trackers, cfg.stages_per_rank) == ("gpt2", None, None, None, (), 2)
+
+
+def test_one_process_emulates_tp2_for_the_small_presets(monkeypatch):
+    from taco_accel.integrations.cli import config_from_args
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("ACCELERATE_USE_PARALLELISM_CONFIG", raising=False)
+    assert config_from_args("qwen2", _args("--trackers", "none")).tp == 2  # the laptop default still runs TACO
+    assert config_from_args("qwen2", _args("--preset", "small")).tp is None  # a real model: no emulation
+    assert config_from_args("qwen2", _args("--tp", "1")).tp == 1
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    assert config_from_args("qwen2", _args()).tp is None  # the launch config decides
+
+
+@pytest.mark.parametrize("recipe", ["pretrain", "finetune"])
+def test_help_shows_every_real_default(recipe):
+    from taco_accel.integrations import cli, finetune_cli
+
+    parser = cli.build_parser("qwen2", "x") if recipe == "pretrain" else finetune_cli.build_parser("qwen2", "x")
+    text = parser.format_help()
+    assert "(default: None)" not in text and "(default: False)" not in text
+    for action in parser._actions:
+        assert action.help, f"{action.option_strings} has no help text"
+    assert "--steps STEPS" in text and "optimizer steps (default:" in text
+
+
+@pytest.mark.parametrize("flag,value", [("--save-every", "-1"), ("--steps", "0"), ("--lr", "-3"), ("--tp", "0"),
+                                        ("--seq-len", "abc"), ("--eval-every", "-5"), ("--lr", "nan")])
+def test_bad_numeric_flags_are_refused(flag, value, capsys):
+    with pytest.raises(SystemExit):
+        _args(flag, value)
+    assert flag in capsys.readouterr().err
+
+
+def test_the_simple_launchers_ignored_process_count_is_detected():
+    from taco_accel.integrations.launch import requested_processes
+
+    argv = ["/usr/bin/python3", "/usr/local/bin/accelerate", "launch", "--cpu", "--num_processes", "2", "r.py"]
+    assert requested_processes(argv) == 2
+    assert requested_processes(["python", "-m", "accelerate.commands.launch", "--num-processes=4", "r.py"]) == 4
+    assert requested_processes(["accelerate", "launch", "r.py"]) is None
+    assert requested_processes(["python", "train.py", "--num_processes", "2"]) is None  # not accelerate launch
 
 
 @pytest.mark.slow

@@ -58,8 +58,8 @@ from accelerate.utils import DistributedType
 from accelerate.utils.operations import recursively_apply
 from torch import nn
 
-from ..codec import TacoConfig
 from ..parallel import ModelParts, ParallelDims, build_mesh, distribute, local_tensor
+from ..parallel.stage import taco_context
 from . import checkpoint as ckpt
 from .launch import launch_notes, without_parallelism_config
 
@@ -82,15 +82,17 @@ class Accelerator(_AccelerateAccelerator):
             form pipeline stages.
         parallel_dims: taco_accel's own sizes (`ParallelDims`), instead of the above.
         pp_size: pipeline stages (default: ``TACO_PP_SIZE``, else what the sizes leave).
-        compression: the TACO settings `parallelize` gets for a model that ``prepare``
-            parallelises (a `TacoConfig`, ``None`` for plain TP, a `Compression` or its dict).
+        compression: what `parallelize` gets for a model that ``prepare`` parallelises:
+            ``"auto"`` (default: each communication site compressed only where timing on
+            the real group in the first step says it pays), ``"on"``, ``"off"`` / ``None``, a
+            `TacoConfig`, a `Compression` or its dict.
         sequence_parallel: Megatron sequence parallelism inside TP, for such a model.
         **kwargs: everything ``accelerate.Accelerator`` takes, except the DeepSpeed, FSDP,
             Megatron-LM and TP plugins (taco_accel does their job).
     """
 
     def __init__(self, *args, parallelism_config=None, parallel_dims: ParallelDims | None = None,
-                 pp_size: int | None = None, compression=TacoConfig(), sequence_parallel: bool = False, **kwargs):
+                 pp_size: int | None = None, compression="auto", sequence_parallel: bool = False, **kwargs):
         for name, what in _REFUSED_PLUGINS.items():
             if kwargs.get(name) is not None:
                 raise ValueError(
@@ -395,6 +397,20 @@ class Accelerator(_AccelerateAccelerator):
         sent, plain = totals.tolist()
         return {"comm/bytes_sent": sent, "comm/bytes_saved": plain - sent,
                 "comm/compression": plain / sent if sent else 1.0}
+
+    def compression_decisions(self) -> dict[str, dict]:
+        """Every communication site of the prepared models, over all pipeline stages: its mode
+        and, for ``"auto"`` sites that have run, the timing decision (`SiteTable.decisions`).
+        JSON-ready, for a run's record. A collective."""
+        mine = {}
+        for _, parts in self._parts:
+            for module in parts.modules:
+                context, _ = taco_context(module)
+                if context is not None:
+                    mine.update(context.sites.decisions())
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        return {site: record for part in everyone for site, record in part.items()}
 
     # -- saving -----------------------------------------------------------------------------
     def get_state_dict(self, model, unwrap: bool = True):

@@ -8,74 +8,123 @@ import logging
 import os
 
 from ..codec import TacoConfig
+from ..parallel import SCHEDULES
 from .presets import FAMILY_PRESETS
 from .trainer import MIXED_PRECISION, TrainConfig, Trainer
-from ..parallel import SCHEDULES
 
+logger = logging.getLogger(__name__)
 SMALL_PRESETS = ("nano", "tiny")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" where there is one; a help text says what an unset (None) option means."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not an integer >= 1")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is not an integer >= 0")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also NaN
+        raise argparse.ArgumentTypeError(f"{value} is not a number > 0")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{value} is not a number >= 0")
+    return value
+
+
 def build_parser(family: str, description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
     m = p.add_argument_group("model")
     m.add_argument("--preset", default="tiny", choices=list(FAMILY_PRESETS[family]), help="model size")
-    par = p.add_argument_group("parallelism (unset: from accelerate launch, TACO_PP_SIZE, the world size)")
-    par.add_argument("--tp", type=int, help="tensor-parallel size")
-    par.add_argument("--pp", type=int, help="pipeline stages")
-    par.add_argument("--dp", type=int, help="data-parallel replicas")
-    par.add_argument("--dp-mode", choices=("ddp", "fsdp"), help="DDP (default) or FSDP2 over dp")
+    par = p.add_argument_group("parallelism (unset sizes: from accelerate launch's parallelism_config, TACO_PP_SIZE "
+                               "and the number of processes)")
+    par.add_argument("--tp", type=positive_int, help="tensor-parallel size (default: the launch config's; one "
+                     "process without one: 2, emulated in that process)")
+    par.add_argument("--pp", type=positive_int, help="pipeline stages (default: what dp x tp leave of the processes)")
+    par.add_argument("--dp", type=positive_int, help="data-parallel replicas (default: the launch config's "
+                     "dp_replicate_size or dp_shard_size, else 1)")
+    par.add_argument("--dp-mode", choices=("ddp", "fsdp"), help="replicas averaging gradients, or FSDP2 (default: "
+                     "fsdp when the launch config sets dp_shard_size, else ddp)")
     par.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule")
-    par.add_argument("--stages-per-rank", type=int, help="virtual stages per pp rank (interleaved: 2)")
+    par.add_argument("--stages-per-rank", type=positive_int, help="virtual stages per pp rank (default: 2 for "
+                     "interleaved_1f1b, else 1)")
     par.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism in TP")
     add_compression_args(p, small="nano/tiny")
     d = p.add_argument_group("data")
     d.add_argument("--data", help="datasets name[:config], or local .txt/.jsonl/.parquet files (default: the "
                    "shipped stdlib corpus)")
-    d.add_argument("--text-field", default="text")
+    d.add_argument("--text-field", default="text", help="record field holding the text")
     d.add_argument("--tokenizer", default="byte", help="byte, bpe:N (trained and cached), or a local tokenizer folder")
-    d.add_argument("--seq-len", type=int, default=128)
-    d.add_argument("--micro-batch-size", type=int, default=4)
-    d.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step (gradient accumulation)")
+    d.add_argument("--seq-len", type=positive_int, default=128, help="tokens per training window")
+    d.add_argument("--micro-batch-size", type=positive_int, default=4, help="windows per micro-batch and dp replica")
+    d.add_argument("--micro-batches", type=positive_int, default=2, help="micro-batches per step (gradient "
+                   "accumulation; the pipeline's micro-batches)")
     add_optimisation_args(p, steps=200, lr=3e-3, warmup=20, weight_decay=0.1)
     r = p.add_argument_group("evaluation, logging, checkpoints")
-    r.add_argument("--eval-every", type=int, default=50)
-    r.add_argument("--eval-batches", type=int, default=4)
-    r.add_argument("--log-every", type=int, default=10)
-    r.add_argument("--output-dir", default=f"runs/{family}_pretrain")
+    r.add_argument("--eval-every", type=non_negative_int, default=50, help="validation every N steps (0: at the end only)")
+    r.add_argument("--eval-batches", type=positive_int, default=4, help="validation batches")
+    r.add_argument("--log-every", type=positive_int, default=10, help="a log line every N steps")
+    r.add_argument("--output-dir", default=f"runs/{family}_pretrain", help="history, plots, checkpoints, export")
     r.add_argument("--trackers", default="tensorboard", help="comma-separated Accelerate trackers, or 'none'")
-    r.add_argument("--no-progress", action="store_true")
-    r.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: never)")
-    r.add_argument("--resume", help="'latest' (under OUTPUT_DIR/checkpoints) or a step_N folder")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--save-every", type=non_negative_int, default=0, help="checkpoint every N steps (0: never)")
+    r.add_argument("--resume", help="'latest' (the newest undamaged one under OUTPUT_DIR/checkpoints) or a step_N "
+                   "folder (default: start from scratch)")
     r.add_argument("--no-export", action="store_true", help="skip the final transformers export")
-    r.add_argument("--no-plot", action="store_true")
+    r.add_argument("--no-plot", action="store_true", help="no loss-curve PNG")
     r.add_argument("--cache-dir", help="tokenizer and token cache (default: OUTPUT_DIR/cache)")
     r.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available (cpu: gloo on a GPU machine)")
     return p
 
 
 def add_compression_args(p: argparse.ArgumentParser, small: str) -> None:
-    """--compression, --group-size, --compression-threshold (``small``: the models whose
-    threshold defaults to 0, for the help text)."""
+    """--compression, --group-size, --compression-threshold (``small``: the models that compress
+    every message by default, for the help text)."""
     c = p.add_argument_group("TACO compression of the TP collectives")
-    c.add_argument("--compression", default="on", help="on, off, or a JSON settings file (TacoConfig fields, "
-                   "or {'forward': {...}|null, 'backward': {...}|null, 'sites': {pattern: {...}|null}})")
-    c.add_argument("--group-size", type=int, help="codec group size G (default: 128, or the hidden size if smaller)")
-    c.add_argument("--compression-threshold", type=int,
-                   help=f"bytes below which a collective stays plain (default: TacoConfig's 8 MiB; 0 for {small})")
+    c.add_argument("--compression", help=f"auto (each communication site compressed where timing on the real group "
+                   "says it pays), on (every message), off, or a JSON settings file (TacoConfig fields, or "
+                   "{'forward': {...}|null, 'backward': {...}|null, 'sites': {pattern: {...}|null}, 'auto': bool}) "
+                   f"(default: auto; on for {small}, which exist to show TACO's numerics)")
+    c.add_argument("--group-size", type=positive_int, help="codec group size G (default: 128, or the hidden size "
+                   "if smaller)")
+    c.add_argument("--compression-threshold", type=non_negative_int,
+                   help="bytes below which a collective stays plain without timing (default: TacoConfig's 8 MiB; "
+                   "0 under --compression on)")
 
 
 def add_optimisation_args(p: argparse.ArgumentParser, *, steps: int, lr: float | None, warmup: int,
                           weight_decay: float, lr_help: str | None = None) -> None:
     """The optimisation flags both recipes share, with the recipe's defaults."""
     o = p.add_argument_group("optimisation")
-    o.add_argument("--steps", type=int, default=steps)
-    o.add_argument("--lr", type=float, default=lr, help=lr_help)
-    o.add_argument("--min-lr-ratio", type=float, default=0.1)
-    o.add_argument("--warmup", type=int, default=warmup)
-    o.add_argument("--weight-decay", type=float, default=weight_decay)
-    o.add_argument("--max-grad-norm", type=float, default=1.0)
+    o.add_argument("--steps", type=positive_int, default=steps, help="optimizer steps")
+    o.add_argument("--lr", type=positive_float, default=lr, help=lr_help or "peak learning rate (AdamW)")
+    o.add_argument("--min-lr-ratio", type=non_negative_float, default=0.1, help="final learning rate / peak (cosine)")
+    o.add_argument("--warmup", type=non_negative_int, default=warmup, help="linear warm-up steps")
+    o.add_argument("--weight-decay", type=non_negative_float, default=weight_decay, help="AdamW weight decay")
+    o.add_argument("--max-grad-norm", type=non_negative_float, default=1.0, help="clip the gradient norm (0: no clipping)")
     o.add_argument("--mixed-precision", choices=MIXED_PRECISION, help="default: bf16 on GPUs, no on CPU")
-    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--seed", type=int, default=0, help="initial weights, data order and dropout")
 
 
 def mixed_precision_from_args(args) -> str:
@@ -99,9 +148,12 @@ def setup_logging() -> None:
 def compression_from_args(args, hidden_size: int, small: bool | None = None):
     """The ``compression`` value for parallelize from --compression/--group-size/--compression-threshold.
 
-    ``small``: a tiny model, whose messages are all under the default threshold, so every one
-    is compressed (default: whether ``args.preset`` is one of the small presets)."""
-    if args.compression == "off":
+    ``small``: a tiny model (default: whether ``args.preset`` is a small preset), which compresses
+    every message unless told otherwise: its messages are far below any size where the codec
+    pays, and it exists to show the numerics."""
+    small = small if small is not None else args.preset in SMALL_PRESETS
+    mode = args.compression or ("on" if small else "auto")
+    if mode == "off":
         return None
     overrides = {}
     if args.group_size:
@@ -110,28 +162,42 @@ def compression_from_args(args, hidden_size: int, small: bool | None = None):
         overrides["group_size"] = 1 << (hidden_size.bit_length() - 1)  # largest power of two <= h
     if args.compression_threshold is not None:
         overrides["threshold_bytes"] = args.compression_threshold
-    elif small if small is not None else args.preset in SMALL_PRESETS:
-        overrides["threshold_bytes"] = 0  # tiny models' messages are all below 8 MiB
-    if args.compression == "on":
-        return TacoConfig(**overrides)
-    if not os.path.isfile(args.compression):
-        raise ValueError(f"--compression {args.compression!r}: use on, off or a JSON settings file")
-    with open(args.compression) as f:
+    if mode == "on":
+        return TacoConfig(**{"threshold_bytes": 0, **overrides})
+    if mode == "auto":
+        if not overrides:
+            return "auto"
+        return {"forward": TacoConfig(**overrides), "backward": TacoConfig(**overrides), "auto": True}
+    if not os.path.isfile(mode):
+        raise ValueError(f"--compression {mode!r}: use auto, on, off or a JSON settings file")
+    with open(mode) as f:
         values = json.load(f)
-    if set(values) <= {"forward", "backward", "sites"}:
+    if set(values) <= {"forward", "backward", "sites", "auto"}:
         def conf(v):
             return None if v is None else TacoConfig.from_dict({**overrides, **v})
         out = {k: conf(values[k]) for k in ("forward", "backward") if k in values}
         out["sites"] = {pat: conf(v) for pat, v in values.get("sites", {}).items()}
+        if "auto" in values:
+            out["auto"] = bool(values["auto"])
         return out
     return TacoConfig.from_dict({**overrides, **values})
+
+
+def default_tp(args) -> int | None:
+    """--tp, else 2 for a small preset in a single process with no sizes from the launch (so
+    that a laptop run still shows TACO: emulated tensor parallelism), else None (the launch's)."""
+    if args.tp is not None:
+        return args.tp
+    single = int(os.environ.get("WORLD_SIZE", "1")) == 1 and args.pp is None and args.dp is None
+    from_launch = os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true"
+    return 2 if single and not from_launch and args.preset in SMALL_PRESETS else None
 
 
 def config_from_args(family: str, args) -> TrainConfig:
     preset = FAMILY_PRESETS[family][args.preset]
     hidden = preset.get("hidden_size", preset.get("n_embd"))
     return TrainConfig(
-        family=family, preset=args.preset, pp=args.pp, dp=args.dp, tp=args.tp, dp_mode=args.dp_mode,
+        family=family, preset=args.preset, pp=args.pp, dp=args.dp, tp=default_tp(args), dp_mode=args.dp_mode,
         schedule=args.schedule, stages_per_rank=args.stages_per_rank, sequence_parallel=args.sequence_parallel,
         compression=compression_from_args(args, hidden), data=args.data, text_field=args.text_field,
         tokenizer=args.tokenizer, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
@@ -149,6 +215,10 @@ def main(family: str, description: str, argv=None) -> list[dict]:
     """Parse the command line, train, return the history (on every rank)."""
     args = build_parser(family, description).parse_args(argv)
     setup_logging()
+    if args.compression is None and args.preset in SMALL_PRESETS:
+        logger.info("the %s preset compresses every TP message (--compression on): it exists to show TACO's "
+                    "numerics; its messages are far too small for the codec to pay (--compression auto lets "
+                    "timing decide)", args.preset)
     trainer = Trainer(config_from_args(family, args))
     history = trainer.train()
     import torch.distributed as dist

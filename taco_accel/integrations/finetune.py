@@ -27,7 +27,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,11 +40,12 @@ from ..data.supervised import IGNORE, RecordFields, SFTBatches, eval_micro_batch
     tokenize_records
 from ..models import from_pretrained, save_pretrained
 from ..models.checkpoint import tp_replicas
+from ..models.checks import check_labels
 from ..tp import vocab_parallel_cross_entropy
 from . import checkpoint as ckpt
 from .accelerator import Accelerator
 from .launch import main_first, usable_trackers
-from .metrics import plot_losses, write_history
+from .metrics import plot_losses, write_history, write_json
 from .trainer import MIXED_PRECISION, _comm_totals, _flat, _global_rank, _progress, config_dict, lr_lambda, \
     requested_dims
 
@@ -77,7 +78,7 @@ class FinetuneConfig:
     tp: int | None = None
     dp: int | None = None
     sequence_parallel: bool = False
-    compression: TacoConfig | dict | None = field(default_factory=TacoConfig)
+    compression: str | TacoConfig | dict | None = "auto"
     # data
     data: str | None = None
     eval_data: str | None = None
@@ -134,6 +135,12 @@ class FinetuneConfig:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"lora_dropout={self.lora_dropout} must be in [0, 1)")
+        if not 0 <= self.eval_fraction < 1:
+            raise ValueError(f"eval_fraction={self.eval_fraction} must be in [0, 1)")
+        for name in ("save_every", "eval_every", "warmup_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r} must be an int >= 0")
 
     def to_dict(self) -> dict:
         return config_dict(self)
@@ -240,6 +247,10 @@ class Finetuner:
         cfg = self.cfg
         model = from_pretrained(self.path, compression=cfg.compression, sequence_parallel=cfg.sequence_parallel,
                                 device_mesh=self.mesh["tp"], dtype=self._dtype(), device=self.device)
+        positions = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+        if positions is not None and cfg.max_len > positions:
+            raise ValueError(f"max_len={cfg.max_len} is beyond the model's {positions} positions; use --max-len "
+                             f"{positions} or less")
         if len(self.tokenizer) > model.config.vocab_size:
             raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens but the model's vocabulary is "
                              f"{model.config.vocab_size}; use the checkpoint's own tokenizer")
@@ -324,6 +335,7 @@ class Finetuner:
         shift = F.pad(labels, (0, 1), value=IGNORE)[..., 1:]
         if logits.shape[-1] == self.model.config.vocab_size:
             return F.cross_entropy(logits.float().transpose(1, 2), shift, ignore_index=IGNORE, reduction="none")
+        check_labels(shift, logits, self.model.config.vocab_size, IGNORE)  # as the model's own loss does
         loss_fn = self.model.loss_function  # the vocab-parallel loss `parallelize` installed
         vocab_start = loss_fn.lm_head.shard.ranges[loss_fn.lm_head.rank][0][0]
         return vocab_parallel_cross_entropy(logits, shift, vocab_start, loss_fn.site, IGNORE)
@@ -382,8 +394,10 @@ class Finetuner:
 
     def _finish(self) -> None:
         cfg = self.cfg
+        decisions = self.accelerator.compression_decisions()
         if self.is_main:
             write_history(self.history, self.out / "history.jsonl")
+            write_json(decisions, self.out / "compression.json")  # what each site did, and why
             (self.out / "eval_results.json").write_text(json.dumps(self.eval_results, indent=1))
             logger.info("held-out perplexity %.3f (loss %.4f) after %d steps", self.eval_results["eval_perplexity"],
                         self.eval_results["eval_loss"], self.eval_results["step"])

@@ -5,29 +5,30 @@ from __future__ import annotations
 import argparse
 
 from .cli import (
-    add_compression_args, add_optimisation_args, compression_from_args, mixed_precision_from_args, setup_logging,
-    trackers_from_args,
+    HelpFormatter, add_compression_args, add_optimisation_args, compression_from_args, mixed_precision_from_args,
+    non_negative_int, positive_int, setup_logging, trackers_from_args,
 )
 from .finetune import DTYPES, METHODS, TINY, FinetuneConfig, Finetuner
 
 
 def build_parser(family: str, description: str, default_data: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
     m = p.add_argument_group("model")
     m.add_argument("--model", default=TINY, help=f"a hub name or a local checkpoint folder; '{TINY}': a random tiny "
                    f"{family} with a byte tokenizer, written to OUTPUT_DIR/base (no network)")
     m.add_argument("--method", default="lora", choices=METHODS, help="LoRA through peft, or full fine-tuning")
-    m.add_argument("--lora-r", type=int, default=16)
-    m.add_argument("--lora-alpha", type=int, default=32)
-    m.add_argument("--lora-dropout", type=float, default=0.0)
+    m.add_argument("--lora-r", type=positive_int, default=16, help="LoRA rank")
+    m.add_argument("--lora-alpha", type=positive_int, default=32, help="LoRA scale numerator (scale alpha / r)")
+    m.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the LoRA input, in [0, 1)")
     m.add_argument("--target-modules", default="all-linear", help="'all-linear' or comma-separated module names")
     m.add_argument("--dtype", default="auto", choices=DTYPES, help="weights as loaded (auto: the checkpoint's for "
                    "LoRA on GPUs, float32 otherwise)")
-    m.add_argument("--gradient-checkpointing", action="store_true")
+    m.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
     par = p.add_argument_group("parallelism (unset: from accelerate launch or the world size)")
-    par.add_argument("--tp", type=int, help="tensor-parallel size")
-    par.add_argument("--dp", type=int, help="data-parallel replicas")
-    par.add_argument("--sequence-parallel", action="store_true")
+    par.add_argument("--tp", type=positive_int, help="tensor-parallel size (default: the launch config's, else "
+                     "every process)")
+    par.add_argument("--dp", type=positive_int, help="data-parallel replicas (default: the processes tp leaves)")
+    par.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism in TP")
     add_compression_args(p, small="the tiny model")
     d = p.add_argument_group("data")
     d.add_argument("--data", default=default_data, help="a datasets name[:config], or local .jsonl/.json/.txt/.parquet")
@@ -42,22 +43,29 @@ def build_parser(family: str, description: str, default_data: str | None = None)
     d.add_argument("--messages-field", default="messages", help="record field of a conversation")
     d.add_argument("--system-prompt", help="a system message for chat formatting")
     d.add_argument("--tokenizer", help="a local tokenizer folder (default: the checkpoint's)")
-    d.add_argument("--max-len", type=int, default=512, help="tokens per example (longer ones are cut)")
-    d.add_argument("--eval-fraction", type=float, default=0.05)
-    d.add_argument("--max-eval-examples", type=int, default=256)
-    d.add_argument("--micro-batch-size", type=int, default=4)
-    d.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step (gradient accumulation)")
+    d.add_argument("--max-len", type=positive_int, default=512, help="tokens per example (longer ones are cut; at "
+                   "most the model's positions)")
+    d.add_argument("--eval-fraction", type=float, default=0.05, help="held-out share of --data when there is no "
+                   "--eval-data / --eval-split, in [0, 1)")
+    d.add_argument("--max-eval-examples", type=positive_int, default=256, help="held-out examples evaluated")
+    d.add_argument("--micro-batch-size", type=positive_int, default=4, help="examples per micro-batch and dp replica")
+    d.add_argument("--micro-batches", type=positive_int, default=1, help="micro-batches per step (gradient "
+                   "accumulation)")
     add_optimisation_args(p, steps=100, lr=None, warmup=10, weight_decay=0.0,
                           lr_help="default: 2e-4 for LoRA, 2e-5 for full fine-tuning")
     r = p.add_argument_group("evaluation, logging, output")
-    r.add_argument("--eval-every", type=int, default=50)
-    r.add_argument("--log-every", type=int, default=10)
-    r.add_argument("--output-dir", default=f"runs/{family}_finetune")
+    r.add_argument("--eval-every", type=non_negative_int, default=50, help="evaluation every N steps (0: before "
+                   "and after training only)")
+    r.add_argument("--log-every", type=positive_int, default=10, help="a log line every N steps")
+    r.add_argument("--output-dir", default=f"runs/{family}_finetune", help="history, plots, checkpoints, exports")
     r.add_argument("--trackers", default="tensorboard", help="comma-separated Accelerate trackers, or 'none'")
-    r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--save-every", type=non_negative_int, default=0, help="checkpoint every N steps (0: never)")
+    r.add_argument("--resume", help="'latest' (the newest undamaged one under OUTPUT_DIR/checkpoints) or a step_N "
+                   "folder (default: start from scratch)")
     r.add_argument("--no-export", action="store_true", help="skip the adapter / merged / final export")
     r.add_argument("--no-merge", action="store_true", help="LoRA: write the adapter only")
-    r.add_argument("--no-plot", action="store_true")
+    r.add_argument("--no-plot", action="store_true", help="no loss-curve PNG")
     r.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     return p
 
@@ -93,7 +101,7 @@ def config_from_args(family: str, args) -> FinetuneConfig:
         log_every=args.log_every, output_dir=args.output_dir,
         trackers=trackers_from_args(args),
         progress=not args.no_progress, export=not args.no_export, merge=not args.no_merge, plot=not args.no_plot,
-        device=args.device,
+        save_every=args.save_every, resume=args.resume, device=args.device,
     )
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 
 import torch.distributed as dist
 
@@ -38,7 +37,8 @@ def without_parallelism_config():
 
 def requested_processes(cmdline: list[str]) -> int | None:
     """The ``--num_processes`` / ``--num-processes`` of an ``accelerate launch`` command line."""
-    if not any(re.search(r"accelerate", part) for part in cmdline[:3]) or "launch" not in cmdline:
+    head = cmdline[:4]
+    if not ("launch" in head and any("accelerate" in part for part in head)) and "accelerate.commands.launch" not in head:
         return None
     for i, part in enumerate(cmdline):
         for flag in ("--num_processes", "--num-processes"):

@@ -44,3 +44,8 @@ def write_history(history: list[dict], path: str | os.PathLike) -> None:
     with open(path, "w") as f:
         for row in history:
             f.write(json.dumps(row) + "\n")
+
+
+def write_json(value, path: str | os.PathLike) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, indent=1, default=str)

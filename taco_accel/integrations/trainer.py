@@ -38,7 +38,7 @@ from ..parallel import SCHEDULES, ParallelDims
 from . import checkpoint as ckpt
 from .accelerator import Accelerator
 from .launch import main_first, usable_trackers
-from .metrics import flops_per_token, plot_losses, write_history
+from .metrics import flops_per_token, plot_losses, write_history, write_json
 from .presets import model_config, pad_vocab
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,8 @@ class TrainConfig:
     """Everything a pretraining run needs; the recipes fill it from argparse.
 
     Mesh sizes left as None come from ``accelerate launch`` (`ParallelDims.from_env`).
-    ``compression=None`` runs the TP collectives uncompressed.
+    ``compression``: as `taco_accel.parallelize` takes it: ``"auto"`` (default), ``"on"``,
+    ``"off"`` / ``None``, a `TacoConfig` or a per-direction / per-site dict.
     """
 
     family: str = "qwen2"
@@ -66,7 +67,7 @@ class TrainConfig:
     schedule: str = "1f1b"
     stages_per_rank: int | None = None
     sequence_parallel: bool = False
-    compression: TacoConfig | dict | None = field(default_factory=TacoConfig)
+    compression: str | TacoConfig | dict | None = "auto"
     # data
     data: str | None = None
     text_field: str = "text"
@@ -102,10 +103,16 @@ class TrainConfig:
             raise ValueError(f"schedule={self.schedule!r} is not supported; use one of {SCHEDULES}")
         if self.mixed_precision not in MIXED_PRECISION:
             raise ValueError(f"mixed_precision={self.mixed_precision!r}: use one of {MIXED_PRECISION}")
-        for name in ("seq_len", "micro_batch_size", "micro_batches", "steps"):
+        for name in ("seq_len", "micro_batch_size", "micro_batches", "steps", "eval_batches", "log_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
+        for name in ("save_every", "eval_every", "warmup_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r} must be an int >= 0")
+        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"lr={self.lr} must be > 0 and min_lr_ratio={self.min_lr_ratio} in [0, 1]")
         if self.stages_per_rank is None:
             self.stages_per_rank = 2 if self.schedule == "interleaved_1f1b" else 1
 
@@ -116,10 +123,16 @@ class TrainConfig:
 def config_dict(cfg) -> dict:
     """A run config (a dataclass with a ``compression`` field) as JSON-ready values."""
     out = dataclasses.asdict(cfg)
-    c = cfg.compression
-    out["compression"] = c.to_dict() if isinstance(c, TacoConfig) else None if c is None else {
-        k: (v.to_dict() if isinstance(v, TacoConfig) else v) for k, v in c.items()}
+    out["compression"] = _jsonable(cfg.compression)
     return out
+
+
+def _jsonable(value):
+    if isinstance(value, TacoConfig):
+        return value.to_dict()
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    return value
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -299,10 +312,12 @@ class Trainer:
 
     def _finish(self) -> None:
         cfg = self.cfg
+        decisions = self.accelerator.compression_decisions()
         if self.is_main:
             write_history(self.history, self.out / "history.jsonl")
+            write_json(decisions, self.out / "compression.json")  # what each site did, and why
             if cfg.plot and plot_losses(self.history, self.out / "loss.png",
-                                       f"{cfg.family}/{cfg.preset} {self.dims}, TACO {'off' if cfg.compression is None else 'on'}"):
+                                       f"{cfg.family}/{cfg.preset} {self.dims}, TACO {_describe(cfg.compression)}"):
                 logger.info("loss curve: %s", self.out / "loss.png")
         if cfg.export:
             from .export import export_pretrained
@@ -367,6 +382,10 @@ def requested_dims(pp, dp, tp, dp_mode) -> ParallelDims:
     if world == 1 and (tp or 1) > 1:
         return ParallelDims(pp=pp or 1, dp=dp or 1, tp=tp, dp_mode=dp_mode or "ddp")
     return ParallelDims.from_env(world, pp=pp, dp=dp, tp=tp, dp_mode=dp_mode)
+
+
+def _describe(compression) -> str:
+    return "off" if compression in (None, "off") else compression if isinstance(compression, str) else "on"
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

@@ -309,6 +309,7 @@ class InputIdsCheck:
         ids = args[0] if args else kwargs.get("input_ids", kwargs.get("input"))
         if not torch.is_tensor(ids):
             return
+        check_not_under_ddp(self.group)  # before any collective: every rank raises alone
         if self.same_batch_checks > 0:
             self.same_batch_checks -= 1
             self.check_same_batch(ids)  # first: a collective every rank reaches
@@ -331,9 +332,32 @@ class InputIdsCheck:
             raise ValueError(
                 f"the TP ranks got different input_ids (ranks {differing} of the tp group differ from rank 0: "
                 f"shapes {[e[:2] for e in every]}). Every rank of a TP group must get the same batch: shard "
-                "the data over the data-parallel ranks only (e.g. a DistributedSampler with the dp rank and "
-                "size, not the global ones)"
+                "the data over the data-parallel ranks only (with Accelerate: `from taco_accel import "
+                "Accelerator`, whose prepare() does; else a DistributedSampler with the dp rank and size, "
+                "not the global ones)"
             )
+
+
+def check_not_under_ddp(group) -> None:
+    """Raise if this forward runs inside a torch DistributedDataParallel whose group holds two
+    or more ranks of the TP ``group`` (what ``accelerate.Accelerator().prepare`` builds around any
+    model on several processes): its construction broadcast one rank's weight shards over the
+    others', and its gradient averaging would mix different shards. One attribute read when no
+    DDP is active."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel._get_active_ddp_module()
+    if ddp is None or group is None or torch.compiler.is_compiling():
+        return
+    shared = set(dist.get_process_group_ranks(ddp.process_group)) & set(dist.get_process_group_ranks(group))
+    if len(shared) > 1:
+        raise ValueError(
+            f"this tensor-parallel model runs inside DistributedDataParallel over ranks that hold different "
+            f"tensor-parallel shards (tp ranks {sorted(shared)}): DDP overwrote their weights with rank "
+            f"{min(shared)}'s and would average different shards. Use `from taco_accel import Accelerator` "
+            "instead of accelerate's (it lays the model out over tp and averages gradients over dp only), or "
+            "wrap in DDP over the data-parallel group only"
+        )
 
 
 def install_input_checks(model: nn.Module, plan: TPPlan, group, same_batch: bool) -> None:

@@ -1,0 +1,197 @@
+"""A user's own Accelerate loop around `taco_accel.Accelerator`, checked inside the launch against
+the same training on one process. Started by tests/test_accelerator.py with ``accelerate
+launch`` (the mesh sizes come from the launch config); rank 0 writes the figures as JSON.
+
+Every rank also runs the one-process reference itself (a plain transformers model, no
+collectives), on the global micro-batches it gathers from the data-parallel replicas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+import taco_accel
+
+ACCUM, BATCH, CLIP, STEPS, SAVE_AT = 2, 2, 0.5, 6, 3
+DATA = torch.randint(0, 128, (48, 16), generator=torch.Generator().manual_seed(0))
+
+
+def fresh_model(seed: int = 0):
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         tie_word_embeddings=False)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def optimizer_and_schedule(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.05 * s))
+
+
+def loader(data=DATA, batch: int = BATCH):
+    return DataLoader(TensorDataset(data), batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(7))
+
+
+def train(compression, *, seed: int = 0, save: str | None = None, resume: str | None = None):
+    """STEPS optimizer steps of ACCUM micro-batches (from step SAVE_AT when resuming)."""
+    acc = taco_accel.Accelerator(gradient_accumulation_steps=ACCUM, compression=compression)
+    model = fresh_model(seed)
+    opt, sched = optimizer_and_schedule(model)
+    model, opt, data, sched = acc.prepare(model, opt, loader(), sched)
+    step = 0
+    if resume:
+        acc.load_state(resume)
+        data, step = acc.skip_first_batches(data, SAVE_AT * ACCUM), SAVE_AT
+    acc.compression_stats()  # start counting here
+    rows, micro = [], []
+    for (ids,) in data:
+        with acc.accumulate(model):
+            loss = model(input_ids=ids, labels=ids).loss
+            acc.backward(loss)
+            norm = acc.clip_grad_norm_(model.parameters(), CLIP) if acc.sync_gradients else None
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        micro.append((acc.gather(ids), acc.gather(loss.detach()).mean().item()))
+        if acc.sync_gradients:
+            step += 1
+            rows.append({"loss": sum(m[1] for m in micro) / len(micro), "grad_norm": norm.item(),
+                         "batches": [m[0] for m in micro], "lr": sched.get_last_lr()[0]})
+            micro = []
+            if save and step == SAVE_AT:
+                acc.save_state(save)
+            if step == STEPS:
+                break
+    return acc, model, rows
+
+
+def reference(rows: list[dict], replicas: int) -> tuple[list[dict], dict]:
+    """The same steps on one process: global micro-batches, the same optimizer and schedule
+    (stepped once per replica, as Accelerate does for a DataLoader split over replicas)."""
+    model = fresh_model(0)
+    opt, sched = optimizer_and_schedule(model)
+    out = []
+    for row in rows:
+        opt.zero_grad()
+        losses = []
+        for ids in row["batches"]:
+            loss = model(input_ids=ids, labels=ids).loss
+            (loss / ACCUM).backward()
+            losses.append(loss.item())
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        for _ in range(replicas):
+            sched.step()
+        out.append({"loss": sum(losses) / len(losses), "grad_norm": norm.item(), "lr": sched.get_last_lr()[0]})
+    return out, model.state_dict()
+
+
+def parity(compression) -> dict:
+    acc, model, rows = train(compression)
+    stats = acc.compression_stats()
+    ref_rows, ref_state = reference(rows, acc.parallel_dims.dp)
+    full = acc.get_state_dict(model)
+    layer = acc.unwrap_model(model).model.layers[0].mlp.gate_proj
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = [tmp if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(folder, src=0)
+        acc.save_model(model, folder[0])
+        loaded_diff = None
+        if dist.get_rank() == 0:
+            loaded = AutoModelForCausalLM.from_pretrained(folder[0]).state_dict()
+            loaded_diff = max((loaded[k] - full[k]).abs().max().item() for k in full)
+        dist.barrier()
+    return {
+        "losses": [r["loss"] for r in rows], "ref_losses": [r["loss"] for r in ref_rows],
+        "grad_norms": [r["grad_norm"] for r in rows], "ref_grad_norms": [r["grad_norm"] for r in ref_rows],
+        "lrs": [r["lr"] for r in rows], "ref_lrs": [r["lr"] for r in ref_rows],
+        "weight_diff": max((full[k].float() - ref_state[k]).abs().max().item() for k in ref_state),
+        "keys_equal": sorted(full) == sorted(ref_state),
+        "local_gate_rows": layer.weight.shape[0] if not hasattr(layer.weight, "to_local") else layer.weight.to_local().shape[0],
+        "saved_model_diff": loaded_diff,
+        "bytes_saved": stats["comm/bytes_saved"], "bytes_sent": stats["comm/bytes_sent"],
+        # the replicas saw different batches, the tp ranks of a replica the same ones
+        "distinct_batches": len({tuple(b.flatten().tolist()) for r in rows for b in r["batches"]}),
+    }
+
+
+def resume(tmp: str) -> dict:
+    folder = os.path.join(tmp, "ckpt")
+    _, _, straight = train(None, save=folder)
+    _, _, resumed = train(None, seed=1, resume=folder)  # other initial weights: everything comes from the checkpoint
+    files = sorted(os.listdir(folder)) if dist.get_rank() == 0 else None
+    return {"straight": [r["loss"] for r in straight], "resumed": [r["loss"] for r in resumed], "files": files}
+
+
+def metrics() -> dict:
+    """gather_for_metrics over an evaluation set that does not divide into the replicas' batches."""
+    acc = taco_accel.Accelerator(compression=None)
+    data = acc.prepare(DataLoader(TensorDataset(torch.arange(13).view(13, 1)), batch_size=2))
+    seen = [acc.gather_for_metrics(x).flatten().tolist() for (x,) in data]
+    total = acc.reduce(torch.tensor([1.0]), "sum").item()
+    return {"seen": sorted(v for part in seen for v in part), "reduce_sum": total}
+
+
+def refusals() -> dict:
+    """The unsafe paths: a plain Accelerator around a TP model, and a tp that the mesh does not have."""
+    from accelerate import Accelerator, ParallelismConfig
+
+    out = {}
+    plain = Accelerator(cpu=True)
+    model = taco_accel.parallelize(fresh_model(), tp=dist.get_world_size(), compression=None)
+    opt, _ = optimizer_and_schedule(model)
+    model, opt, data = plain.prepare(model, opt, loader())
+    try:
+        (ids,) = next(iter(data))
+        model(input_ids=ids, labels=ids).loss.backward()
+        out["plain"] = None
+    except Exception as e:  # noqa: BLE001 - the message is what the test reads
+        out["plain"] = f"{type(e).__name__}: {e}"
+    model = taco_accel.parallelize(fresh_model(), tp=dist.get_world_size(), compression=None)
+    acc = taco_accel.Accelerator(parallelism_config=ParallelismConfig(tp_size=1, dp_replicate_size=dist.get_world_size()))
+    try:
+        acc.prepare(model)
+        out["mismatch"] = None
+    except ValueError as e:
+        out["mismatch"] = str(e)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--checks", default="parity,resume,metrics,refusals")
+    args = p.parse_args()
+    checks = args.checks.split(",")
+    taco_accel.Accelerator(compression=None)  # starts the processes' group, as any first Accelerator does
+    result = {}
+    if "parity" in checks:
+        result["off"] = parity(None)
+        result["on"] = parity(taco_accel.TacoConfig(group_size=32, threshold_bytes=0))
+    with tempfile.TemporaryDirectory() as tmp:
+        shared = [tmp if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(shared, src=0)
+        if "resume" in checks:
+            result["resume"] = resume(shared[0])
+        dist.barrier()
+    if "metrics" in checks:
+        result["metrics"] = metrics()
+    if "refusals" in checks:
+        result["refusals"] = refusals()
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(result, f, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x))
+
+
+if __name__ == "__main__":
+    main()
