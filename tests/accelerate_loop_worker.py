@@ -105,11 +105,14 @@ def parity(compression) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         folder = [tmp if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(folder, src=0)
-        acc.save_model(model, folder[0])
+        acc.save_model(model, os.path.join(folder[0], "save_model"))
+        acc.unwrap_model(model).save_pretrained(os.path.join(folder[0], "habit"))  # the transformers habit
         loaded_diff = None
         if dist.get_rank() == 0:
-            loaded = AutoModelForCausalLM.from_pretrained(folder[0]).state_dict()
-            loaded_diff = max((loaded[k] - full[k]).abs().max().item() for k in full)
+            loaded_diff = 0.0
+            for name in ("save_model", "habit"):
+                loaded = AutoModelForCausalLM.from_pretrained(os.path.join(folder[0], name)).state_dict()
+                loaded_diff = max([loaded_diff] + [(loaded[k] - full[k]).abs().max().item() for k in full])
         dist.barrier()
     return {
         "losses": [r["loss"] for r in rows], "ref_losses": [r["loss"] for r in ref_rows],

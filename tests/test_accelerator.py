@@ -73,7 +73,7 @@ def test_compression_off_equals_one_process(run):
     assert max(abs(a - b) / b for a, b in zip(r["grad_norms"], r["ref_grad_norms"])) < 1e-5
     assert r["lrs"] == pytest.approx(r["ref_lrs"], rel=1e-12)  # the schedule steps once per replica
     assert r["weight_diff"] < 2e-4  # 6 AdamW steps of lr 1e-2: fp32 rounding of near-zero gradients, normalised
-    assert r["saved_model_diff"] == 0.0  # save_model wrote the gathered weights, transformers reads them
+    assert r["saved_model_diff"] == 0.0  # save_model and model.save_pretrained wrote the gathered weights
     assert r["bytes_saved"] == 0.0
     assert len(r["losses"]) == 6
     assert r["distinct_batches"] == 6 * 2  # 6 steps x 2 micro-batches: no global batch repeats

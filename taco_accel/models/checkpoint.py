@@ -14,6 +14,7 @@ import logging
 import os
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
+from types import MethodType
 
 import torch
 import torch.distributed as dist
@@ -97,9 +98,24 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, is_main_process: 
     if is_main_process is None:
         is_main_process = not distributed or dist.get_rank() == 0
     if is_main_process:
-        model.save_pretrained(path, state_dict=state_dict, is_main_process=True, **kwargs)
+        type(model).save_pretrained(model, path, state_dict=state_dict, is_main_process=True, **kwargs)
     if distributed:
         dist.barrier()
+
+
+def bind_save_pretrained(model: nn.Module) -> None:
+    """Make ``model.save_pretrained(path, ...)`` of a tensor-parallel model gather its shards (a
+    collective: every rank calls it) and write one plain transformers checkpoint: the
+    transformers habit, which would otherwise write each rank's shards under the full config.
+    An explicit ``state_dict=`` goes to transformers as it is."""
+    model.save_pretrained = MethodType(_gathering_save_pretrained, model)  # deepcopy rebinds it
+
+
+def _gathering_save_pretrained(self, save_directory, *args, **kwargs):
+    if args or "state_dict" in kwargs:
+        return type(self).save_pretrained(self, save_directory, *args, **kwargs)
+    kwargs.pop("is_main_process", None)  # rank 0 writes
+    save_pretrained(self, save_directory, **kwargs)
 
 
 @contextmanager

@@ -158,6 +158,9 @@ def parallelize(
     install_input_checks(model, plan, group, same_batch=verify)
     _sync_rng(group)
     model.taco = context
+    from .checkpoint import bind_save_pretrained  # it builds on this module
+
+    bind_save_pretrained(model)
     logger.info(
         "tensor parallel %s: tp=%d, sequence_parallel=%s, %s",
         plan.name, tp, context.sequence_parallel, context.sites.summary(),
