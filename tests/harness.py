@@ -13,6 +13,7 @@ first `run_ranks` call, or set ``TACO_TEST_START_METHOD=spawn`` for fresh interp
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -54,7 +55,9 @@ def _entry(fn, rank, world_size, init_file, results, env, args, kwargs):
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
         out = fn(*args, **kwargs)
-        results.put((rank, "ok", out))
+        # by value: a tensor put as is travels as a shared-memory fd that the parent fetches from
+        # this process later, and fails ("Connection reset by peer") once this process has exited
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # report everything, including assertion failures
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -108,4 +111,4 @@ def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S, en
     if errors:
         report = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
         raise AssertionError(f"{len(errors)} rank(s) failed:\n{report}")
-    return [outputs[r] for r in range(world_size)]
+    return [pickle.loads(outputs[r]) for r in range(world_size)]

@@ -90,7 +90,7 @@ def output_shape(kind: str, x: torch.Tensor, world: int) -> tuple[int, ...]:
     return tuple(x.shape)
 
 
-def _check_rows(x: torch.Tensor, world: int | None = None) -> None:
+def check_rows(x: torch.Tensor, world: int | None = None) -> None:
     """reduce_scatter (``world`` given) needs dim 0 divisible by it; all_gather a dim 0."""
     if world is None and x.dim() == 0:
         raise ValueError("all_gather needs x with at least one dimension (got a 0-d tensor); use x.view(1)")
@@ -117,7 +117,7 @@ def _collective(kind: str, x: torch.Tensor, group, config: TacoConfig | None, si
         raise TypeError(f"{kind} expects a torch.Tensor, got {type(x).__name__}")
     x, world = x.detach(), _world(group)
     if kind != "all_reduce":
-        _check_rows(x, world if kind == "reduce_scatter" else None)
+        check_rows(x, world if kind == "reduce_scatter" else None)
     pending = Pending(kind, x, group, config, site or kind)
     return pending if async_op else pending.wait()
 
@@ -137,15 +137,15 @@ class Pending:
         self.world = _world(group)
         self.out = torch.empty(output_shape(kind, x, self.world), dtype=x.dtype, device=x.device)
         nbytes = x.numel() * x.element_size()
-        self.compressed = not _plain_path(config, nbytes, self.world)
+        self.compressed = not plain_path(config, nbytes, self.world)
         if self.compressed:
             self.tally = Tally(check_nonfinite=config.nonfinite == "raise")
-            pieces = _PIECES[kind](x.contiguous(), self.out, _codec_config(config), group, self.world, self.tally)
+            pieces = _PIECES[kind](x.contiguous(), self.out, codec_config(config), group, self.world, self.tally)
             self._pipeline = Pipeline(pieces)
             self._pipeline.tick()  # the first piece encoded and on the wire
         else:
             self.sent = stats.plain_bytes(kind, nbytes, self.world)
-            self._work = _plain(kind, _zero_policy(x, config).contiguous(), self.out, group, self.world)
+            self._work = _plain(kind, zero_policy(x, config).contiguous(), self.out, group, self.world)
         self._done = False
 
     def progress(self) -> None:
@@ -164,7 +164,7 @@ class Pending:
             raising = self.config is not None and self.config.nonfinite == "raise" and self.out.is_floating_point()
             flag = ~torch.isfinite(self.out).all() if raising else None
         if flag is not None:
-            _raise_if_flag(flag, self.group, self.world, self.site, agree=not _SAME_BYTES_EVERYWHERE[self.kind])
+            raise_if_flag(flag, self.group, self.world, self.site, agree=not _SAME_BYTES_EVERYWHERE[self.kind])
         return self.out, self.sent, self.compressed
 
     def wait(self) -> torch.Tensor:
@@ -174,7 +174,7 @@ class Pending:
         stats.record(self.site, sent=sent, uncompressed=stats.plain_bytes(self.kind, nbytes, self.world),
                      compressed=compressed)
         if compressed and stats.should_sample(self.site):
-            stats.record_error(self.site, _relative_error(out, _exact(self.kind, self.x, out.shape, self.group)))
+            stats.record_error(self.site, relative_error(out, _exact(self.kind, self.x, out.shape, self.group)))
         return out
 
 
@@ -184,7 +184,7 @@ def run_collective(kind: str, x: torch.Tensor, group, config: TacoConfig | None,
     return Pending(kind, x, group, config, site).result()
 
 
-def _plain_path(config: TacoConfig | None, nbytes: int, world: int) -> bool:
+def plain_path(config: TacoConfig | None, nbytes: int, world: int) -> bool:
     """Whether a message of ``nbytes`` (input bytes) goes through the plain collective."""
     return config is None or world == 1 or nbytes == 0 or nbytes < config.threshold_bytes
 
@@ -204,18 +204,18 @@ def _plain(kind: str, src: torch.Tensor, out: torch.Tensor, group, world: int):
 
 
 @functools.lru_cache(maxsize=64)
-def _codec_config(config: TacoConfig) -> TacoConfig:
+def codec_config(config: TacoConfig) -> TacoConfig:
     """The codec's config: under "raise" the codec propagates and we raise after the transfer."""
     return config.replace(nonfinite="propagate") if config.nonfinite == "raise" else config
 
 
-def _zero_policy(x: torch.Tensor, config: TacoConfig | None) -> torch.Tensor:
+def zero_policy(x: torch.Tensor, config: TacoConfig | None) -> torch.Tensor:
     if config is not None and config.nonfinite == "zero" and x.is_floating_point():
         return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
     return x
 
 
-def _raise_if_flag(flag: torch.Tensor, group, world: int, site: str, *, agree: bool) -> None:
+def raise_if_flag(flag: torch.Tensor, group, world: int, site: str, *, agree: bool) -> None:
     """Raise NonFiniteError on every rank if ``flag`` (0-d bool) is set on any rank of ``group``.
 
     ``agree=False`` when the flag is known to be identical on every rank (every rank holds the
@@ -225,10 +225,10 @@ def _raise_if_flag(flag: torch.Tensor, group, world: int, site: str, *, agree: b
         flag = flag.to(torch.int32).view(1)
         all_reduce_(flag, group, op=dist.ReduceOp.MAX)
     if bool(flag.any()):  # the host sync that "raise" costs
-        raise _nonfinite_error(site)
+        raise nonfinite_error(site)
 
 
-def _nonfinite_error(site: str) -> NonFiniteError:
+def nonfinite_error(site: str) -> NonFiniteError:
     return NonFiniteError(
         f"{site}: a rank's input (or the sum) holds NaN or Inf under TacoConfig.nonfinite='raise'; "
         "find where the run diverges, or choose nonfinite='propagate' (decode to NaN) or 'zero'"
@@ -242,7 +242,7 @@ def _exact(kind: str, x: torch.Tensor, out_shape, group) -> torch.Tensor:
     return ref
 
 
-def _relative_error(out: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+def relative_error(out: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
     """``||out - exact|| / ||exact||`` as a 0-d tensor (``||out - exact||`` when exact is 0)."""
     err, norm = (out.double() - exact).norm(), exact.norm()
     return torch.where(norm > 0, err / norm, err)

@@ -33,7 +33,7 @@ import torch
 
 from ..codec import Packed, TacoConfig, WireLayout, compress, decompress, sum_packed
 from . import stats
-from .collectives import _check_rows, _codec_config, _nonfinite_error, _plain_path, _relative_error, _zero_policy
+from .collectives import check_rows, codec_config, nonfinite_error, plain_path, relative_error, zero_policy
 from .compressed import pad_to_groups
 from .pipeline import piece_bounds, piece_length
 
@@ -123,7 +123,7 @@ class EmulatedGroup:
     ) -> list[torch.Tensor]:
         """Each tensor has P*m rows along dim 0; returns ``[rank r's m rows of the sum]``."""
         xs = self._check("reduce_scatter", partials)
-        _check_rows(xs[0], self.size)
+        check_rows(xs[0], self.size)
         summed = self._run("reduce_scatter", xs, config, site or "reduce_scatter")
         return list(summed.chunk(self.size))
 
@@ -132,7 +132,7 @@ class EmulatedGroup:
     ) -> torch.Tensor:
         """Concatenation of every rank's tensor along dim 0, in rank order."""
         xs = self._check("all_gather", shards)
-        _check_rows(xs[0])
+        check_rows(xs[0])
         return self._run("all_gather", xs, config, site or "all_gather")
 
     # -- shared steps -----------------------------------------------------------------------
@@ -152,16 +152,16 @@ class EmulatedGroup:
         rows stacked in rank order); records the site's statistics like one rank would."""
         nbytes = xs[0].numel() * xs[0].element_size()
         plain = stats.plain_bytes(kind, nbytes, self.size)
-        if _plain_path(config, nbytes, self.size):
-            out = _plain(kind, [_zero_policy(x, config) for x in xs])
+        if plain_path(config, nbytes, self.size):
+            out = _plain(kind, [zero_policy(x, config) for x in xs])
             stats.record(site, sent=plain, uncompressed=plain, compressed=False)
         else:
-            out, sent = self._compressed(kind, xs, _codec_config(config))
+            out, sent = self._compressed(kind, xs, codec_config(config))
             stats.record(site, sent=sent, uncompressed=plain, compressed=True)
             if stats.should_sample(site):
-                stats.record_error(site, _relative_error(out, _plain(kind, [x.double() for x in xs])))
+                stats.record_error(site, relative_error(out, _plain(kind, [x.double() for x in xs])))
         if config is not None and config.nonfinite == "raise" and not bool(torch.isfinite(out).all()):
-            raise _nonfinite_error(site)
+            raise nonfinite_error(site)
         return out
 
     def _compressed(self, kind: str, xs: list[torch.Tensor], cfg: TacoConfig) -> tuple[torch.Tensor, int]:

@@ -58,7 +58,7 @@ from accelerate.utils import DistributedType
 from accelerate.utils.operations import recursively_apply
 from torch import nn
 
-from ..parallel import ModelParts, ParallelDims, build_mesh, distribute, local_tensor
+from ..parallel import ModelParts, ParallelDims, build_mesh, collective_timeout, distribute, local_tensor
 from ..parallel.stage import taco_context
 from . import checkpoint as ckpt
 from .launch import launch_notes, without_parallelism_config
@@ -88,7 +88,9 @@ class Accelerator(_AccelerateAccelerator):
             `TacoConfig`, a `Compression` or its dict.
         sequence_parallel: Megatron sequence parallelism inside TP, for such a model.
         **kwargs: everything ``accelerate.Accelerator`` takes, except the DeepSpeed, FSDP,
-            Megatron-LM and TP plugins (taco_accel does their job).
+            Megatron-LM and TP plugins (taco_accel does their job). A collective waits at most
+            ``InitProcessGroupKwargs(timeout=...)``'s timeout for a peer (default: the
+            ``TACO_TIMEOUT_S`` environment variable, else 10 minutes; Accelerate's is 30).
     """
 
     def __init__(self, *args, parallelism_config=None, parallel_dims: ParallelDims | None = None,
@@ -105,6 +107,7 @@ class Accelerator(_AccelerateAccelerator):
             parallelism_config = ParallelismConfig()  # reads PARALLELISM_CONFIG_* from the launch
         if not torch.cuda.is_available():
             kwargs["cpu"] = True  # else Accelerate treats N CPU processes as N separate single-process runs
+        timeout = _with_timeout(kwargs)
         with without_parallelism_config():  # Accelerate would build (or refuse) its own mesh
             super().__init__(*args, **kwargs)
         if self.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
@@ -125,7 +128,7 @@ class Accelerator(_AccelerateAccelerator):
                            "TACO-compressed TP, not its speed); launch %d processes for real TP",
                            self.emulated_tp, self.emulated_tp)
         self.parallel_dims = requested
-        self._taco_mesh = build_mesh(requested, self.device.type)
+        self._taco_mesh = build_mesh(requested, self.device.type, timeout)
         self.compression, self.sequence_parallel = compression, sequence_parallel
         self._parts: list[tuple[nn.Module, ModelParts]] = []
         self._replaced: dict[int, object] = {}  # id -> weakref of parameters that prepare replaced
@@ -535,6 +538,25 @@ class _FsdpNoSync:
     def __exit__(self, *exc):
         for m in self.modules:
             m.set_requires_gradient_sync(True, recurse=False)
+
+
+def _with_timeout(kwargs: dict):
+    """The collective timeout: an ``InitProcessGroupKwargs(timeout=...)`` handler's, else
+    `collective_timeout` (``TACO_TIMEOUT_S``, 10 minutes), added as such a handler so that the
+    world group Accelerate creates waits no longer than the mesh's groups."""
+    from accelerate.utils import InitProcessGroupKwargs
+
+    handlers = list(kwargs.get("kwargs_handlers") or [])
+    given = next((h for h in handlers if isinstance(h, InitProcessGroupKwargs)), None)
+    if given is not None and given.timeout is not None:
+        return given.timeout
+    timeout = collective_timeout()
+    if given is None:
+        handlers.append(InitProcessGroupKwargs(timeout=timeout))
+    else:
+        given.timeout = timeout
+    kwargs["kwargs_handlers"] = handlers
+    return timeout
 
 
 def _launch_asks_for_parallelism() -> bool:

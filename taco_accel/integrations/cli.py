@@ -95,7 +95,13 @@ def build_parser(family: str, description: str) -> argparse.ArgumentParser:
     r.add_argument("--no-plot", action="store_true", help="no loss-curve PNG")
     r.add_argument("--cache-dir", help="tokenizer and token cache (default: OUTPUT_DIR/cache)")
     r.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available (cpu: gloo on a GPU machine)")
+    add_timeout_arg(r)
     return p
+
+
+def add_timeout_arg(group) -> None:
+    group.add_argument("--timeout", type=positive_float, help="seconds a collective waits for a stalled peer before "
+                       "the run fails (default: TACO_TIMEOUT_S, else 600)")
 
 
 def add_compression_args(p: argparse.ArgumentParser, small: str) -> None:
@@ -207,7 +213,7 @@ def config_from_args(family: str, args) -> TrainConfig:
         eval_every=args.eval_every, eval_batches=args.eval_batches, log_every=args.log_every,
         output_dir=args.output_dir,
         trackers=trackers_from_args(args), progress=not args.no_progress, save_every=args.save_every, resume=args.resume, export=not args.no_export,
-        plot=not args.no_plot, cache_dir=args.cache_dir, device=args.device,
+        plot=not args.no_plot, cache_dir=args.cache_dir, device=args.device, timeout_s=args.timeout,
     )
 
 

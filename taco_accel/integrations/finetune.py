@@ -47,7 +47,7 @@ from .accelerator import Accelerator
 from .launch import main_first, usable_trackers
 from .metrics import plot_losses, write_history, write_json
 from .trainer import MIXED_PRECISION, _comm_totals, _flat, _global_rank, _progress, config_dict, lr_lambda, \
-    requested_dims
+    requested_dims, timeout_handler
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,7 @@ class FinetuneConfig:
     save_every: int = 0
     resume: str | None = None
     device: str | None = None
+    timeout_s: float | None = None  # a collective waiting longer fails; None: TACO_TIMEOUT_S, else 600
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -181,7 +182,7 @@ class Finetuner:
             parallel_dims=requested_dims(1, cfg.dp, cfg.tp, "ddp"), mixed_precision=cfg.mixed_precision,
             cpu=cfg.device == "cpu", project_dir=str(self.out), compression=cfg.compression,
             sequence_parallel=cfg.sequence_parallel, step_scheduler_with_optimizer=False,
-            log_with=self.trackers or None,
+            log_with=self.trackers or None, kwargs_handlers=[timeout_handler(cfg.timeout_s)],
         )
         if acc.emulated_tp > 1:
             raise ValueError(f"tp={acc.emulated_tp} on one process: fine-tuning reads real TP shards; launch "

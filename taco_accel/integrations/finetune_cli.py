@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 from .cli import (
-    HelpFormatter, add_compression_args, add_optimisation_args, compression_from_args, mixed_precision_from_args,
-    non_negative_int, positive_int, setup_logging, trackers_from_args,
+    HelpFormatter, add_compression_args, add_optimisation_args, add_timeout_arg, compression_from_args,
+    mixed_precision_from_args, non_negative_int, positive_int, setup_logging, trackers_from_args,
 )
 from .finetune import DTYPES, METHODS, TINY, FinetuneConfig, Finetuner
 
@@ -67,6 +67,7 @@ def build_parser(family: str, description: str, default_data: str | None = None)
     r.add_argument("--no-merge", action="store_true", help="LoRA: write the adapter only")
     r.add_argument("--no-plot", action="store_true", help="no loss-curve PNG")
     r.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
+    add_timeout_arg(r)
     return p
 
 
@@ -101,7 +102,7 @@ def config_from_args(family: str, args) -> FinetuneConfig:
         log_every=args.log_every, output_dir=args.output_dir,
         trackers=trackers_from_args(args),
         progress=not args.no_progress, export=not args.no_export, merge=not args.no_merge, plot=not args.no_plot,
-        save_every=args.save_every, resume=args.resume, device=args.device,
+        save_every=args.save_every, resume=args.resume, device=args.device, timeout_s=args.timeout,
     )
 
 

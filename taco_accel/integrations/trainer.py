@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..codec import TacoConfig
-from ..parallel import SCHEDULES, ParallelDims
+from ..parallel import SCHEDULES, ParallelDims, collective_timeout
 from . import checkpoint as ckpt
 from .accelerator import Accelerator
 from .launch import main_first, usable_trackers
@@ -97,6 +97,7 @@ class TrainConfig:
     plot: bool = True
     cache_dir: str | None = None
     device: str | None = None  # "cpu" forces the CPU (gloo) on a GPU machine; None: cuda if available
+    timeout_s: float | None = None  # a collective waiting longer fails; None: TACO_TIMEOUT_S, else 600
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -164,7 +165,7 @@ class Trainer:
             parallel_dims=requested_dims(cfg.pp, cfg.dp, cfg.tp, cfg.dp_mode), mixed_precision=cfg.mixed_precision,
             cpu=cfg.device == "cpu", project_dir=str(self.out), compression=cfg.compression,
             sequence_parallel=cfg.sequence_parallel, step_scheduler_with_optimizer=False,
-            log_with=self.trackers or None,
+            log_with=self.trackers or None, kwargs_handlers=[timeout_handler(cfg.timeout_s)],
         )
         self.dims, self.mesh, self.device = acc.parallel_dims, acc.torch_device_mesh, acc.device
         self.coords = {name: self.mesh[name].get_local_rank() for name in ("pp", "dp", "tp")}
@@ -369,6 +370,13 @@ class _Progress:
         for group, decay in zip(t.optimizer.param_groups, decays):
             group["initial_lr"], group["lr"], group["weight_decay"] = cfg.lr, cfg.lr * factor, decay
         scheduler._last_lr = [group["lr"] for group in t.optimizer.param_groups]
+
+
+def timeout_handler(seconds: float | None):
+    """Accelerate's way to say how long a collective may wait (`collective_timeout`)."""
+    from accelerate.utils import InitProcessGroupKwargs
+
+    return InitProcessGroupKwargs(timeout=collective_timeout(seconds))
 
 
 def _global_rank() -> int:

@@ -12,7 +12,8 @@ from torch import nn
 from ..codec import TacoConfig
 from ..codec.config import GROUP_SIZES
 from ..tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, _weight_and_layout
-from ..tp.mappings import register_grad_sum
+from ..tp.mappings import GradSumBucket
+from ..tp.overlap import ColumnRegion, OverlapState
 from ..tp.regions import EnterRegionHook, RegionEntry, RegionExit, SequenceGather, SequenceSplit, SequenceState
 from ..tp.sites import Compression, Site, SiteTable
 from ..tp.utils import ShardSpec, divide, group_rank, group_size
@@ -33,6 +34,8 @@ class TPContext:
     ``labels`` are given, the full logits otherwise), ``"full"`` or ``"local"``.
     ``emulator``: the `EmulatedGroup` of an emulated model (``emulate=True``: ``group`` is
     None, ``rank`` 0, the logits always full), None for real TP.
+    ``overlap``: whether the layers hide their communication behind compute (`tp.overlap`;
+    ``model.taco.overlap.enabled = False`` turns it off).
     """
 
     plan: TPPlan
@@ -45,6 +48,7 @@ class TPContext:
     logits: str = "auto"
     emulator: object = None
     grad_sum_params: list[str] = field(default_factory=list)
+    overlap: OverlapState = field(default_factory=OverlapState)
     _grad_sum_handles: list = field(default_factory=list, repr=False)
 
     @property
@@ -57,14 +61,12 @@ class TPContext:
 
     def install_grad_sums(self, model: nn.Module) -> None:
         """(Re)register the gradient sums of replicated parameters that see part of the data
-        (call again after replacing parameter objects, as `from_pretrained` does)."""
+        (call again after replacing parameter objects, as `from_pretrained` does): one plain
+        all-reduce per backward for all of them (`GradSumBucket`)."""
         self.remove_grad_sums()
-        params = [(name, model.get_parameter(name)) for name in self.grad_sum_params]
-        self._grad_sum_handles = [
-            register_grad_sum(param, Site(f"{self.short(name)}/grad", self.group, None))
-            for name, param in params
-            if param.requires_grad
-        ]
+        params = [p for p in map(model.get_parameter, self.grad_sum_params) if p.requires_grad]
+        if params:
+            self._grad_sum_handles = [GradSumBucket(params, Site("replicated_params/grad", self.group, None))]
 
     def remove_grad_sums(self) -> None:
         """Drop the gradient-sum hooks, for a wrapper that replaces the parameter objects (FSDP2)
@@ -256,6 +258,7 @@ class _Rewrite:
 
     def __init__(self, model: nn.Module, plan: TPPlan, ctx: TPContext) -> None:
         self.model, self.plan, self.ctx = model, plan, ctx
+        self.regions: dict[str, ColumnRegion] = {}  # EnterRegion module name -> its column layers
         self.dims = plan.dims(model.config)
         self.sp = ctx.sequence if ctx.sequence.enabled else None  # None: no sequence sites at all
         self.swaps: list[tuple[str, nn.Module]] = []
@@ -290,14 +293,19 @@ class _Rewrite:
         group, rel = self.ctx.group, name.rsplit(".", 1)[-1]
         if isinstance(style, EnterRegion):
             fwd = self.site(name, "fwd") if self.sp else None
-            self.pre_hooks.append((module, EnterRegionHook(RegionEntry(fwd, self.site(name, "bwd"), self.sp))))
+            region = ColumnRegion(RegionEntry(fwd, self.site(name, "bwd"), self.sp), self.ctx.overlap)
+            self.regions[name] = region
+            self.pre_hooks.append((module, EnterRegionHook(region)))
         elif isinstance(style, Colwise):
             shard = _shard(style, module, self.dims, self.ctx.tp, rel)
             replicas = Site(f"{self.ctx.short(name)}/replica_grad", group, None) if shard.replicas > 1 else None
             new = ColumnParallelLinear.from_module(module, shard=shard, group=group, replica_site=replicas)
+            if name.rpartition(".")[0] in self.regions:  # computed by its region, which overlaps its backward
+                self.regions[name.rpartition(".")[0]].layers.append(new)
             self.swaps.append((name, new))
         elif isinstance(style, Rowwise):
-            reduce = RegionExit(self.site(name, "fwd"), self.site(name, "bwd") if self.sp else None, self.sp)
+            reduce = RegionExit(self.site(name, "fwd"), self.site(name, "bwd") if self.sp else None, self.sp,
+                                self.ctx.overlap)
             shard = _shard(style, module, self.dims, self.ctx.tp, rel)
             self.swaps.append((name, RowParallelLinear.from_module(module, shard=shard, group=group, reduce=reduce)))
         else:
@@ -308,10 +316,11 @@ class _Rewrite:
         name, group = self.plan.lm_head, self.ctx.group
         head = self.model.get_submodule(name)
         tied = head.weight is self.model.get_submodule(self.plan.embedding).weight
+        region = ColumnRegion(RegionEntry(None, self.site(name, "bwd")), self.ctx.overlap)
         new = ColumnParallelLinear.from_module(
-            head, shard=embedding.shard, group=group, entry=RegionEntry(None, self.site(name, "bwd")),
-            gather=Site(f"{name}/logits", group, None),
+            head, shard=embedding.shard, group=group, entry=region, gather=Site(f"{name}/logits", group, None),
         )
+        region.layers.append(new)
         if tied:
             new.weight = embedding.weight
         self.swaps.append((name, new))

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .mesh import collective_timeout
 from .stage import decoder_layers, taco_context
 
 logger = logging.getLogger(__name__)
@@ -138,7 +139,7 @@ class TiedEmbeddingSync:
             for d in range(ranks.shape[1]):
                 for t in range(ranks.shape[2]):
                     pair = [int(ranks[0, d, t]), int(ranks[pp - 1, d, t])]
-                    group = dist.new_group(pair)
+                    group = dist.new_group(pair, timeout=collective_timeout())
                     if me in pair:
                         self.group = group
 

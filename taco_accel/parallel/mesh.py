@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,23 @@ MESH_DIMS = ("pp", "dp", "tp")
 DP_MODES = ("ddp", "fsdp")
 PP_ENV = "TACO_PP_SIZE"
 DP_MODE_ENV = "TACO_DP_MODE"
+TIMEOUT_ENV = "TACO_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 600  # a stalled peer fails the run in minutes, not torch's 30
+
+
+def collective_timeout(seconds: float | None = None) -> timedelta:
+    """How long a collective waits for a peer before it fails: ``seconds``, else the
+    ``TACO_TIMEOUT_S`` environment variable, else 10 minutes (long enough for a first step's
+    compilation and a large checkpoint's write on a slow disk)."""
+    if seconds is None:
+        text = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
+        try:
+            seconds = float(text)
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_ENV}={text!r} is not a number of seconds") from None
+    if not seconds > 0:
+        raise ValueError(f"collective timeout {seconds!r} s must be > 0 (set {TIMEOUT_ENV} or --timeout)")
+    return timedelta(seconds=seconds)
 
 
 def _positive_int(name: str, value) -> int:
@@ -128,22 +146,29 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def build_mesh(dims: ParallelDims, device_type: str | None = None) -> DeviceMesh:
+def build_mesh(dims: ParallelDims, device_type: str | None = None, timeout: timedelta | None = None) -> DeviceMesh:
     """The ``("pp", "dp", "tp")`` DeviceMesh over all ranks (a collective: call it on every rank).
 
-    Initialises the default process group (NCCL with GPUs, gloo without) when needed.
+    Initialises the default process group (NCCL with GPUs, gloo without) when needed. Every
+    group of the mesh fails a collective that waits longer than ``timeout`` (default:
+    `collective_timeout`) instead of hanging.
     """
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    timeout = timeout or collective_timeout()
+    backend = "nccl" if device_type == "cuda" else "gloo"
     if not dist.is_initialized():
         if dims.world_size == 1:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             os.environ.setdefault("RANK", "0")
             os.environ.setdefault("WORLD_SIZE", "1")
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        dist.init_process_group(backend, timeout=timeout)
     if dist.get_world_size() != dims.world_size:
         raise ValueError(f"{dims} needs {dims.world_size} processes; this run has {dist.get_world_size()}")
-    mesh = init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=MESH_DIMS)
+    options = (dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options())
+    options._timeout = timeout
+    mesh = init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=MESH_DIMS,
+                            backend_override={name: (backend, options) for name in MESH_DIMS})
     logger.info("device mesh %s on %d %s process(es)", dims, dims.world_size, device_type)
     return mesh
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .mappings import gather_from_tp_region, sum_replica_grads
+from .overlap import RowSequenceLinear
 from .regions import RegionEntry, RegionExit
 from .sites import Site
 from .utils import ShardSpec, group_rank, group_size
@@ -85,8 +86,9 @@ class ColumnParallelLinear(_ParallelLinear):
     """Y = X A with A split by output features: this rank computes ``local_out_features``.
 
     Megatron's column-parallel linear. ``entry`` enters the TP region (f, or the sequence
-    all-gather); leave it ``None`` when the caller enters once for several layers that read
-    the same input (q/k/v). ``gather_output`` concatenates the outputs of all ranks (the lm
+    all-gather: a `RegionEntry`, or an `overlap.ColumnRegion` holding this layer, which also
+    computes its output and overlaps its backward); leave it ``None`` when the caller enters
+    once for several layers that read the same input (q/k/v). ``gather_output`` concatenates the outputs of all ranks (the lm
     head when full logits are wanted) through the plain site ``gather``. ``shard`` defaults
     to an even split; pass `ShardSpec.heads` / `ShardSpec.concat` for attention projections.
     Blocks held by several ranks (replicated kv heads) get their gradients summed at ``replica_site``.
@@ -106,15 +108,24 @@ class ColumnParallelLinear(_ParallelLinear):
         if shard.replicas > 1 and replica_site is None:
             raise ValueError("a shard with replicated blocks needs replica_site to sum their gradients")
         self.replica_site = replica_site
+        self.ready: tuple[torch.Tensor, torch.Tensor] | None = None  # (x, output) from an overlap.ColumnRegion
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.entry is not None:
-            x = self.entry(x)  # (b, s, in), the same on every rank
+    def region_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight, bias) as this layer multiplies with them (replicated blocks sum their gradients)."""
         weight, bias = self.weight, self.bias
         if self.shard.replicas > 1:
             weight = sum_replica_grads(weight, self.shards["weight"], self.replica_site)
             bias = None if bias is None else sum_replica_grads(bias, self.shards["bias"], self.replica_site)
-        out = self._local_linear(x, weight, bias)  # (b, s, out/tp)
+        return weight, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.entry is not None:
+            x = self.entry(x)  # (b, s, in), the same on every rank
+        ready, self.ready = self.ready, None
+        if ready is not None and ready[0] is x:
+            out = ready[1]  # computed by the region with its backward overlap (tp.overlap)
+        else:
+            out = self._local_linear(x, *self.region_params())  # (b, s, out/tp)
         if self.gather_output:
             out = gather_from_tp_region(out, self.gather, -1, self.gather_sizes)  # (b, s, out), rank order
         return out
@@ -144,7 +155,10 @@ class RowParallelLinear(_ParallelLinear):
         return self._local_linear(x, self.weight, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.reduce(self.partial(x))  # (b, s, out), or (b, s/tp, out) sequence parallel
+        if isinstance(self.reduce, RegionExit) and self.reduce.sequence_overlap():
+            out = RowSequenceLinear.apply(x, self.weight, self.conv1d, self.reduce)  # (b, s/tp, out)
+        else:
+            out = self.reduce(self.partial(x))  # (b, s, out), or (b, s/tp, out) sequence parallel
         return out if self.bias is None else out + self.bias
 
 

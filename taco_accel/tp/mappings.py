@@ -17,6 +17,7 @@ With one rank every function is the identity.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -215,6 +216,52 @@ class _SumReplicaGrads(torch.autograd.Function):
 def sum_replica_grads(weight: torch.Tensor, shard: ShardSpec, bwd: Site) -> torch.Tensor:
     """``weight`` itself; its gradient is summed over the ranks holding the same blocks."""
     return weight if shard.replicas == 1 else _SumReplicaGrads.apply(weight, shard, bwd)
+
+
+class GradSumBucket:
+    """Sum the gradients of replicated parameters that each rank applies to part of the data
+    (norms under sequence parallelism, Qwen3's per-head norms) over ``site.group``: ONE
+    all-reduce per backward for all of them, instead of one per parameter.
+
+    Each parameter's hook keeps this backward's gradient and passes zeros on (so ``.grad``
+    accumulates nothing yet); at the end of backward one flat all-reduce per dtype sums them
+    and adds the sums to ``.grad``: the same numbers as summing in each hook (``.grad + 0`` is
+    exact). Gradients must accumulate into ``.grad`` (``loss.backward()``), as they do when
+    training; ``torch.autograd.grad`` on these parameters would see zeros.
+    """
+
+    def __init__(self, params, site: Site) -> None:
+        self.params, self.site = list(params), site
+        self._grads: dict[int, torch.Tensor] = {}
+        self._queued = False
+        self.handles = [p.register_hook(functools.partial(self._keep, i)) for i, p in enumerate(self.params)]
+
+    def _keep(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+        self._grads[index] = grad
+        if not self._queued:  # the engine runs callbacks once this backward is done
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+        return torch.zeros_like(grad)
+
+    def _flush(self) -> None:
+        grads, self._grads, self._queued = self._grads, {}, False
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for index in sorted(grads):  # the same order on every rank
+            by_dtype.setdefault(grads[index].dtype, []).append(index)
+        for dtype in sorted(by_dtype, key=str):
+            indices = by_dtype[dtype]
+            summed = _all_reduce(torch.cat([grads[i].reshape(-1) for i in indices]), self.site)
+            for i, part in zip(indices, summed.split([grads[i].numel() for i in indices])):
+                param = self.params[i]
+                if param.grad is None:
+                    param.grad = part.view_as(grads[i]).clone()
+                else:
+                    param.grad.add_(part.view_as(param.grad))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 
 
 def register_grad_sum(param: torch.nn.Parameter, site: Site):

@@ -75,8 +75,15 @@ class RegionExit:
     be replaced (a single-process emulation of tp ranks, LoRA adding its partial product first).
     """
 
-    def __init__(self, fwd: Site, bwd: Site | None = None, sequence: SequenceState | None = None) -> None:
-        self.fwd, self.bwd, self.sequence = fwd, bwd, sequence
+    def __init__(self, fwd: Site, bwd: Site | None = None, sequence: SequenceState | None = None,
+                 overlap=None) -> None:
+        self.fwd, self.bwd, self.sequence, self.overlap = fwd, bwd, sequence, overlap
+
+    def sequence_overlap(self) -> bool:
+        """Whether the row layer should run its product and this reduce-scatter as one
+        decomposed step (`overlap.RowSequenceLinear`): sequence parallel now, overlap on."""
+        return (self.overlap is not None and self.sequence is not None and self.sequence.active
+                and self.overlap.active(self.fwd.group))
 
     def __call__(self, partial: torch.Tensor) -> torch.Tensor:
         if self.sequence is not None and self.sequence.active:
@@ -111,9 +118,10 @@ class SequenceGather:
 
 class EnterRegionHook:
     """Forward pre-hook that enters the TP region once for a module's ``hidden_states`` input,
-    shared by the column-parallel layers inside it (q/k/v, gate/up): one collective, not three."""
+    shared by the column-parallel layers inside it (q/k/v, gate/up): one collective, not three.
+    ``entry``: a `RegionEntry`, or an `overlap.ColumnRegion` that also computes those layers."""
 
-    def __init__(self, entry: RegionEntry) -> None:
+    def __init__(self, entry) -> None:
         self.entry = entry
 
     def __call__(self, module, args, kwargs):

@@ -154,11 +154,20 @@ class Site:
         In auto mode the first call (and a call with a message over twice the one timed) decides;
         timing is a collective call, which every rank makes at the same site in the same order.
         """
+        return self._settings(kind, x.numel() * x.element_size(), lambda: x)
+
+    def call_config_like(self, kind: str, shape, dtype: torch.dtype, device) -> TacoConfig | None:
+        """`call_config` for a message of ``shape`` and ``dtype`` that is sent in parts (the
+        decomposed collectives); a timing, if one is due, runs on zeros of that shape."""
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        return self._settings(kind, nbytes, lambda: torch.zeros(shape, dtype=dtype, device=device))
+
+    def _settings(self, kind: str, nbytes: int, message) -> TacoConfig | None:
         if self.decider is None:
             return self._call
         decision = self.decision
-        if decision is None or x.numel() * x.element_size() > 2 * decision.nbytes:
-            self.decision = self.decider.decide(self, kind, x)
+        if decision is None or nbytes > 2 * decision.nbytes:
+            self.decision = self.decider.decide(self, kind, message())
             self._call = _decided(self._config, self.decision)
             self.decider.decided()
         return self._call
