@@ -119,22 +119,33 @@ def payload_values(payload: np.ndarray, fmt: str) -> np.ndarray:
     return payload.view(np.int8).astype(np.float64) if fmt == "int8" else fp8_values(payload, fmt)
 
 
+def documented_chunk_bytes(numel: int, config: TacoConfig, chunks: int = 1) -> tuple[int, int]:
+    """(groups per chunk, chunk bytes) as the layout docstring documents them: payload, scales and
+    a 4-byte header, rounded up to 16 bytes (nothing for an empty tensor)."""
+    g, ns = config.group_size, 2 if config.scales == "dual" else 1
+    gpc = math.ceil(math.ceil(numel / g) / chunks)
+    return gpc, math.ceil((gpc * (g + 4 * ns) + 4) / 16) * 16 if gpc else 0
+
+
 def parse_buffer(buffer: torch.Tensor, numel: int, config: TacoConfig, chunks: int = 1):
     """Split a wire buffer at the byte offsets the layout docstring documents.
 
-    Returns the payload bytes [groups, G] (uint8) and the scales [num_scales, groups] (float64).
+    Returns the payload bytes [groups, G] (uint8), the scales [num_scales, groups] (float64) and
+    the headers [chunks, 4] (uint8); the padding after each header must be zeros.
     """
     g, ns = config.group_size, 2 if config.scales == "dual" else 1
-    gpc = math.ceil(math.ceil(numel / g) / chunks)
-    chunk_bytes = gpc * g + 4 * ns * gpc
+    gpc, chunk_bytes = documented_chunk_bytes(numel, config, chunks)
     raw = buffer.cpu().numpy()
     assert raw.dtype == np.uint8 and raw.size == chunks * chunk_bytes
-    payloads, scales = [], []
+    payloads, scales, headers = [], [], []
     for c in range(chunks):
         chunk = raw[c * chunk_bytes : (c + 1) * chunk_bytes]
         payloads.append(chunk[: gpc * g].reshape(gpc, g))
-        scales.append(np.frombuffer(chunk[gpc * g :].tobytes(), dtype="<f4").reshape(ns, gpc))
-    return np.concatenate(payloads), np.concatenate(scales, axis=1).astype(np.float64)
+        end = gpc * (g + 4 * ns)
+        scales.append(np.frombuffer(chunk[gpc * g : end].tobytes(), dtype="<f4").reshape(ns, gpc))
+        headers.append(chunk[end : end + 4])
+        assert not chunk[end + 4 :].any(), "the padding after the header must be zeros"
+    return np.concatenate(payloads), np.concatenate(scales, axis=1).astype(np.float64), np.stack(headers)
 
 
 def model_transform_matrix(config: TacoConfig) -> np.ndarray:
@@ -257,7 +268,7 @@ def test_reference_matches_float64_model(fmt, variant, g):
     config = cfg(group_size=g, format=fmt, **MODEL_VARIANTS[variant])
     x = grouped_sample(max(64, 16384 // g), g, seed=g)
     packed = compress(x, config)
-    payload, scales = parse_buffer(packed.buffer, x.numel(), config)
+    payload, scales, _ = parse_buffer(packed.buffer, x.numel(), config)
     ours_payload, ours_scales = model_encode(x.double().numpy(), config)
 
     np.testing.assert_allclose(scales, ours_scales, rtol=1e-6, atol=0)
@@ -268,6 +279,29 @@ def test_reference_matches_float64_model(fmt, variant, g):
     assert_groups_close(decoded, model_decode(ours_payload, ours_scales, config), 1e-2)
 
 
+@pytest.mark.parametrize("g", GROUP_SIZES)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("variant", MODEL_VARIANTS)
+def test_every_chunk_carries_the_documented_header(g, fmt, variant):
+    """Byte 0: 0xA0 + version 1; byte 1: log2(G) - 5, the format (e4m3 0, e5m2 1, int8 2) << 3, dual
+    scales << 5, Hadamard << 6, random signs << 7; bytes 2-3: crc32 of the sign seed (8 bytes,
+    little-endian) & 0xFFFF, little-endian, or 0 without signs. The same in every chunk, and in
+    what sum_packed writes."""
+    import zlib
+
+    config = cfg(group_size=g, format=fmt, **MODEL_VARIANTS[variant])
+    flags = int(math.log2(g)) - 5 | FORMATS.index(fmt) << 3 | (config.scales == "dual") << 5
+    flags |= config.hadamard << 6 | config.random_signs << 7
+    seed = zlib.crc32(config.sign_seed.to_bytes(8, "little")) & 0xFFFF if config.random_signs else 0
+    expected = [0xA1, flags, seed & 0xFF, seed >> 8]
+    x = torch.randn(3 * g + 5)
+    _, _, headers = parse_buffer(compress(x, config, chunks=3).buffer, x.numel(), config, chunks=3)
+    assert headers.tolist() == [expected] * 3
+    one = compress(x, config)
+    _, _, headers = parse_buffer(sum_packed(torch.stack([one.buffer] * 2), one.layout, config), x.numel(), config)
+    assert headers.tolist() == [expected]
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("variant", ("plain", "dual", "dual-no-adaptive", "no-hadamard"))
 def test_sum_packed_matches_float64_dequant_sum_requant(fmt, variant):
@@ -276,9 +310,9 @@ def test_sum_packed_matches_float64_dequant_sum_requant(fmt, variant):
     packs = [compress(x, config) for x in xs]
     out = sum_packed(torch.stack([p.buffer for p in packs]), packs[0].layout, config)
 
-    z = sum(model_dequantize(*parse_buffer(p.buffer, xs[0].numel(), config), config) for p in packs)
+    z = sum(model_dequantize(*parse_buffer(p.buffer, xs[0].numel(), config)[:2], config) for p in packs)
     ours_payload, ours_scales = model_quantize(z, config)
-    payload, scales = parse_buffer(out, xs[0].numel(), config)
+    payload, scales, _ = parse_buffer(out, xs[0].numel(), config)
     np.testing.assert_allclose(scales, ours_scales, rtol=1e-6, atol=0)
     assert_payload_matches(ours_payload, payload, config)
 
@@ -393,12 +427,10 @@ def test_reference_divisions_round_once():
 def test_buffer_size_is_the_documented_one(numel, g, scales, chunks):
     config = cfg(group_size=g, scales=scales)
     packed = compress(torch.zeros(numel), config, chunks=chunks)
-    num_scales = 2 if scales == "dual" else 1
-    gpc = math.ceil(math.ceil(numel / g) / chunks)
-    chunk_bytes = math.ceil(gpc * (g + 4 * num_scales) / 16) * 16  # chunks are 16-byte aligned
+    gpc, chunk_bytes = documented_chunk_bytes(numel, config, chunks)
     assert packed.nbytes == chunks * chunk_bytes == packed.layout.total_bytes
-    if numel % (g * chunks) == 0 and (gpc * num_scales) % 4 == 0:
-        assert packed.nbytes == numel * config.bytes_per_element
+    if numel and numel % (g * chunks) == 0:  # the header and the padding: at most 16 bytes a chunk
+        assert 0 < packed.nbytes - numel * config.bytes_per_element <= 16 * chunks
     assert WireLayout.for_tensor(numel, config, chunks) == packed.layout
 
 
@@ -475,6 +507,47 @@ def test_values_at_and_past_the_fp8_bounds_saturate_cleanly(fmt, hadamard, scale
     if not hadamard:  # the absmax of a group lands on qmax exactly (dual: up to s / a rounding)
         rtol = 0 if scales == "single" else 2e-7
         torch.testing.assert_close(y[[0, 5], [0, 3]], x[[0, 5], [0, 3]], rtol=rtol, atol=0)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("variant", ("plain", "dual", "no-hadamard", "signs"))
+def test_finite_fp16_never_decodes_to_inf(fmt, variant):
+    """fp16 values up to its largest, 65504: the round trip's error may carry a value past it,
+    and the decoded value saturates there instead of becoming inf (NaN stays NaN)."""
+    config = cfg(format=fmt, **MODEL_VARIANTS[variant])
+    gen = torch.Generator().manual_seed(12)
+    x = ((torch.rand(64, 128, generator=gen) * 2 - 1) * 65504).half()
+    x[0] = 65504
+    x[1, ::2] = -65504
+    x[2, 7] = float("nan")
+    y = decompress(compress(x, config))
+    assert not torch.isinf(y).any()
+    assert torch.isnan(y[2]).all() and not torch.isnan(y[3:]).any()
+    assert (row_errors(y[3:], x[3:]) < {"e4m3": 0.07, "e5m2": 0.13, "int8": 0.03}[fmt]).all()
+
+
+@pytest.mark.parametrize("variant", ("plain", "dual", "no-hadamard"))
+@pytest.mark.parametrize("g", (32, 512))
+def test_a_finite_group_too_large_for_fp32_is_reported_as_an_overflow(variant, g):
+    """A group whose transform leaves fp32's range (values near 3.4e38) decodes to NaN, as the
+    codec cannot carry it; under nonfinite='raise' the error says so (GroupOverflowError, a
+    NonFiniteError), not that the tensor holds NaN or Inf. Finite groups below 3.4e38 / G fit."""
+    from taco_accel.codec import GroupOverflowError
+
+    config = cfg(group_size=g, **MODEL_VARIANTS[variant])
+    x = torch.randn(4, g, generator=torch.Generator().manual_seed(13))
+    x[1] = torch.where(x[1] > 0, 3e38, -3e38)  # finite, but a sum of G of them is not
+    x[2] *= 3.4e38 / g / x[2].abs().max()  # the largest group that always fits
+    y = decompress(compress(x, config))
+    assert torch.isnan(y[1]).all() == config.hadamard and torch.isfinite(y[[0, 2, 3]]).all()
+    assert row_errors(y[2:3], x[2:3]).max() < 0.05
+    if config.hadamard:
+        with pytest.raises(GroupOverflowError, match=r"group 1 .* finite but too large .* 3e\+38"):
+            compress(x, config.replace(nonfinite="raise"))
+    x[3, 0] = float("inf")  # a non-finite value too: that is what gets reported
+    with pytest.raises(NonFiniteError, match="holds NaN or Inf") as info:
+        compress(x, config.replace(nonfinite="raise"))
+    assert type(info.value) is NonFiniteError
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -20,6 +20,7 @@ from taco_accel.codec import (  # noqa: E402
 )
 from taco_accel.codec.dispatch import Kernel  # noqa: E402
 from taco_accel.codec.kernels import sm_count  # noqa: E402
+from taco_accel.codec.layout import signed_header  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 VARIANTS = {
@@ -145,6 +146,60 @@ def test_nonfinite_policies(variant):
         compress(x, cfg.replace(nonfinite="raise"))
 
 
+@pytest.mark.parametrize("fields", [dict(random_signs=True, sign_seed=2), dict(format="e5m2", scales="dual"),
+                                    dict(group_size=512, format="int8", hadamard=False)])
+def test_kernels_write_the_references_headers(fields):
+    """Every encoder writes the chunk header the reference writes (seed 2: a header word with its
+    top bit set, negative as the kernels' signed int32), in each chunk, for compress and the sum."""
+    ref_cfg = TacoConfig(backend="torch", **fields)
+    tri_cfg = ref_cfg.replace(backend="triton")
+    x = sample((3, 900), torch.bfloat16)
+    ref, tri = compress(x, ref_cfg, chunks=3), compress(x, tri_cfg, chunks=3)
+    assert (tri.layout.headers(tri.buffer) == signed_header(ref_cfg)).all()
+    assert torch.equal(tri.layout.headers(tri.buffer), ref.layout.headers(ref.buffer))
+    chunk = tri.layout.chunk_layout()
+    summed = sum_packed(tri.buffer.view(3, -1), chunk, tri_cfg)
+    assert (chunk.headers(summed) == signed_header(ref_cfg)).all()
+    if fields.get("sign_seed") == 2:
+        assert signed_header(ref_cfg) < 0
+
+
+@pytest.mark.parametrize("variant", ["default", "dual", "int8", "signs"])
+def test_finite_fp16_never_decodes_to_inf(variant):
+    """fp16 up to 65504 (the round trip's error may carry a value past it): every decoder
+    saturates there instead of writing inf, and keeps NaN (on a GPU: the Gluon decoder for
+    G = 128 and the tensor-core decoder)."""
+    ref_cfg, tri_cfg = configs(128, variant)
+    gen = torch.Generator().manual_seed(12)
+    x = ((torch.rand(64, 128, generator=gen) * 2 - 1) * 65504).half().to(DEVICE)
+    x[0] = 65504
+    x[2, 7] = float("nan")
+    packed = compress(x, ref_cfg)
+    expect = decompress(packed)
+    assert not expect.isinf().any()
+    for tuning in (Tuning(), Tuning(rows_max_group=0)):
+        got = decompress(as_triton(packed, tri_cfg), tuning=tuning)
+        assert not got.isinf().any() and torch.equal(got.isnan(), expect.isnan())
+        assert ((got.float() - expect.float()).nan_to_num().abs() <= 64).all()  # one fp16 step at 65504: 32
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the once-per-layout check is the GPU's")
+def test_a_buffer_of_another_config_raises_on_the_gpu():
+    """On a GPU the first buffer of each (config, layout) is checked (a host sync): a config that
+    differs from the writer's raises there, for decompress and sum_packed alike."""
+    from taco_accel.codec import WireFormatError
+
+    writer = TacoConfig(backend="triton")
+    reader = writer.replace(format="int8")
+    x = sample((4, 1000), torch.float32)
+    packed = compress(x, writer, chunks=2)
+    with pytest.raises(WireFormatError, match="format='e4m3'.*but is read with.*format='int8'"):
+        decompress(as_triton(packed, reader))
+    with pytest.raises(WireFormatError, match="input 0, chunk 0"):
+        sum_packed(packed.buffer[None], packed.layout, reader)
+    decompress(packed)  # the writer's own config reads it
+
+
 def test_extreme_magnitudes():
     _, cfg = configs(128, "default")
     for scale in (1e-30, 1e30):
@@ -191,7 +246,7 @@ sub, bg = min(G, tk.SUB_MAX), max(64, min(8192 // G, 256))
 tuning = Tuning()  # the launcher's warps per kernel for tiles of block_elems (sums of 2 / 4 / 8 inputs: own steps)
 warps = {k: min(8, tuning.launch(k).num_warps * max(1, bg * G // tuning.block_elems)) for k in STEPS}
 ints = dict(chunks="i32", gpc="i32", chunk_bytes="i32", tiles_per_chunk="i32")
-launch = dict(PAD=4, NUM_STAGES=2)
+launch = dict(TAIL=8, HEADER=-123456789, NUM_STAGES=2)  # a header word with its top bit set
 
 def build(fn, signature, constexprs, step):
     return compile_for_hopper(ASTSource, fn, signature, constexprs, warps[step])
@@ -270,7 +325,7 @@ for G, x, fmt, flags in encode:
     words = flags.get("WORDS", False)
     constexprs = dict(G=G, NW=NW, X_BYTES=BYTES[x], FMT=FMT[fmt], QMAX=127.0,
                       **{"WORDS": False, "HADAMARD": True, "SIGNS": False, "DUAL": False, "ADAPTIVE": True,
-                         "ZERO_NONFINITE": False, "CHUNKED": False, "WIDE": False, "PAD": 4, "SPLIT": False, **flags})
+                         "ZERO_NONFINITE": False, "CHUNKED": False, "WIDE": False, "TAIL": 8, "HEADER": -123456789, "SPLIT": False, **flags})
     signature = dict(x_ptr="*i32" if words else "*" + x, q_ptr="*" + fmt, s_ptr="*fp32", sign_ptr="*fp32",
                      numel="i32", gpc="i32", chunk_bytes="i32", head="i32", body="i32")
     split = constexprs["SPLIT"]
@@ -583,19 +638,20 @@ def test_decompress_tiles_end_at_chunk_ends(group_size):
 def test_compress_and_sum_tiles_end_at_chunk_ends(group_size, variant):
     """Compress and the sum walk each chunk in tiles of their own too (71 groups per chunk: at
     G = 128 two tiles, the second partial): into a poisoned buffer they write every payload
-    byte and scale as the reference does, and zeros into each chunk's padding."""
+    byte and scale as the reference does, each chunk's header and zeros into its padding."""
     from taco_accel.codec.kernels import triton_kernels as tk
 
     ref_cfg, tri_cfg = configs(group_size, variant)
     x = sample((5, (3 * 71 * group_size - 1) // 5), torch.float32).reshape(-1)  # rows 1e4 apart in scale
     numel = x.numel()  # 3 chunks of 71 groups, the last group partial
     layout = WireLayout.for_tensor(numel, ref_cfg, chunks=3)
-    assert layout.groups_per_chunk == 71 and layout.chunk_bytes > layout.used_bytes  # padded chunks
+    assert layout.groups_per_chunk == 71
+    header = signed_header(tri_cfg)
     ref = compress(x, ref_cfg, chunks=3)
     poisoned = torch.full((layout.total_bytes,), 0xAB, dtype=torch.uint8, device=DEVICE)
     tk.compress_into(x, poisoned, layout, tri_cfg, Tuning())
     assert_payload_close(ref, Packed(poisoned, x.shape, x.dtype, tri_cfg, layout), ref_cfg.format)
-    assert (layout.padding(poisoned) == 0).all()
+    assert (layout.padding(poisoned) == 0).all() and (layout.headers(poisoned) == header).all()
 
     chunk_layout = layout.chunk_layout()
     stacked = ref.buffer.view(3, -1)  # the three chunks as the inputs of one reduce step
@@ -605,4 +661,4 @@ def test_compress_and_sum_tiles_end_at_chunk_ends(group_size, variant):
     as_packed = [Packed(b, torch.Size([chunk_layout.numel]), torch.float32, c, chunk_layout)
                  for b, c in ((expect, ref_cfg), (summed, tri_cfg))]
     assert_payload_close(*as_packed, ref_cfg.format)
-    assert (chunk_layout.padding(summed) == 0).all()
+    assert (chunk_layout.padding(summed) == 0).all() and (chunk_layout.headers(summed) == header).all()

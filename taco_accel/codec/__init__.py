@@ -6,20 +6,23 @@ for the reduce step of the two-shot all-reduce, and `calibrate` to pick a group 
 kernels) per call; `Tuning` holds the kernels' launch settings.
 """
 
-from .api import NonFiniteError, Packed, compress, decompress, sum_packed
+from .api import GroupOverflowError, NonFiniteError, Packed, WireFormatError, check_wire, compress, decompress, sum_packed
 from .calibrate import calibrate, relative_rms_error
 from .config import TacoConfig
 from .layout import WireLayout
 from .tuning import Launch, Tuning
 
 __all__ = [
+    "GroupOverflowError",
     "Launch",
     "NonFiniteError",
     "Packed",
     "TacoConfig",
     "Tuning",
+    "WireFormatError",
     "WireLayout",
     "calibrate",
+    "check_wire",
     "compress",
     "decompress",
     "relative_rms_error",

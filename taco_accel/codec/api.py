@@ -1,7 +1,15 @@
-"""Public entry points of the codec: `compress`, `decompress`, `sum_packed`.
+"""Public entry points of the codec: `compress`, `decompress`, `sum_packed`, `check_wire`.
 
 Each takes ``tuning=`` (a `Tuning`; default ``Tuning()``) for the kernels' launch settings, and
 hands the work to `dispatch`, which picks the implementation.
+
+Where a buffer meets a config (`decompress`, `sum_packed`) the chunks' headers (`layout`) must
+say that config, or `WireFormatError` is raised: a buffer read under another config would decode
+to wrong numbers. On the CPU every call checks. On a GPU reading the headers costs a host sync,
+which would stall the collectives (they overlap codec kernels and transfers without one) and
+cannot run while a CUDA graph is captured; there the first buffer of each (config, layout,
+device) is checked and later ones are not: a config that differs between ranks or call sites
+differs from the first call on. `check_wire` checks any buffer on demand.
 """
 
 from __future__ import annotations
@@ -12,14 +20,25 @@ import torch
 
 from . import dispatch
 from .config import TacoConfig
-from .layout import WireLayout
+from .layout import WireLayout, describe_header, signed_header
 from .tuning import DEFAULT_TUNING, Tuning
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP32_MAX = torch.finfo(torch.float32).max
 
 
 class NonFiniteError(FloatingPointError):
     """A tensor holding NaN or Inf reached the codec under ``nonfinite="raise"``."""
+
+
+class GroupOverflowError(NonFiniteError):
+    """A group of finite values too large for the codec's fp32 arithmetic reached `compress`
+    under ``nonfinite="raise"`` (its transform sums G values: past 3.4e38 they overflow)."""
+
+
+class WireFormatError(ValueError):
+    """A wire buffer read under another `TacoConfig` than the one that wrote it, or not a buffer
+    of the layout it is read with."""
 
 
 @dataclass(frozen=True)
@@ -52,12 +71,74 @@ def _check_input(x: torch.Tensor) -> None:
         raise ValueError(f"compress supports {SUPPORTED_DTYPES}, got {x.dtype}; cast the tensor first")
 
 
-def _raise_if_nonfinite(scales: torch.Tensor, what: str) -> None:
-    if not bool(torch.isfinite(scales).all()):
-        raise NonFiniteError(
-            f"{what} holds NaN or Inf (TacoConfig.nonfinite='raise'); find where the run "
-            "diverges, or choose nonfinite='propagate' (decode to NaN) or 'zero'"
+def _raise_if_nonfinite(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout) -> None:
+    """NonFiniteError if a group's scale is NaN: `GroupOverflowError` when every such group holds
+    only finite values (the transform overflowed fp32), else the input holds NaN or Inf."""
+    bad = ~torch.isfinite(layout.scales(buffer)).all(dim=1).reshape(-1)  # [groups], group order
+    if not bool(bad.any()):
+        return
+    g = layout.group_size
+    groups = torch.zeros(layout.padded_numel, dtype=x.dtype, device=x.device)
+    groups[: layout.numel] = x.reshape(-1)
+    groups = groups.view(-1, g)[bad]
+    if bool(torch.isfinite(groups).all()):
+        first = int(bad.nonzero()[0])
+        raise GroupOverflowError(
+            f"group {first} of the tensor to compress (values {first * g}..{first * g + g - 1}) is finite but "
+            f"too large for the codec: max |x| = {float(groups[0].abs().max()):.3g}, and its transform sums "
+            f"{g} values in fp32, which overflows past {FP32_MAX:.3g} (groups with max |x| below "
+            f"{FP32_MAX / g:.3g} always fit). Scale the tensor down before compressing it, or choose "
+            "TacoConfig.nonfinite='propagate' (such a group decodes to NaN)"
         )
+    raise NonFiniteError(
+        "the tensor to compress holds NaN or Inf (TacoConfig.nonfinite='raise'); find where the run "
+        "diverges, or choose nonfinite='propagate' (decode to NaN) or 'zero'"
+    )
+
+
+_verified_on_device: set[tuple] = set()  # (header, layout, device) checked once on a GPU (module docstring)
+
+
+def check_wire(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig) -> None:
+    """Raise `WireFormatError` unless every chunk header of ``buffer`` (one buffer of ``layout``,
+    or a stack of them, ``[..., total_bytes]``) says ``config``. Reads the headers: a host sync on
+    a GPU."""
+    if layout.group_size != config.group_size or layout.num_scales != config.num_scales:
+        raise WireFormatError(
+            f"{layout} does not belong to TacoConfig(group_size={config.group_size}, scales={config.scales!r}); "
+            "build the layout with WireLayout.for_tensor(numel, config, chunks)"
+        )
+    if not layout.used_bytes:
+        return
+    expected = signed_header(config)
+    words = layout.headers(buffer)
+    wrong = words != expected
+    if bool(wrong.any()):
+        where = wrong.nonzero()[0].tolist()
+        word = int(words[tuple(where)])
+        place = f"input {where[0]}, chunk {where[1]}" if len(where) == 2 else f"chunk {where[0]}"
+        raise WireFormatError(
+            f"{place} of the buffer was written with {describe_header(word)}, but is read with "
+            f"{describe_header(expected)}: decode and sum a buffer under the TacoConfig that encoded it "
+            "(every rank of a collective must pass the same config)"
+        )
+
+
+def _check_wire_where_cheap(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig) -> None:
+    """`check_wire` on every CPU buffer; elsewhere once per (config, layout, device), and never
+    while a CUDA graph is captured (module docstring)."""
+    device = buffer.device
+    if device.type == "cpu":
+        check_wire(buffer, layout, config)
+        return
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return
+    key = (signed_header(config), layout, device)
+    if key not in _verified_on_device:
+        check_wire(buffer, layout, config)
+        if len(_verified_on_device) >= 4096:  # many sizes: start over rather than grow
+            _verified_on_device.clear()
+        _verified_on_device.add(key)
 
 
 def compress(x: torch.Tensor, config: TacoConfig | None = None, *, chunks: int = 1,
@@ -74,7 +155,7 @@ def compress(x: torch.Tensor, config: TacoConfig | None = None, *, chunks: int =
     if layout.numel:
         dispatch.compress_into(x.reshape(-1), buffer, layout, config, tuning or DEFAULT_TUNING)
         if config.nonfinite == "raise":
-            _raise_if_nonfinite(layout.scales(buffer), "the tensor to compress")
+            _raise_if_nonfinite(x, buffer, layout)
     return Packed(buffer, x.shape, x.dtype, config, layout)
 
 
@@ -90,6 +171,7 @@ def decompress(packed: Packed, out: torch.Tensor | None = None, *, tuning: Tunin
     elif out.numel() != packed.layout.numel or not out.is_contiguous() or out.device != packed.device:
         raise ValueError(f"out must be a contiguous tensor of {packed.layout.numel} elements on {packed.device}")
     if packed.layout.numel:
+        _check_wire_where_cheap(packed.buffer, packed.layout, packed.config)
         dispatch.decompress_into(packed.buffer, packed.layout, packed.config, out.view(-1), tuning or DEFAULT_TUNING)
     return out
 
@@ -108,5 +190,6 @@ def sum_packed(stacked: torch.Tensor, layout: WireLayout, config: TacoConfig, *,
         )
     out = torch.empty(layout.total_bytes, dtype=torch.uint8, device=stacked.device)
     if layout.numel:
+        _check_wire_where_cheap(stacked, layout, config)
         dispatch.sum_into(stacked, layout, config, out, tuning or DEFAULT_TUNING)
     return out

@@ -50,7 +50,10 @@ class TacoConfig:
         nonfinite: what to do with NaN / Inf inputs. ``"propagate"`` (default): the group
             decodes to NaN, so a diverging run stays visible. ``"raise"``: raise
             `NonFiniteError` (costs one device sync per call). ``"zero"``: replace the
-            non-finite values by 0, as the original TACO silently does.
+            non-finite values by 0, as the original TACO silently does. A group of finite
+            values too large for the transform's fp32 sums (max |x| past about 3.4e38 / G)
+            decodes to NaN under every policy; ``"raise"`` raises `GroupOverflowError` for it.
+            Finite values never decode to inf (fp16 output saturates at 65504).
         backend: ``"auto"`` uses the fused Triton kernels on CUDA tensors and the PyTorch
             reference elsewhere; ``"triton"`` or ``"torch"`` force one.
         threshold_bytes: messages smaller than this go through the plain collective in their
@@ -114,7 +117,8 @@ class TacoConfig:
 
     @property
     def bytes_per_element(self) -> float:
-        """Wire bytes per input element, scales included (padding excluded)."""
+        """Wire bytes per input element, scales included (each chunk's 4-byte header and its
+        padding, at most 16 bytes a chunk, excluded)."""
         return 1.0 + 4.0 * self.num_scales / self.group_size
 
     def replace(self, **changes) -> "TacoConfig":

@@ -5,20 +5,18 @@ layout (for its size) and the `Tuning`; `compress_into`, `decompress_into` and `
 it. The first row that matches wins (G = ``config.group_size``, groups = ``layout.num_groups``;
 ``rows_max_group`` and ``split_max_groups`` are `Tuning` fields)::
 
-    backend        device and runtime                  op                    G and size          runs
-    -------------  ----------------------------------  --------------------  ------------------  ------------
-    torch          any                                 any                   any                 REFERENCE
-    auto           not CUDA                            any                   any                 REFERENCE
-    auto           CUDA, triton not installed          any                   any                 REFERENCE
-    triton         triton not installed                any                   any                 RuntimeError
-    triton         not CUDA, TRITON_INTERPRET unset    any                   any                 RuntimeError
-    auto, triton   CUDA on NVIDIA (not ROCm), compiled compress              G = 128 <= rows_max_group,
-                   (not the interpreter), triton with                        groups <=           SPLIT_ROWS
-                   Gluon                                                     split_max_groups
-    auto, triton   the same                            compress, decompress  G <= rows_max_group,
-                                                                             G <= 128            ROWS
-    auto, triton   otherwise: any sum, larger G, ROCm, no Gluon, the CPU     any                 TILES
-                   under TRITON_INTERPRET=1
+    backend       device and runtime                   op                    G and size                 runs
+    ------------  -----------------------------------  --------------------  -------------------------  ------------
+    torch         any                                  any                   any                        REFERENCE
+    auto          not CUDA                             any                   any                        REFERENCE
+    auto          CUDA, triton not installed           any                   any                        REFERENCE
+    triton        triton not installed                 any                   any                        RuntimeError
+    triton        not CUDA, TRITON_INTERPRET unset     any                   any                        RuntimeError
+    auto, triton  CUDA on NVIDIA (not ROCm), compiled  compress              G = 128 <= rows_max_group, SPLIT_ROWS
+                  (not interpreted), Gluon in triton                         groups <= split_max_groups
+    auto, triton  the same                             compress, decompress  G <= rows_max_group, 128   ROWS
+    auto, triton  any other: CUDA (ROCm, no Gluon), or the CPU under         any                        TILES
+                  TRITON_INTERPRET=1; every sum; G = 256 and 512
 
 - REFERENCE: `kernels.reference`, PyTorch ops (the specification; slow on a GPU).
 - TILES: `kernels.triton_kernels`, tiles of groups with the transform on the tensor cores; runs

@@ -2,13 +2,15 @@
 
 A compressed tensor is one contiguous 1-D ``torch.uint8`` buffer, so that one send moves it.
 It is cut into ``chunks`` equal chunks (the two-shot all-reduce sends chunk r to rank r); a
-plain `compress` uses one chunk. Each chunk holds ``gpc`` whole groups of G values::
+plain `compress` uses one chunk. Each chunk holds ``gpc`` whole groups of G values, and is a
+valid one-chunk buffer by itself (`WireLayout.chunk_layout`)::
 
-    chunk c (chunk_bytes = gpc*G + 4*num_scales*gpc bytes rounded up to 16, c = 0..chunks-1)
-    +--------------------------------------+-----------------------+-----------------------+
-    | payload: gpc*G bytes, fp8/int8       | scale[0]: gpc x fp32  | scale[1]: gpc x fp32  |
-    | group j at bytes [j*G, (j+1)*G)      | s/a ("single") or s   | a (only "dual")       |
-    +--------------------------------------+-----------------------+-----------------------+
+    chunk c (chunk_bytes = gpc*G + 4*num_scales*gpc + 4 bytes rounded up to 16, c = 0..chunks-1)
+    +-------------------------------+--------------------+--------------------+--------+---------+
+    | payload: gpc*G bytes,         | scale[0]:          | scale[1]:          | header | padding |
+    | fp8/int8; group j at bytes    | gpc x fp32, s/a    | gpc x fp32, a      | 4 bytes| 0-12    |
+    | [j*G, (j+1)*G)                | ("single") or s    | (only "dual")      |        | zeros   |
+    +-------------------------------+--------------------+--------------------+--------+---------+
 
 The input is flattened and padded with zeros to ``chunks*gpc*G`` values; group g
 (g = c*gpc + j) holds input values [g*G, (g+1)*G). Padded groups stay whole on the wire so
@@ -16,17 +18,28 @@ that the tail decodes exactly like any other group.
 
 Inside a group the G payload bytes are the Hadamard coefficients in Sylvester order
 (coefficient k of ``H_G @ (signs * x)`` at byte k); without the Hadamard step
-(``hadamard=False``) they are the input values in order. Each chunk is padded with up to 12
-unused bytes to a multiple of 16 bytes, so that every chunk, payload and scale section starts
-16-byte aligned (the kernels then move 16 bytes per memory access) and scales can be viewed
-as fp32.
+(``hadamard=False``) they are the input values in order.
 
-Bytes per element: 1 + 4*num_scales/G (1.03125 for "single" at G=128, 1.0625 for "dual").
+The header says how the chunk was encoded, so that a buffer decoded or summed under another
+`TacoConfig` is an error (`WireFormatError`) instead of numbers (`header_word`): byte 0 is
+0xA0 + the wire version (1); byte 1 holds log2(G) - 5 (bits 0-2), the format (bits 3-4: e4m3 0,
+e5m2 1, int8 2), dual scales (bit 5), the Hadamard step (bit 6) and random signs (bit 7); bytes
+2-3 a 16-bit hash of ``sign_seed`` (0 without random signs). Settings that do not change how
+bytes are read (``adaptive_scale``, ``nonfinite``, ``backend``, the size settings) are not in it.
+
+Each chunk ends with up to 12 zero bytes of padding to a multiple of 16 bytes, so that every
+chunk, payload and scale section starts 16-byte aligned (the kernels then move 16 bytes per
+memory access) and scales can be viewed as fp32. Encoders write the header and the padding:
+equal data gives equal bytes.
+
+Bytes per element: 1 + 4*num_scales/G (1.03125 for "single" at G=128, 1.0625 for "dual"), plus
+the 4-byte header and the padding, at most 16 bytes per chunk.
 """
 
 from __future__ import annotations
 
 import functools
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +51,41 @@ PAYLOAD_DTYPES = {
     "e5m2": torch.float8_e5m2,
     "int8": torch.int8,
 }
-FORMAT_CODES = {"e4m3": 0, "e5m2": 1, "int8": 2}  # the kernels' FMT argument
+FORMAT_CODES = {"e4m3": 0, "e5m2": 1, "int8": 2}  # the kernels' FMT argument and the header's
+HEADER_BYTES = 4
+WIRE_VERSION = 1
+HEADER_MAGIC = 0xA0  # high nibble of byte 0: a chunk of zeros or of another layout has no header
+
+
+def header_word(config: TacoConfig) -> int:
+    """The 4 header bytes of every chunk encoded under ``config``, as a little-endian uint32."""
+    flags = (
+        (config.group_size.bit_length() - 6)  # log2(G) - 5: G = 32..512
+        | FORMAT_CODES[config.format] << 3
+        | (config.scales == "dual") << 5
+        | config.hadamard << 6
+        | config.random_signs << 7
+    )
+    seed = zlib.crc32(config.sign_seed.to_bytes(8, "little")) & 0xFFFF if config.random_signs else 0
+    return (HEADER_MAGIC | WIRE_VERSION) | flags << 8 | seed << 16
+
+
+def signed_header(config: TacoConfig) -> int:
+    """`header_word` as a signed int32: the kernels' HEADER and the values of `WireLayout.headers`."""
+    word = header_word(config)
+    return word - (1 << 32) if word >= 1 << 31 else word
+
+
+def describe_header(word: int) -> str:
+    """What a header word says, in `TacoConfig` terms (for error messages)."""
+    word &= 0xFFFFFFFF
+    if word & 0xF0 != HEADER_MAGIC:
+        return f"no header (bytes {word.to_bytes(4, 'little').hex(' ')})"
+    flags, formats = (word >> 8) & 0xFF, {v: k for k, v in FORMAT_CODES.items()}
+    seed = f", sign seed hash {word >> 16:#06x}" if flags >> 7 else ""
+    return (f"group_size={32 << (flags & 7)}, format={formats.get((flags >> 3) & 3, '?')!r}, "
+            f"scales={'dual' if flags >> 5 & 1 else 'single'!r}, hadamard={bool(flags >> 6 & 1)}, "
+            f"random_signs={bool(flags >> 7)}{seed} (wire version {word & 0x0F})")
 
 
 @dataclass(frozen=True)
@@ -74,9 +121,20 @@ class WireLayout:
         return self.groups_per_chunk * self.group_size
 
     @functools.cached_property
-    def used_bytes(self) -> int:
-        """Bytes of one chunk that carry data (payload and scales)."""
+    def data_bytes(self) -> int:
+        """Bytes of one chunk that carry the payload and the scales; the header follows them."""
         return self.payload_bytes_per_chunk + 4 * self.num_scales * self.groups_per_chunk
+
+    @functools.cached_property
+    def used_bytes(self) -> int:
+        """Bytes of one chunk before its padding: payload, scales and header (none for no groups:
+        an empty tensor is an empty buffer)."""
+        return self.data_bytes + HEADER_BYTES if self.groups_per_chunk else 0
+
+    @functools.cached_property
+    def tail_bytes(self) -> int:
+        """The header and the padding of one chunk (4, 8, 12 or 16 bytes): what follows the scales."""
+        return self.chunk_bytes - self.data_bytes
 
     @functools.cached_property
     def chunk_bytes(self) -> int:
@@ -89,6 +147,12 @@ class WireLayout:
     def chunk_layout(self) -> "WireLayout":
         """Layout of one chunk seen as a tensor of its own (gpc groups, one chunk)."""
         return WireLayout(self.payload_bytes_per_chunk, self.group_size, self.num_scales, 1)
+
+    def headers(self, buffer: torch.Tensor) -> torch.Tensor:
+        """View of the chunks' headers as ``[..., chunks]`` int32 (`header_word` values, signed);
+        ``buffer`` is one buffer of this layout or a stack of them (``[..., total_bytes]``)."""
+        rows = buffer.view(*buffer.shape[:-1], self.chunks, self.chunk_bytes)
+        return rows[..., self.data_bytes : self.used_bytes].view(torch.int32).squeeze(-1)
 
     def padding(self, buffer: torch.Tensor) -> torch.Tensor:
         """View of the padding bytes, ``[chunks, chunk_bytes - used_bytes]`` (may be empty).

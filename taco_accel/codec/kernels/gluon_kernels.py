@@ -28,9 +28,9 @@ import triton.language as tl
 
 from ..config import TacoConfig
 from ..hadamard import device_signs
-from ..layout import FORMAT_CODES, PAYLOAD_DTYPES, WireLayout
+from ..layout import FORMAT_CODES, PAYLOAD_DTYPES, WireLayout, signed_header
 from ..tuning import Tuning
-from .reference import ADAPTIVE_EPS, ADAPTIVE_MAX, ADAPTIVE_MIN, TINY_AMAX
+from .reference import ADAPTIVE_EPS, ADAPTIVE_MAX, ADAPTIVE_MIN, FP16_MAX, TINY_AMAX
 
 try:  # experimental in triton; written for its API in 3.6 and 3.9
     from triton.experimental import gluon
@@ -135,7 +135,10 @@ if AVAILABLE:
         if HADAMARD:
             y = _walsh(y, L_ROW, ROWS, G, 0)
             scale = scale * (G**-0.5)
-        x = gl.convert_layout((y * scale[:, None]).to(out_ptr.dtype.element_ty), L_OUT)
+        y = y * scale[:, None]
+        if out_ptr.dtype.element_ty == gl.float16:  # saturate: a decoded value past 65504 is not inf
+            y = gl.clamp(y, -_FP16_MAX, _FP16_MAX, propagate_nan=tl.PropagateNan.ALL)
+        x = gl.convert_layout(y.to(out_ptr.dtype.element_ty), L_OUT)
 
         rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_OUT))
         cols = gl.arange(0, G, layout=gl.SliceLayout(0, L_OUT))
@@ -154,6 +157,7 @@ if AVAILABLE:
     _A_MIN = tl.constexpr(ADAPTIVE_MIN)
     _A_MAX = tl.constexpr(ADAPTIVE_MAX)
     _TINY = tl.constexpr(TINY_AMAX)
+    _FP16_MAX = tl.constexpr(FP16_MAX)
     # the names of triton 3.9, else of 3.6 (an H200's)
     _barrier = getattr(gl, "barrier", None) or getattr(gl, "thread_barrier")
 
@@ -181,23 +185,24 @@ if AVAILABLE:
         return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @gluon.jit
-    def _zero_padding(q_ptr, r0, gpc, chunk_bytes, NW: gl.constexpr, PAD: gl.constexpr, LANES: gl.constexpr = 1):
-        """Zero the chunk's PAD unused last bytes, from the program whose rows r0.. (32 * NW / LANES
-        of them) hold its last group."""
-        if PAD > 0:
-            L_PAD: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-            k = gl.arange(0, 16, layout=L_PAD)
-            last = (r0 + 32 * NW // LANES >= gpc).to(gl.int32)
-            gl.store(q_ptr + chunk_bytes - PAD + k, gl.zeros([16], gl.float32, L_PAD).to(q_ptr.dtype.element_ty),
-                     mask=k < PAD * last)
+    def _store_tail(q_ptr, r0, gpc, chunk_bytes, NW: gl.constexpr, TAIL: gl.constexpr, HEADER: gl.constexpr,
+                    LANES: gl.constexpr = 1):
+        """Write the chunk's TAIL (4, 8, 12 or 16) last bytes, the 4-byte header (HEADER, as in
+        `triton_kernels._store_tail`) then zeros, from the program whose rows r0.. (32 * NW / LANES of
+        them) hold its last group."""
+        L_TAIL: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        k = gl.arange(0, 16, layout=L_TAIL)
+        byte = gl.where(k < 4, (gl.full([16], HEADER, gl.int32, L_TAIL) >> (8 * k)) & 0xFF, 0).to(gl.uint8)
+        last = (r0 + 32 * NW // LANES >= gpc).to(gl.int32)
+        gl.store(q_ptr + chunk_bytes - TAIL + k, byte.to(q_ptr.dtype.element_ty, bitcast=True), mask=k < TAIL * last)
 
     @gluon.jit
     def _encode_rows(
         x_ptr, q_ptr, s_ptr, sign_ptr, numel, gpc, chunk_bytes, c, r0,
         G: gl.constexpr, NW: gl.constexpr, X_BYTES: gl.constexpr, WORDS: gl.constexpr, FMT: gl.constexpr,
         QMAX: gl.constexpr, HADAMARD: gl.constexpr, SIGNS: gl.constexpr, DUAL: gl.constexpr,
-        ADAPTIVE: gl.constexpr, ZERO_NONFINITE: gl.constexpr, CHUNKED: gl.constexpr, PAD: gl.constexpr,
-        LANES: gl.constexpr, MASKED: gl.constexpr,
+        ADAPTIVE: gl.constexpr, ZERO_NONFINITE: gl.constexpr, CHUNKED: gl.constexpr, TAIL: gl.constexpr,
+        HEADER: gl.constexpr, LANES: gl.constexpr, MASKED: gl.constexpr,
     ):
         """Encode groups r0.. (32 * NW / LANES of them, each in LANES lanes) of chunk c. WORDS:
         bf16 input read as int32 words (x_ptr, numel: words), two values each, which a shift and
@@ -296,7 +301,7 @@ if AVAILABLE:
         gl.store(s_ptr + gpc * (G // 4) + s_rows, s, mask=s_rows < gpc)
         if DUAL:
             gl.store(s_ptr + gpc * (G // 4 + 1) + s_rows, a, mask=s_rows < gpc)
-        _zero_padding(q_ptr, r0, gpc, chunk_bytes, NW, PAD, LANES)
+        _store_tail(q_ptr, r0, gpc, chunk_bytes, NW, TAIL, HEADER, LANES)
 
     @gluon.jit
     def compress_rows_kernel(
@@ -304,7 +309,7 @@ if AVAILABLE:
         G: gl.constexpr, NW: gl.constexpr, X_BYTES: gl.constexpr, WORDS: gl.constexpr, FMT: gl.constexpr,
         QMAX: gl.constexpr, HADAMARD: gl.constexpr, SIGNS: gl.constexpr, DUAL: gl.constexpr,
         ADAPTIVE: gl.constexpr, ZERO_NONFINITE: gl.constexpr, CHUNKED: gl.constexpr, WIDE: gl.constexpr,
-        PAD: gl.constexpr, SPLIT: gl.constexpr,
+        TAIL: gl.constexpr, HEADER: gl.constexpr, SPLIT: gl.constexpr,
     ):
         """Grid (programs of a chunk, chunks) as in the decoder. Without SPLIT a program encodes
         32 * NW groups, one a lane. SPLIT (G = 128, `split_schedule`): a chunk's first ``head``
@@ -316,15 +321,15 @@ if AVAILABLE:
             if (p >= first) & (p < first + body // 16):
                 _encode_rows(x_ptr, q_ptr, s_ptr, sign_ptr, numel, gpc, chunk_bytes, c, head + (p - first) * 16, G,
                              NW, X_BYTES, WORDS, FMT, QMAX, HADAMARD, SIGNS, DUAL, ADAPTIVE, ZERO_NONFINITE, CHUNKED,
-                             PAD, 2, False)
+                             TAIL, HEADER, 2, False)
             else:  # the head's and the tail's programs: one code, with masks
                 r0 = gl.where(p < first, p * 8, head + body + (p - first - body // 16) * 8)
                 _encode_rows(x_ptr, q_ptr, s_ptr, sign_ptr, numel, gpc, chunk_bytes, c, r0, G, NW, X_BYTES, WORDS,
-                             FMT, QMAX, HADAMARD, SIGNS, DUAL, ADAPTIVE, ZERO_NONFINITE, CHUNKED, PAD, 4, True)
+                             FMT, QMAX, HADAMARD, SIGNS, DUAL, ADAPTIVE, ZERO_NONFINITE, CHUNKED, TAIL, HEADER, 4, True)
         else:
             c, r0 = _tile_origin(32 * NW, WIDE)
             _encode_rows(x_ptr, q_ptr, s_ptr, sign_ptr, numel, gpc, chunk_bytes, c, r0, G, NW, X_BYTES, WORDS, FMT,
-                         QMAX, HADAMARD, SIGNS, DUAL, ADAPTIVE, ZERO_NONFINITE, CHUNKED, PAD, 1, True)
+                         QMAX, HADAMARD, SIGNS, DUAL, ADAPTIVE, ZERO_NONFINITE, CHUNKED, TAIL, HEADER, 1, True)
 
 
 def _register_cap(cap: int | None) -> dict:
@@ -401,6 +406,6 @@ def compress_rows_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout
         G=config.group_size, NW=warps, X_BYTES=x.element_size(), WORDS=words, FMT=FORMAT_CODES[config.format],
         QMAX=config.qmax, HADAMARD=config.hadamard, SIGNS=config.random_signs, DUAL=config.scales == "dual",
         ADAPTIVE=config.adaptive_scale, ZERO_NONFINITE=config.nonfinite == "zero", CHUNKED=layout.chunks > 1,
-        WIDE=_wide(layout, x), PAD=layout.chunk_bytes - layout.used_bytes, SPLIT=split_sms > 0, num_warps=warps,
+        WIDE=_wide(layout, x), TAIL=layout.tail_bytes, HEADER=signed_header(config), SPLIT=split_sms > 0, num_warps=warps,
         **launch,
     )

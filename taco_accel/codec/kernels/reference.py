@@ -25,7 +25,7 @@ import torch
 
 from ..config import TacoConfig
 from ..hadamard import device_signs, walsh_hadamard
-from ..layout import PAYLOAD_DTYPES, WireLayout
+from ..layout import PAYLOAD_DTYPES, WireLayout, signed_header
 
 ADAPTIVE_EPS = 1e-6
 ADAPTIVE_MIN, ADAPTIVE_MAX = 1e-3, 1e3
@@ -33,6 +33,9 @@ ADAPTIVE_MIN, ADAPTIVE_MAX = 1e-3, 1e3
 # fp32 for every format (57344 / 1e-33 = 5.7e37 < 3.4e38; at 1e-35 E5M2 overflowed to inf and
 # saturated every value), and the scale amax / qmax stays a normal fp32 (>= 1.7e-38).
 TINY_AMAX = 1e-33
+# Decoded values go out saturated to fp16's largest finite value: a finite input near it comes
+# back within the codec's error, which may lie past it, and must not decode to inf.
+FP16_MAX = 65504.0
 
 
 def divide(num: torch.Tensor | float, den: torch.Tensor | float) -> torch.Tensor:
@@ -125,6 +128,7 @@ def _store(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig, q: torc
     chunks, gpc = layout.chunks, layout.groups_per_chunk
     layout.payload(buffer, config.format).copy_(q.view(chunks, -1))
     layout.scales(buffer).copy_(scales.view(-1, chunks, gpc).transpose(0, 1))
+    layout.headers(buffer).fill_(signed_header(config))
     layout.padding(buffer).zero_()
 
 
@@ -137,7 +141,10 @@ def _unpack(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig):
 def decompress_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor) -> None:
     """Decode ``buffer`` into the flat tensor ``out`` (``layout.numel`` values, any float dtype)."""
     q, scales = _unpack(buffer, layout, config)
-    out.copy_(decode_groups(q, scales, config).view(-1)[: layout.numel])
+    decoded = decode_groups(q, scales, config).view(-1)[: layout.numel]
+    if out.dtype == torch.float16:
+        decoded = decoded.clamp(-FP16_MAX, FP16_MAX)  # NaN stays NaN
+    out.copy_(decoded)
 
 
 def sum_into(stacked: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor) -> None:

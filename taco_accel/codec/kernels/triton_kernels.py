@@ -48,16 +48,17 @@ from triton.language.extra import libdevice
 
 from ..config import TacoConfig
 from ..hadamard import device_signs
-from ..layout import FORMAT_CODES, PAYLOAD_DTYPES, WireLayout
+from ..layout import FORMAT_CODES, PAYLOAD_DTYPES, WireLayout, signed_header
 from ..tuning import DotMode, Store, Tuning
 from . import interpreting, sm_count
-from .reference import ADAPTIVE_EPS, ADAPTIVE_MAX, ADAPTIVE_MIN, TINY_AMAX
+from .reference import ADAPTIVE_EPS, ADAPTIVE_MAX, ADAPTIVE_MIN, FP16_MAX as FP16_MAX_VALUE, TINY_AMAX
 
 # the reference's constants, as compile-time values the kernels may read
 _EPS = tl.constexpr(ADAPTIVE_EPS)
 _A_MIN = tl.constexpr(ADAPTIVE_MIN)
 _A_MAX = tl.constexpr(ADAPTIVE_MAX)
 _TINY = tl.constexpr(TINY_AMAX)
+FP16_MAX = tl.constexpr(FP16_MAX_VALUE)
 SUB_MAX = 64  # largest dense Hadamard block (128 costs twice the tensor-core work per value)
 
 
@@ -260,13 +261,14 @@ def _store_scales(s_ptr, c, r0, g_mask, s, a, gpc, chunk_bytes, G: tl.constexpr,
 
 
 @triton.jit
-def _store_padding(q_ptr, c, r0, gpc, chunk_bytes, PAD: tl.constexpr, BG: tl.constexpr):
-    """Zero the PAD (0, 4, 8 or 12) padding bytes at the end of chunk c, from its last tile."""
-    if PAD > 0:
-        k = tl.arange(0, 16)
-        zero = tl.zeros((16,), tl.float32).to(q_ptr.dtype.element_ty)
-        last = (r0 + BG >= gpc).to(tl.int32)  # this tile holds the chunk's last group
-        tl.store(q_ptr + (c + 1) * chunk_bytes - PAD + k, zero, mask=k < PAD * last)
+def _store_tail(q_ptr, c, r0, gpc, chunk_bytes, TAIL: tl.constexpr, HEADER: tl.constexpr, BG: tl.constexpr):
+    """Write the TAIL (4, 8, 12 or 16) last bytes of chunk c from its last tile: the 4-byte header
+    (HEADER, `layout.header_word` as a signed int32, little-endian), then zeros."""
+    k = tl.arange(0, 16)
+    byte = tl.where(k < 4, (tl.full((16,), HEADER, tl.int32) >> (8 * k)) & 0xFF, 0).to(tl.uint8)
+    last = (r0 + BG >= gpc).to(tl.int32)  # this tile holds the chunk's last group
+    tl.store(q_ptr + (c + 1) * chunk_bytes - TAIL + k, byte.to(q_ptr.dtype.element_ty, bitcast=True),
+             mask=k < TAIL * last)
 
 
 @triton.jit
@@ -318,7 +320,7 @@ def _compress_tile(
     tile, x_ptr, q_ptr, s_ptr, sign_ptr, h, numel, gpc, chunk_bytes, tiles_per_chunk,
     G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr, FMT: tl.constexpr, QMAX: tl.constexpr,
     HADAMARD: tl.constexpr, SIGNS: tl.constexpr, DUAL: tl.constexpr, ADAPTIVE: tl.constexpr,
-    ZERO_NONFINITE: tl.constexpr, DOT_MODE: tl.constexpr, EMULATE_ROUND: tl.constexpr, PAD: tl.constexpr,
+    ZERO_NONFINITE: tl.constexpr, DOT_MODE: tl.constexpr, EMULATE_ROUND: tl.constexpr, TAIL: tl.constexpr, HEADER: tl.constexpr,
 ):
     NSUB: tl.constexpr = G // SUB
     c, r0, g_mask = _chunk_tile(tile, tiles_per_chunk, gpc, BG)
@@ -363,7 +365,7 @@ def _compress_tile(
         _store_payload(q_blk, offs + 6 * SUB, y6, mult, bad, m, FMT, QMAX, EMULATE_ROUND)
         _store_payload(q_blk, offs + 7 * SUB, y7, mult, bad, m, FMT, QMAX, EMULATE_ROUND)
     _store_scales(s_ptr, c, r0, g_mask, s, a, gpc, chunk_bytes, G, BG, DUAL)
-    _store_padding(q_ptr, c, r0, gpc, chunk_bytes, PAD, BG)
+    _store_tail(q_ptr, c, r0, gpc, chunk_bytes, TAIL, HEADER, BG)
 
 
 @triton.jit
@@ -372,7 +374,7 @@ def compress_kernel(
     numel, chunks, gpc, chunk_bytes, tiles_per_chunk,
     G: tl.constexpr, SUB: tl.constexpr, BG: tl.constexpr, FMT: tl.constexpr, QMAX: tl.constexpr,
     HADAMARD: tl.constexpr, SIGNS: tl.constexpr, DUAL: tl.constexpr, ADAPTIVE: tl.constexpr,
-    ZERO_NONFINITE: tl.constexpr, DOT_MODE: tl.constexpr, EMULATE_ROUND: tl.constexpr, PAD: tl.constexpr,
+    ZERO_NONFINITE: tl.constexpr, DOT_MODE: tl.constexpr, EMULATE_ROUND: tl.constexpr, TAIL: tl.constexpr, HEADER: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
     """Encode x (``numel`` values) into the payload at q_ptr and the scales at s_ptr (views of one
@@ -381,7 +383,7 @@ def compress_kernel(
     for tile in tl.range(tl.program_id(0), tiles_per_chunk * chunks, tl.num_programs(0), num_stages=NUM_STAGES):
         _compress_tile(tile, x_ptr, q_ptr, s_ptr, sign_ptr, h, numel, gpc, chunk_bytes, tiles_per_chunk,
                        G, SUB, BG, FMT, QMAX, HADAMARD, SIGNS, DUAL, ADAPTIVE, ZERO_NONFINITE, DOT_MODE,
-                       EMULATE_ROUND, PAD)
+                       EMULATE_ROUND, TAIL, HEADER)
 
 
 @triton.jit
@@ -438,6 +440,8 @@ def _store_decoded(out_blk, left, x, scale, sign_ptr, j: tl.constexpr, G: tl.con
     if SIGNS:
         x = x * tl.load(sign_ptr + j * W + tl.arange(0, W)[None, :])
     offs = _row_offsets(G, W, BG) + j * W
+    if out_blk.dtype.element_ty == tl.float16:  # saturate: a decoded value past 65504 is not inf
+        x = tl.clamp(x, -FP16_MAX, FP16_MAX, propagate_nan=tl.PropagateNan.ALL)
     if STORE == 1:
         tl.store(out_blk + offs, x.to(out_blk.dtype.element_ty), mask=offs < left, cache_modifier=".cs")
     else:
@@ -507,7 +511,7 @@ def decompress_kernel(
 def _sum_tile(
     tile, q_ptr, s_ptr, out_q_ptr, out_s_ptr, stride, gpc, chunk_bytes, tiles_per_chunk,
     P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, FMT: tl.constexpr, QMAX: tl.constexpr,
-    DUAL: tl.constexpr, ADAPTIVE: tl.constexpr, EMULATE_ROUND: tl.constexpr, PAD: tl.constexpr,
+    DUAL: tl.constexpr, ADAPTIVE: tl.constexpr, EMULATE_ROUND: tl.constexpr, TAIL: tl.constexpr, HEADER: tl.constexpr,
 ):
     c, r0, g_mask = _chunk_tile(tile, tiles_per_chunk, gpc, BG)
     base = _payload_offsets(c, r0, chunk_bytes, G)
@@ -529,7 +533,7 @@ def _sum_tile(
     a, s, mult, bad = _scales(amax, sumsq, bad, 1.0, G, QMAX, DUAL, ADAPTIVE)
     _store_payload(out_q_ptr + base, offs, z, mult, bad, g_mask[:, None], FMT, QMAX, EMULATE_ROUND)
     _store_scales(out_s_ptr, c, r0, g_mask, s, a, gpc, chunk_bytes, G, BG, DUAL)
-    _store_padding(out_q_ptr, c, r0, gpc, chunk_bytes, PAD, BG)
+    _store_tail(out_q_ptr, c, r0, gpc, chunk_bytes, TAIL, HEADER, BG)
 
 
 @triton.jit
@@ -537,7 +541,7 @@ def sum_kernel(
     q_ptr, s_ptr, out_q_ptr, out_s_ptr, input_stride,
     chunks, gpc, chunk_bytes, tiles_per_chunk,
     P: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, FMT: tl.constexpr, QMAX: tl.constexpr,
-    DUAL: tl.constexpr, ADAPTIVE: tl.constexpr, EMULATE_ROUND: tl.constexpr, PAD: tl.constexpr,
+    DUAL: tl.constexpr, ADAPTIVE: tl.constexpr, EMULATE_ROUND: tl.constexpr, TAIL: tl.constexpr, HEADER: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
     """Dequantise P buffers of one layout (``input_stride`` bytes apart), sum them in fp32 and
@@ -545,7 +549,7 @@ def sum_kernel(
     stride = input_stride.to(tl.int64)  # bytes between inputs, a multiple of 4
     for tile in tl.range(tl.program_id(0), tiles_per_chunk * chunks, tl.num_programs(0), num_stages=NUM_STAGES):
         _sum_tile(tile, q_ptr, s_ptr, out_q_ptr, out_s_ptr, stride, gpc, chunk_bytes, tiles_per_chunk,
-                  P, G, BG, FMT, QMAX, DUAL, ADAPTIVE, EMULATE_ROUND, PAD)
+                  P, G, BG, FMT, QMAX, DUAL, ADAPTIVE, EMULATE_ROUND, TAIL, HEADER)
 
 
 # --- host side ---------------------------------------------------------------------------------
@@ -643,7 +647,7 @@ def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, con
     tiles, common = _common(layout, config, "compress", tuning)
     args = (x, buffer.view(PAYLOAD_DTYPES[config.format]), buffer.view(torch.float32), signs)
     _run(compress_kernel, "compress", tiles, args, dict(
-        numel=layout.numel, **common, PAD=layout.chunk_bytes - layout.used_bytes, SUB=min(config.group_size, SUB_MAX),
+        numel=layout.numel, **common, TAIL=layout.tail_bytes, HEADER=signed_header(config), SUB=min(config.group_size, SUB_MAX),
         FMT=FORMAT_CODES[config.format], QMAX=config.qmax, HADAMARD=config.hadamard,
         SIGNS=config.random_signs, DUAL=config.scales == "dual", ADAPTIVE=config.adaptive_scale,
         ZERO_NONFINITE=config.nonfinite == "zero", DOT_MODE=_dot_mode(x.dtype == torch.bfloat16, tuning),
@@ -675,7 +679,7 @@ def sum_into(stacked: torch.Tensor, layout: WireLayout, config: TacoConfig, out:
     fmt_dtype = PAYLOAD_DTYPES[config.format]
     args = (stacked.view(fmt_dtype), stacked.view(torch.float32), out.view(fmt_dtype), out.view(torch.float32))
     _run(sum_kernel, step, tiles, args, dict(
-        input_stride=stacked.stride(0), **common, PAD=layout.chunk_bytes - layout.used_bytes, P=stacked.shape[0],
+        input_stride=stacked.stride(0), **common, TAIL=layout.tail_bytes, HEADER=signed_header(config), P=stacked.shape[0],
         FMT=FORMAT_CODES[config.format], QMAX=config.qmax, DUAL=config.scales == "dual",
         ADAPTIVE=config.adaptive_scale, EMULATE_ROUND=interpreting(),
     ), tuning)

@@ -1,0 +1,123 @@
+"""The wire carries its config: a buffer read under another TacoConfig raises WireFormatError.
+
+Each chunk ends its payload and scales with a 4-byte header (`codec.layout`: version, G, format,
+scale layout, Hadamard, random signs and a hash of their seed). `decompress` and `sum_packed`,
+where a buffer meets a config, check it; so do the collectives' receive side, which go through
+them. The mismatches here have buffers of the same size, which decoded to numbers before.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import run_ranks
+from taco_accel import comm
+from taco_accel.codec import Packed, TacoConfig, WireFormatError, WireLayout, check_wire, compress, decompress, sum_packed
+
+BASE = TacoConfig(backend="torch")
+# (writer, reader) pairs whose buffers have the same size (1024 values, one or two chunks)
+MISMATCHES = {
+    "format": (BASE, BASE.replace(format="int8")),
+    "hadamard": (BASE, BASE.replace(hadamard=False)),
+    "random signs": (BASE, BASE.replace(random_signs=True)),
+    "sign seed": (BASE.replace(random_signs=True), BASE.replace(random_signs=True, sign_seed=1)),
+    "group size and scale layout": (BASE.replace(group_size=128, scales="dual"), BASE.replace(group_size=64)),
+    "e4m3 / e5m2": (BASE, BASE.replace(format="e5m2")),
+}
+
+
+def read_as(packed: Packed, config: TacoConfig) -> Packed:
+    """``packed``'s bytes under another config, with that config's own layout of the same size."""
+    layout = WireLayout.for_tensor(packed.layout.numel, config, packed.layout.chunks)
+    assert layout.total_bytes == packed.nbytes, "the mismatch must not change the size"
+    return Packed(packed.buffer, packed.shape, packed.dtype, config, layout)
+
+
+@pytest.mark.parametrize("chunks", (1, 2))
+@pytest.mark.parametrize("mismatch", MISMATCHES)
+def test_decompress_under_another_config_raises(mismatch, chunks):
+    writer, reader = MISMATCHES[mismatch]
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(1))
+    packed = compress(x, writer, chunks=chunks)
+    assert torch.equal(decompress(packed), decompress(read_as(packed, writer)))  # the same config reads
+    with pytest.raises(WireFormatError, match=r"chunk 0 of the buffer was written with group_size=.* but is read with"):
+        decompress(read_as(packed, reader))
+
+
+@pytest.mark.parametrize("mismatch", MISMATCHES)
+def test_sum_packed_of_a_buffer_of_another_config_raises(mismatch):
+    """The reduce step of the two-shot all-reduce: one peer's chunk written under another config."""
+    writer, reader = MISMATCHES[mismatch]
+    xs = torch.randn(3, 1024, generator=torch.Generator().manual_seed(2))
+    good = [compress(x, reader) for x in xs[:2]]
+    odd = compress(xs[2], writer)
+    stacked = torch.stack([good[0].buffer, good[1].buffer, odd.buffer])
+    sum_packed(stacked[:2], good[0].layout, reader)  # fine without the odd one
+    with pytest.raises(WireFormatError, match="input 2, chunk 0 of the buffer was written with"):
+        sum_packed(stacked, good[0].layout, reader)
+
+
+def test_a_buffer_that_is_not_one_raises():
+    """Bytes that no encoder wrote (zeros, or a buffer read with another layout of its size)."""
+    x = torch.randn(1000)
+    packed = compress(x, BASE)
+    zeros = Packed(torch.zeros_like(packed.buffer), packed.shape, packed.dtype, BASE, packed.layout)
+    with pytest.raises(WireFormatError, match="no header"):
+        decompress(zeros)
+    other = WireLayout.for_tensor(1000, BASE.replace(group_size=64))
+    with pytest.raises(WireFormatError, match="does not belong to TacoConfig"):
+        check_wire(packed.buffer, other, BASE)
+    check_wire(packed.buffer, packed.layout, BASE)
+
+
+# --- the collectives' receive side, on 2 gloo ranks ----------------------------------------------
+
+
+def _mismatched_ranks() -> dict:
+    """Rank 1 compresses as int8, rank 0 as e4m3 (same bytes per value): every op must raise on
+    both ranks, where the peer's buffer meets this rank's config."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    config = TacoConfig(threshold_bytes=0, format="int8" if rank else "e4m3")
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(rank))
+    errors = {}
+    for op in ("all_reduce", "reduce_scatter", "all_gather"):
+        try:
+            getattr(comm, op)(x, None, config)
+            errors[op] = None
+        except WireFormatError as error:
+            errors[op] = str(error)
+    same = TacoConfig(threshold_bytes=0)
+    comm.all_reduce(x, None, same)  # the group still works with one config
+    return errors
+
+
+def test_collectives_raise_where_ranks_use_other_configs():
+    for rank, errors in enumerate(run_ranks(_mismatched_ranks, 2)):
+        for op, message in errors.items():
+            assert message is not None, (rank, op)
+            written, read = ("'int8'", "'e4m3'") if rank == 0 else ("'e4m3'", "'int8'")
+            assert f"format={written}" in message.split("but is read with")[0], (rank, op, message)
+            assert f"format={read}" in message.split("but is read with")[1], (rank, op, message)
+
+
+def test_off_the_cpu_each_config_and_layout_is_checked_once(monkeypatch):
+    """Reading a header off the CPU costs a host sync: there each (config, layout, device) is
+    checked on its first buffer only, and every CPU buffer is checked (meta tensors stand in for a
+    GPU's: the reference decodes them without data)."""
+    from taco_accel.codec import api
+
+    checked = []
+    monkeypatch.setattr(api, "check_wire", lambda buffer, layout, config: checked.append(buffer.device.type))
+    layout = WireLayout.for_tensor(1003, BASE)  # a size no other test reads off the CPU
+    for device in ("meta", "meta", "cpu", "cpu"):
+        buffer = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device)
+        decompress(Packed(buffer, torch.Size([1003]), torch.float32, BASE, layout))
+        sum_packed(buffer[None], layout, BASE)
+    assert checked == ["meta", "cpu", "cpu", "cpu", "cpu"]
+    other = BASE.replace(format="int8")  # another config of the same layout: checked again
+    decompress(Packed(torch.zeros(layout.total_bytes, dtype=torch.uint8, device="meta"), torch.Size([1003]),
+                      torch.float32, other, layout))
+    assert checked[-1] == "meta" and len(checked) == 6
