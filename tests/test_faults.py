@@ -321,3 +321,133 @@ def test_supervised_records_name_file_and_line(tmp_path):
         SFTBatches([], 2, 1, pad_id=0)
     with pytest.raises(ValueError, match=r"dp_rank=1: pass an int in \[0, dp_size=1\)"):
         SFTBatches([([1, 2], [1, 2])], 2, 1, pad_id=0, dp_rank=1)
+
+
+# -- checkpoints: killed saves, damaged and planted files, changed settings on resume ------------
+
+def _saves_then_dies(root: str, who: int, where: str) -> None:
+    """Save ``step_1`` (values 1) completely, then rewrite it (values 2) and die with SIGKILL:
+    rank ``who`` right after writing its shard (``where="shard"``), or rank 0 between the two
+    renames that commit the folder (``where="commit"``)."""
+    import os
+    import signal
+
+    from taco_accel.integrations import checkpoint as ckpt
+
+    rank = dist.get_rank()
+    folder = os.path.join(root, "step_1")
+    ckpt.write(folder, {f"shard{rank}.pt": torch.full((4,), 1.0)}, {"format": ckpt.FORMAT})
+    if rank == who and where == "shard":
+        real_save = torch.save
+
+        def save_and_die(obj, path, *args, **kwargs):
+            real_save(obj, path, *args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        torch.save = save_and_die
+    if rank == 0 and where == "commit":
+        real_rename, calls = os.rename, []
+
+        def rename_and_die(src, dst):
+            calls.append(dst)
+            if len(calls) == 2:  # the old folder is aside, the new one not yet in place
+                os.kill(os.getpid(), signal.SIGKILL)
+            real_rename(src, dst)
+
+        os.rename = rename_and_die
+    ckpt.write(folder, {f"shard{rank}.pt": torch.full((4,), 2.0)}, {"format": ckpt.FORMAT})
+
+
+@pytest.mark.parametrize("who,where,expect", [(1, "shard", 1.0), (0, "shard", 1.0), (0, "commit", 2.0)],
+                         ids=["rank1_mid_write", "rank0_mid_write", "rank0_between_renames"])
+def test_a_killed_save_never_mixes_two_runs(tmp_path, who, where, expect):
+    from taco_accel.integrations import checkpoint as ckpt
+
+    with pytest.raises(AssertionError, match=r"rank\(s\) failed"):  # the killed rank, or its peer left alone
+        run_ranks(_saves_then_dies, 2, str(tmp_path), who, where, timeout=FAST_S)
+    folder = ckpt.latest(tmp_path)  # no torch.distributed here: a look at the run's folder
+    meta = json.loads((folder / "meta.json").read_text())
+    values = {ckpt.read(folder, f"shard{r}.pt", meta)[0].item() for r in range(2)}
+    assert values == {expect}  # the old checkpoint whole, or the new one whole; never one of each
+
+
+def _two_steps(root) -> None:
+    from taco_accel.integrations import checkpoint as ckpt
+
+    for step in (1, 2):
+        ckpt.write(root / f"step_{step}", {"shard0.pt": torch.full((1000,), float(step)), "shard1.pt": {"x": step}},
+                   {"format": ckpt.FORMAT})
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_a_damaged_latest_is_skipped_for_the_one_before(tmp_path, caplog, damage):
+    from taco_accel.integrations import checkpoint as ckpt
+
+    _two_steps(tmp_path)
+    shard = tmp_path / "step_2" / "shard0.pt"
+    data = bytearray(shard.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x10
+        shard.write_bytes(bytes(data))
+    elif damage == "truncate":
+        shard.write_bytes(bytes(data[:-100]))
+    else:
+        shard.unlink()
+    with caplog.at_level("WARNING"):
+        assert ckpt.latest(tmp_path) == tmp_path / "step_1"
+    assert "step_2" in caplog.text and "shard0.pt" in caplog.text  # the warning names the file
+    meta = json.loads((tmp_path / "step_2" / "meta.json").read_text())
+    with pytest.raises(ckpt.CheckpointError, match=r"step_2/shard0\.pt"):
+        ckpt.read(tmp_path / "step_2", "shard0.pt", meta)
+    (tmp_path / "step_1" / "shard1.pt").write_bytes(b"garbage")
+    with pytest.raises(ckpt.CheckpointError, match="every checkpoint under .* is damaged"):
+        ckpt.latest(tmp_path)
+
+
+class _Planted:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch planted_code_ran",))
+
+
+def test_a_planted_file_is_refused_without_running(tmp_path, monkeypatch):
+    from taco_accel.integrations import checkpoint as ckpt
+
+    monkeypatch.chdir(tmp_path)
+    _two_steps(tmp_path)
+    folder = tmp_path / "step_2"
+    torch.save({"payload": _Planted()}, folder / "shard1.pt")  # an attacker rewrites the file and its meta
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["files"]["shard1.pt"] = ckpt._describe(folder / "shard1.pt")
+    (folder / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ckpt.CheckpointError, match="weights_only"):
+        ckpt.read(folder, "shard1.pt", meta)
+    assert not (tmp_path / "planted_code_ran").exists()
+
+
+def _resume_with_changed_settings(out: str, cache: str) -> dict:
+    import logging
+
+    from taco_accel.integrations import TrainConfig, Trainer
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("taco_accel").addHandler(handler)
+    values = dict(family="qwen2", preset="nano", seq_len=32, micro_batch_size=2, micro_batches=1, steps=4, lr=1e-2,
+                  warmup_steps=0, eval_every=0, trackers=(), progress=False, export=False, plot=False,
+                  compression=None, output_dir=out, cache_dir=cache, device="cpu", tp=1, save_every=2)
+    Trainer(TrainConfig(**values)).train(until=2)
+    history = Trainer(TrainConfig(**{**values, "lr": 1e-3, "weight_decay": 0.0}, resume="latest")).train()
+    return {"lrs": [r["lr"] for r in history], "log": "\n".join(records)}
+
+
+def test_resume_applies_changed_hyper_parameters_and_says_so(tmp_path):
+    from taco_accel.integrations.trainer import TrainConfig, lr_lambda
+
+    r = run_ranks(_resume_with_changed_settings, 1, str(tmp_path / "run"), str(tmp_path / "cache"))[0]
+    factor = lr_lambda(TrainConfig(steps=4, warmup_steps=0))
+    assert r["lrs"][:2] == pytest.approx([1e-2 * factor(0), 1e-2 * factor(1)])  # from the checkpoint's history
+    assert r["lrs"][2:] == pytest.approx([1e-3 * factor(2), 1e-3 * factor(3)])  # the new peak, same schedule
+    assert "lr 0.01 -> 0.001" in r["log"] and "weight_decay 0.1 -> 0.0" in r["log"]

@@ -134,6 +134,27 @@ def test_tp2_and_dp2_equal_one_process(base_checkpoint, tmp_path, method):
     assert ref["eval"] < ref["eval_0"]  # it learns
 
 
+def _resume(base: str, out: str) -> dict:
+    """4 steps straight, against 2 steps (checkpoint at 2, stopped as a preempted job) and a new
+    run resuming from it; tp=2, LoRA."""
+    from taco_accel.integrations.finetune import FinetuneConfig, Finetuner
+
+    values = dict(model=base, data=str(SAMPLE), max_len=96, micro_batch_size=2, micro_batches=1, steps=4, lr=5e-3,
+                  warmup_steps=1, eval_every=0, max_eval_examples=4, lora_r=4, trackers=(), progress=False,
+                  plot=False, export=False, device="cpu", compression=None, tp=2)
+    losses = lambda history: [r["loss"] for r in history if "loss" in r]  # noqa: E731
+    straight = losses(Finetuner(FinetuneConfig(**values, output_dir=os.path.join(out, "straight"))).train())
+    first = losses(Finetuner(FinetuneConfig(**values, output_dir=os.path.join(out, "cut"), save_every=2)).train(until=2))
+    resumed = losses(Finetuner(FinetuneConfig(**values, output_dir=os.path.join(out, "cut"), resume="latest")).train())
+    return {"straight": straight, "first": first, "resumed": resumed}
+
+
+def test_resume_repeats_the_uninterrupted_losses(base_checkpoint, tmp_path):
+    r = run_ranks(_resume, 2, base_checkpoint, str(tmp_path))[0]
+    assert r["first"] == r["straight"][:2]
+    assert r["resumed"] == r["straight"]  # the history comes back with the checkpoint; steps 3-4 are new
+
+
 # -- the recipes through accelerate launch --------------------------------------------------
 
 def _launch(recipe: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:

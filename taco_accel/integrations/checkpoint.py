@@ -50,7 +50,8 @@ FORMAT = "taco_accel-checkpoint"
 VERSION = 1
 META = "meta.json"
 SHARED = "state.pt"
-NAME = re.compile(r"(?:step|checkpoint)_(\d+)")
+NAME = re.compile(r"(?:step|checkpoint)_(?P<step>\d+)")
+HIDDEN = re.compile(r"\.(?:step|checkpoint)_(?P<step>\d+)\.(?P<kind>tmp|old)-[0-9a-f]+")
 
 
 class CheckpointError(ValueError):
@@ -86,8 +87,8 @@ def save(folder: str | os.PathLike, state: TrainingState, mesh, dims: ParallelDi
             "models": [[_local(m.state_dict()) for m in parts.modules] for parts in state.parts],
             "optimizers": [_local(opt.state_dict()) for opt in state.optimizers],
         }
-    files[f"rank{dist.get_rank()}.pt"] = _rng_state()
-    if dist.get_rank() == 0:
+    files[f"rank{_rank()}.pt"] = _rng_state()
+    if _rank() == 0:
         files[SHARED] = {
             "schedulers": [s.state_dict() for s in state.schedulers],
             "scaler": state.scaler.state_dict() if state.scaler is not None else None,
@@ -103,33 +104,31 @@ def write(folder: str | os.PathLike, files: dict[str, object], meta: dict) -> Pa
     """Each rank saves its ``files`` (name -> object); rank 0 adds ``meta`` with every file's
     size and checksum and commits the folder (see the module doc). A collective."""
     folder = Path(folder)
-    token = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(token, src=0)
-    tmp = folder.parent / f".{folder.name}.tmp-{token[0]}"
-    if dist.get_rank() == 0:
+    token = _broadcast(uuid.uuid4().hex[:12] if _rank() == 0 else None)
+    tmp = folder.parent / f".{folder.name}.tmp-{token}"
+    if _rank() == 0:
         folder.parent.mkdir(parents=True, exist_ok=True)
         for stale in folder.parent.glob(f".{folder.name}.*-*"):  # leftovers of killed saves
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
-    dist.barrier()
+    _barrier()
     mine = {}
     for name, obj in files.items():
         torch.save(obj, tmp / name)
         mine[name] = _describe(tmp / name)
-    reports = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, mine)
-    if dist.get_rank() == 0:
+    reports = _all_gather(mine)
+    if _rank() == 0:
         meta = {**meta, "files": {k: v for report in reports for k, v in report.items()}}
         (tmp / META).write_text(json.dumps(meta, indent=1))
         _fsync_dir(tmp)
-        aside = folder.parent / f".{folder.name}.old-{token[0]}"
+        aside = folder.parent / f".{folder.name}.old-{token}"
         if folder.exists():
             os.rename(folder, aside)
         os.rename(tmp, folder)
         _fsync_dir(folder.parent)
         shutil.rmtree(aside, ignore_errors=True)
         logger.info("saved checkpoint %s", folder)
-    dist.barrier()
+    _barrier()
     return folder
 
 
@@ -145,7 +144,7 @@ def load(folder: str | os.PathLike, state: TrainingState, mesh, dims: ParallelDi
     meta = _agree(lambda: _meta(folder, dims), f"checkpoint {folder}")
     coords = {name: mesh[name].get_local_rank() for name in ("pp", "dp", "tp")}
     names = [model_file({**coords, "dp": coords["dp"] if dims.dp_mode == "fsdp" else 0}, dims),
-             f"rank{dist.get_rank()}.pt", SHARED]
+             f"rank{_rank()}.pt", SHARED]
     loaded = _agree(lambda: {n: read(folder, n, meta) for n in names}, f"checkpoint {folder}")
     model_state = loaded[names[0]]
     if len(model_state["models"]) != len(state.parts) or len(model_state["optimizers"]) != len(state.optimizers):
@@ -173,7 +172,7 @@ def load(folder: str | os.PathLike, state: TrainingState, mesh, dims: ParallelDi
         obj.load_state_dict(saved)
     if state.owner is not None:
         state.owner.step = shared["step"]
-    _set_rng_state(loaded[f"rank{dist.get_rank()}.pt"])
+    _set_rng_state(loaded[f"rank{_rank()}.pt"])
     logger.info("resumed from %s", folder)
     return meta
 
@@ -194,26 +193,22 @@ def read(folder: Path, name: str, meta: dict):
 def latest(root: str | os.PathLike, mesh=None) -> Path | None:
     """The newest complete, undamaged checkpoint folder (``step_<N>`` / ``checkpoint_<N>``)
     under ``root``, or None when there is none. Damaged ones are skipped with a warning that
-    names their files; if every one is damaged, a `CheckpointError`. A collective: each rank
-    checks a share of the files."""
+    names their files; if every one is damaged, a `CheckpointError`. A save killed between its
+    two renames leaves its complete new folder hidden (``.step_<N>.tmp-*``, with meta.json):
+    it counts, before the old one it replaces. A collective: each rank checks a share of the
+    files (it also works without torch.distributed, for a look at a run's folder)."""
     root = Path(root)
-    found = [None]
-    if dist.get_rank() == 0:
-        found[0] = _candidates(root)
-    dist.broadcast_object_list(found, src=0)
+    found = _broadcast(_candidates(root) if _rank() == 0 else None)
     damaged = []
-    for folder in found[0]:
+    for folder in found:
         meta = json.loads((folder / META).read_text())
         names = sorted(meta.get("files", {}))
-        mine = [f"{n}: {p}" for n in names[dist.get_rank()::dist.get_world_size()]
-                if (p := _check(folder / n, meta["files"][n]))]
-        problems = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, mine)
-        problems = [p for part in problems for p in part]
+        mine = [f"{n}: {p}" for n in names[_rank()::_world()] if (p := _check(folder / n, meta["files"][n]))]
+        problems = [p for part in _all_gather(mine) for p in part]
         if not problems:
             return folder
         damaged.append(folder)
-        if dist.get_rank() == 0:
+        if _rank() == 0:
             logger.warning("checkpoint %s is damaged (%s); trying the one before", folder, "; ".join(problems))
     if damaged:
         raise CheckpointError(f"every checkpoint under {root} is damaged ({', '.join(map(str, damaged))}); "
@@ -229,23 +224,28 @@ def prune(root: Path, keep: int) -> None:
 
 
 def step_of(folder: Path) -> int:
-    match = NAME.fullmatch(Path(folder).name)
-    return int(match.group(1)) if match else -1
+    match = NAME.fullmatch(Path(folder).name) or HIDDEN.fullmatch(Path(folder).name)
+    return int(match.group("step")) if match else -1
 
 
 # -- helpers ------------------------------------------------------------------------------------
 def _candidates(root: Path) -> list[Path]:
-    """Checkpoint folders with a meta.json, newest first."""
+    """Complete checkpoint folders (with a meta.json), newest step first; for one step, the
+    visible folder, then a committed-but-not-renamed one, then the one it was replacing."""
     if not root.is_dir():
         return []
+    rank = {"": 0, "tmp": 1, "old": 2}
     done = []
     for p in root.iterdir():
-        if NAME.fullmatch(p.name):
-            if (p / META).exists():
-                done.append(p)
-            else:
-                logger.warning("ignoring %s: no %s (not written by this version, or not a checkpoint)", p, META)
-    return sorted(done, key=step_of, reverse=True)
+        match = HIDDEN.fullmatch(p.name) or NAME.fullmatch(p.name)
+        if not match:
+            continue
+        kind = match.groupdict().get("kind") or ""
+        if (p / META).exists():
+            done.append((-int(match.group("step")), rank[kind], p))
+        elif not kind:
+            logger.warning("ignoring %s: no %s (not written by this version, or not a checkpoint)", p, META)
+    return [p for *_, p in sorted(done)]
 
 
 def _meta(folder: Path, dims: ParallelDims) -> dict:
@@ -268,12 +268,40 @@ def _agree(fn, what: str):
         value, problem = fn(), None
     except CheckpointError as e:
         value, problem = None, str(e)
-    problems = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, problem)
-    problems = sorted({p for p in problems if p})
+    problems = sorted({p for p in _all_gather(problem) if p})
     if problems:
         raise CheckpointError(f"cannot load {what}: " + "; ".join(problems))
     return value
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _broadcast(value):
+    """Rank 0's ``value`` on every rank."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_gather(value) -> list:
+    if not dist.is_initialized():
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def _describe(path: Path) -> dict:

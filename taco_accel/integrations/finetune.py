@@ -364,9 +364,11 @@ class Finetuner:
         return result[0]
 
     # -- the loop ---------------------------------------------------------------------------
-    def train(self) -> list[dict]:
-        """Train for ``cfg.steps`` steps, evaluating before, every ``eval_every`` and at the end; export."""
+    def train(self, until: int | None = None) -> list[dict]:
+        """Train for ``cfg.steps`` steps, evaluating before, every ``eval_every`` and at the end; export.
+        ``until``: stop after that step, as a preempted job would (no final evaluation or export)."""
         cfg, acc = self.cfg, self.accelerator
+        until = cfg.steps if until is None else min(until, cfg.steps)
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "run_config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
@@ -376,7 +378,7 @@ class Finetuner:
             self.eval_results = {"step": 0, **{f"eval_{k}": v for k, v in self.evaluate().items()}}
             self.history.append(self.eval_results)
         with _progress(cfg.steps, self.step, enabled=cfg.progress and self.is_main) as bar:
-            while self.step < cfg.steps:
+            while self.step < until:
                 row = self.train_step()
                 if self.step == cfg.steps or (cfg.eval_every and self.step % cfg.eval_every == 0):
                     row.update({f"eval_{k}": v for k, v in self.evaluate().items()})
@@ -390,7 +392,8 @@ class Finetuner:
                         logger.info(_format(row))
                 if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
                     self.accelerator.save_state(self.out / "checkpoints" / f"step_{self.step}")
-        self._finish()
+        if self.step == cfg.steps:
+            self._finish()
         return self.history
 
     def _finish(self) -> None:
