@@ -59,7 +59,8 @@ class GatherChunks:
 
     def __iter__(self):
         for r in [self.rank, *(r for r in range(self.world) if r != self.rank)]:
-            self.works[r].wait()
+            if r != self.rank:  # this rank's part is here already; its broadcast is awaited in `finish`
+                self.works[r].wait()
             if self.compressed:  # this rank's part is decoded too: every rank holds the same bytes
                 part = decompress(Packed(self.buffers[r], self.shape, self.dtype, self.cfg, self.layout))
             else:
@@ -72,6 +73,7 @@ class GatherChunks:
         if any(p is None for p in self.parts):
             for _ in self:
                 pass
+        self.works[self.rank].wait()
         if self.compressed:
             sent = (self.world - 1) * self.layout.total_bytes
             checked = [self.layout.scales(b) for b in self.buffers]  # a non-finite group has a NaN scale
