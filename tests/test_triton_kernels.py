@@ -397,7 +397,8 @@ def test_gluon_encoder_matches_reference(group_size, schedule):
     tail), against the reference (1 or 3 chunks, a partial last group, a NaN group,
     an Inf group, a group past fp32's range once transformed) for every variant and input type,
     bf16 read as words and, from an odd start or of odd length, as values; also under
-    nonfinite="zero". The payload equals the reference's but for values at a rounding tie."""
+    nonfinite="zero". The payload equals the reference's but for values at a rounding tie; each
+    chunk's header and padding are written."""
     from taco_accel.codec.kernels import gluon_kernels
 
     split = schedule != "one-lane"
@@ -428,6 +429,7 @@ def test_gluon_encoder_matches_reference(group_size, schedule):
             got = compress(values, cfg, chunks=chunks, tuning=tuning)
             assert_payload_close(ref, got, cfg.format)
             assert not ref.layout.padding(got.buffer).any(), (variant, chunks, values.dtype)
+            assert (ref.layout.headers(got.buffer) == signed_header(cfg)).all(), (variant, chunks, values.dtype)
 
 
 # --- which kernel runs: dispatch.select's table ---------------------------------------------------
