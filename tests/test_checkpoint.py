@@ -12,9 +12,9 @@ from harness import run_ranks
 
 import taco_accel
 from taco_accel.models.checkpoint import gather_state_dict, shard_specs
-from taco_accel.models.tiny import tiny_model
+from taco_accel.models.tiny import tiny_model, tiny_model_types
 
-ARCHS = ("qwen2", "qwen3", "llama", "mistral", "gpt2")
+ARCHS = tuple(tiny_model_types())  # every registered family: one parity suite
 
 
 def _ids(vocab: int):

@@ -21,10 +21,10 @@ import taco_accel
 from taco_accel import comm
 from taco_accel.comm.emulated import EmulatedGroup
 from taco_accel.models.checkpoint import shard_specs
-from taco_accel.models.tiny import tiny_model
+from taco_accel.models.tiny import tiny_model, tiny_model_types
 from taco_accel.tp.utils import ShardSpec
 
-ARCHS = ("qwen2", "qwen3", "llama", "mistral", "gpt2")
+ARCHS = tuple(tiny_model_types())  # every registered family: one parity suite
 STEPS = 3
 CFG = taco_accel.TacoConfig(threshold_bytes=0)  # tiny tensors compress too
 MIXED = taco_accel.Compression(

@@ -18,9 +18,9 @@ from harness import run_ranks
 import taco_accel
 from taco_accel import comm
 from taco_accel.models.checkpoint import shard_specs
-from taco_accel.models.tiny import tiny_config, tiny_model
+from taco_accel.models.tiny import tiny_config, tiny_model, tiny_model_types
 
-ARCHS = ("qwen2", "qwen3", "llama", "mistral", "gpt2")
+ARCHS = tuple(tiny_model_types())  # every registered family: one parity suite
 TPS = (2, 4)
 WORLD = 4
 COMPRESSED = taco_accel.TacoConfig(threshold_bytes=0)  # tiny tensors compress too
@@ -292,3 +292,16 @@ def test_sites_save_and_load(tmp_path):
     assert sites.group_sizes()["layers.1.mlp.down_proj/fwd"] == 128
     with pytest.raises(ValueError, match="unknown sites"):
         sites.set_group_sizes({"layers.9.mlp/fwd": 64})
+
+
+def test_every_registered_family_is_in_the_parity_suite():
+    """Adding a family is one file: its plan registers the TP layout, the pipeline stage layout
+    and a tiny config, and the suites above run it (a plan without a tiny config is not tested)."""
+    from taco_accel.parallel.stage import family_of
+
+    assert set(ARCHS) == set(taco_accel.supported_model_types())
+    for arch in ARCHS:
+        model = tiny_model(arch)
+        layout = family_of(model)
+        assert getattr(getattr(model, layout.base), layout.layers) is model.get_submodule(
+            taco_accel.models.plan_of_type(arch).layers)

@@ -1,8 +1,11 @@
 """Layer 4: per-architecture tensor-parallel plans, `parallelize`, and TP-aware checkpoints."""
 
+from . import gpt2, llama, qwen  # noqa: F401  (the built-in families register their plans)
 from .checkpoint import from_pretrained, gather_state_dict, save_pretrained
 from .parallelize import TPContext, calibrate_group_sizes, context_of, parallelize
-from .plan import AttentionDims, Colwise, EnterRegion, Rowwise, TPPlan, plan_for, register_plan, supported_model_types
+from .plan import (
+    AttentionDims, Colwise, EnterRegion, Rowwise, TPPlan, plan_for, plan_of_type, register_plan, supported_model_types,
+)
 
 __all__ = [
     "AttentionDims",
@@ -17,6 +20,7 @@ __all__ = [
     "gather_state_dict",
     "parallelize",
     "plan_for",
+    "plan_of_type",
     "register_plan",
     "save_pretrained",
     "supported_model_types",

@@ -9,6 +9,7 @@ replicated; the lm head is tied to ``wte`` and split the same way.
 from __future__ import annotations
 
 from torch import nn
+from transformers import GPT2Config
 
 from .plan import AttentionDims, Colwise, EnterRegion, Rowwise, TPPlan, register_plan
 
@@ -48,5 +49,11 @@ GPT2_PLAN = register_plan(
         dims=attention_dims,
         set_local_heads=set_local_heads,
         check=check,
+        position_embedding="transformer.wpe",
+        embedding_dropout="transformer.drop",
+        tiny={"gpt2": (GPT2Config, dict(  # fused Conv1D c_attn, learned positions, tied, an odd vocabulary
+            vocab_size=130, n_embd=64, n_layer=2, n_head=4, n_positions=64, n_inner=128,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        ))},
     )
 )

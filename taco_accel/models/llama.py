@@ -9,8 +9,12 @@ each kv head on ``tp / num_key_value_heads`` ranks, as Megatron does.
 from __future__ import annotations
 
 from torch import nn
+from transformers import LlamaConfig, MistralConfig
 
 from .plan import AttentionDims, Colwise, EnterRegion, Rowwise, TPPlan, register_plan
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=64)  # the tiny decoders' shared shape (4 heads: tp up to 4)
 
 DECODER_LAYER = {
     "self_attn": EnterRegion(),
@@ -49,5 +53,10 @@ LLAMA_PLAN = register_plan(
         attention="self_attn",
         dims=attention_dims,
         set_local_heads=set_local_heads,
+        rotary="model.rotary_emb",
+        tiny={  # llama: one kv head (replicated on every rank), MLP biases; mistral: an odd vocabulary
+            "llama": (LlamaConfig, dict(vocab_size=128, num_key_value_heads=1, mlp_bias=True, **TINY)),
+            "mistral": (MistralConfig, dict(vocab_size=130, num_key_value_heads=4, **TINY)),
+        },
     )
 )

@@ -12,9 +12,12 @@ and of transformers' own ``base_model_tp_plan``::
         ...
     }
 
-Adding an architecture: write a plan like `taco_accel.models.llama.LLAMA_PLAN` (module names,
-how to read the head counts from the config, which attributes hold the local head counts)
-and call `register_plan(plan)`.
+A plan is everything taco_accel knows about a family, so adding an architecture is one file
+like `taco_accel.models.llama`: the module names (which also lay out pipeline stages), how to
+read the head counts from the config, which attributes hold the local head counts, and a tiny
+config per model type (the tests run every registered family through the same parity suite);
+then ``register_plan(plan)``. Parameter names stay transformers' own, so checkpoints and the
+vocab-parallel loss need nothing per family.
 """
 
 from __future__ import annotations
@@ -78,6 +81,12 @@ class TPPlan:
         set_local_heads: ``(attention module, local q heads, local kv heads)``: updates the
             attributes the attention forward reads (e.g. ``num_key_value_groups``).
         check: optional ``(config) -> None`` raising ValueError for unsupported settings.
+        position_embedding / embedding_dropout / rotary: what a pipeline stage runs besides
+            the layers (`taco_accel.parallel.StageModule`): learned positions added to the
+            token embedding, the dropout after it, the rotary module whose output every layer
+            takes. All module names share the decoder model's prefix (``model.``).
+        tiny: ``{model_type: (config class, settings)}``: a small config of each model type
+            the plan serves, with the family's awkward parts (`taco_accel.models.tiny`).
     """
 
     name: str
@@ -91,6 +100,26 @@ class TPPlan:
     set_local_heads: Callable[[nn.Module, int, int], None]
     lm_head: str = "lm_head"
     check: Callable[[object], None] | None = field(default=None)
+    position_embedding: str | None = None
+    embedding_dropout: str | None = None
+    rotary: str | None = None
+    tiny: Mapping[str, tuple[type, dict]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        base = self.base + "."
+        named = [self.embedding, self.layers, self.final_norm, self.position_embedding, self.embedding_dropout,
+                 self.rotary]
+        if any(name is not None and not name.startswith(base) for name in named):
+            raise ValueError(f"plan {self.name!r}: every module name must start with the decoder model's "
+                             f"{base!r} (got {named})")
+        missing = set(self.tiny) - set(self.model_types)
+        if missing:
+            raise ValueError(f"plan {self.name!r}: tiny configs for {sorted(missing)}, not in model_types")
+
+    @property
+    def base(self) -> str:
+        """The decoder model inside the causal LM (``model``, ``transformer``)."""
+        return self.embedding.split(".")[0]
 
 
 _PLANS: dict[str, TPPlan] = {}
@@ -110,6 +139,11 @@ def register_plan(plan: TPPlan, overwrite: bool = False) -> TPPlan:
 
 def supported_model_types() -> list[str]:
     return sorted(_PLANS)
+
+
+def plan_of_type(model_type: str) -> TPPlan | None:
+    """The registered plan of a ``config.model_type``, or None."""
+    return _PLANS.get(model_type)
 
 
 def plan_for(model: nn.Module) -> TPPlan:

@@ -11,8 +11,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .llama import LLAMA_PLAN
+from transformers import Qwen2Config, Qwen3Config
+
+from .llama import LLAMA_PLAN, TINY
 from .plan import register_plan
 
-QWEN2_PLAN = register_plan(replace(LLAMA_PLAN, name="qwen2", model_types=("qwen2",)))
-QWEN3_PLAN = register_plan(replace(LLAMA_PLAN, name="qwen3", model_types=("qwen3",)))
+QWEN2_PLAN = register_plan(replace(LLAMA_PLAN, name="qwen2", model_types=("qwen2",), tiny={
+    # q/k/v biases, tied embeddings, 2 kv heads
+    "qwen2": (Qwen2Config, dict(vocab_size=128, num_key_value_heads=2, tie_word_embeddings=True, **TINY)),
+}))
+QWEN3_PLAN = register_plan(replace(LLAMA_PLAN, name="qwen3", model_types=("qwen3",), tiny={
+    # q_norm / k_norm, a head_dim apart from hidden / heads, attention biases, untied
+    "qwen3": (Qwen3Config, dict(vocab_size=128, num_key_value_heads=2, head_dim=32, attention_bias=True,
+                                tie_word_embeddings=False, **TINY)),
+}))

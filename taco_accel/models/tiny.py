@@ -1,31 +1,20 @@
-"""Tiny configs of every supported family, for tests and examples (no hub access needed).
+"""Tiny models of every registered family, for tests and examples (no hub access needed).
 
-Each one exercises the family's awkward parts: grouped-query attention with fewer kv heads than
-ranks (replicated), biases on column and row layers, tied and untied embeddings, and a
-vocabulary that does not divide by 4.
+The configs live with their family's plan (`TPPlan.tiny`); each exercises the family's awkward
+parts: grouped-query attention with fewer kv heads than ranks (replicated), biases on column
+and row layers, tied and untied embeddings, and a vocabulary that does not divide by 4.
 """
 
 from __future__ import annotations
 
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM
 
-COMMON = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64
-)
+from .plan import plan_of_type, supported_model_types
 
 
-BASES = {  # model_type: (config class, its tiny settings)
-    "qwen2": (Qwen2Config, dict(vocab_size=128, num_key_value_heads=2, tie_word_embeddings=True, **COMMON)),
-    "qwen3": (Qwen3Config, dict(
-        vocab_size=128, num_key_value_heads=2, head_dim=32, attention_bias=True, tie_word_embeddings=False, **COMMON
-    )),
-    "llama": (LlamaConfig, dict(vocab_size=128, num_key_value_heads=1, mlp_bias=True, **COMMON)),
-    "mistral": (MistralConfig, dict(vocab_size=130, num_key_value_heads=4, **COMMON)),
-    "gpt2": (GPT2Config, dict(
-        vocab_size=130, n_embd=64, n_layer=2, n_head=4, n_positions=64, n_inner=128,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-    )),
-}
+def tiny_model_types() -> list[str]:
+    """Every registered model type that has a tiny config (every built-in one)."""
+    return [t for t in supported_model_types() if t in plan_of_type(t).tiny]
 
 
 def tiny_config(model_type: str, **overrides):
@@ -38,9 +27,10 @@ def tiny_config(model_type: str, **overrides):
     so that derived fields follow (``head_dim`` from ``hidden_size`` and the head count); a
     name the config does not have raises instead of being stored unused.
     """
-    if model_type not in BASES:
-        raise ValueError(f"no tiny config for {model_type!r}; use one of {', '.join(BASES)}")
-    cls, settings = BASES[model_type]
+    plan = plan_of_type(model_type)
+    if plan is None or model_type not in plan.tiny:
+        raise ValueError(f"no tiny config for {model_type!r}; use one of {', '.join(tiny_model_types())}")
+    cls, settings = plan.tiny[model_type]
     base = cls(**settings)
     unknown = sorted(k for k in overrides if not hasattr(base, k))
     if unknown:

@@ -20,7 +20,8 @@ from torch import nn
 
 @dataclass(frozen=True)
 class Family:
-    """Where the parts of one transformers architecture family live (attribute paths)."""
+    """Where the parts of one architecture family live, as attribute names inside the decoder
+    model ``base``: read from the family's `TPPlan`, the one registry of architectures."""
 
     base: str  # the decoder model inside the causal LM ("model" or "transformer")
     embed: str  # token embedding, inside base
@@ -30,17 +31,25 @@ class Family:
     dropout: str | None = None  # embedding dropout (GPT-2 "drop")
     rotary: str | None = None  # rotary embedding module (Llama-likes "rotary_emb")
 
+    @classmethod
+    def of(cls, plan) -> "Family":
+        def inside(name: str | None) -> str | None:
+            return None if name is None else name[len(plan.base) + 1:]
 
-LLAMA_LIKE = Family(base="model", embed="embed_tokens", layers="layers", norm="norm", rotary="rotary_emb")
-GPT2 = Family(base="transformer", embed="wte", layers="h", norm="ln_f", position_embed="wpe", dropout="drop")
-FAMILIES = {"qwen2": LLAMA_LIKE, "qwen3": LLAMA_LIKE, "llama": LLAMA_LIKE, "mistral": LLAMA_LIKE, "gpt2": GPT2}
+        return cls(plan.base, inside(plan.embedding), inside(plan.layers), inside(plan.final_norm),
+                   inside(plan.position_embedding), inside(plan.embedding_dropout), inside(plan.rotary))
 
 
 def family_of(model: nn.Module) -> Family:
+    """The stage layout of a transformers causal LM (a ValueError naming the supported ones)."""
+    from ..models import plan_of_type, supported_model_types
+
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in FAMILIES:
-        raise ValueError(f"model_type={model_type!r} has no pipeline stage layout; supported: {sorted(FAMILIES)}")
-    return FAMILIES[model_type]
+    plan = plan_of_type(model_type)
+    if plan is None:
+        raise ValueError(f"model_type={model_type!r} has no registered plan (stage layout); supported: "
+                         f"{supported_model_types()}")
+    return Family.of(plan)
 
 
 def decoder_layers(module: nn.Module) -> list[nn.Module]:
