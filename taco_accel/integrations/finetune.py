@@ -46,8 +46,8 @@ from . import checkpoint as ckpt
 from .accelerator import Accelerator
 from .launch import main_first, usable_trackers
 from .metrics import plot_losses, write_history, write_json
-from .trainer import MIXED_PRECISION, _comm_totals, _flat, _global_rank, _progress, config_dict, lr_lambda, \
-    requested_dims, timeout_handler
+from .loop import TrainingLoop, lr_lambda
+from .trainer import MIXED_PRECISION, _comm_totals, _global_rank, config_dict, requested_dims, timeout_handler
 
 logger = logging.getLogger(__name__)
 
@@ -171,8 +171,11 @@ def resolve_checkpoint(name: str) -> str:
     return snapshot_download(name, allow_patterns=patterns)
 
 
-class Finetuner:
-    """Builds a fine-tuning run from a `FinetuneConfig`; `train()` runs it and returns the history."""
+class Finetuner(TrainingLoop):
+    """Builds a fine-tuning run from a `FinetuneConfig`; `train()` (the one loop, `TrainingLoop`)
+    runs it and returns the history."""
+
+    run_name = "finetune"
 
     def __init__(self, cfg: FinetuneConfig):
         self.cfg = cfg
@@ -199,7 +202,7 @@ class Finetuner:
         self._build_model()
         self._build_optimizer()
         self.step, self.history, self.eval_results = 0, [], {}
-        acc.register_for_checkpointing(_FinetuneProgress(self))
+        acc.register_for_checkpointing(self)
         if cfg.resume:
             self._resume(cfg.resume)
 
@@ -342,7 +345,13 @@ class Finetuner:
         return vocab_parallel_cross_entropy(logits, shift, vocab_start, loss_fn.site, IGNORE)
 
     def evaluate(self) -> dict:
-        """Perplexity of the held-out response tokens (a collective); see `perplexity`."""
+        """``{"eval_loss", "eval_perplexity", ...}`` of the held-out response tokens (a collective),
+        also kept as ``eval_results``; see `perplexity`."""
+        metrics = {f"eval_{k}": v for k, v in self._held_out().items()}
+        self.eval_results = {"step": self.step, **metrics}
+        return metrics
+
+    def _held_out(self) -> dict:
         self.model.eval()
         nll, tokens = [], []
         with torch.no_grad():
@@ -363,40 +372,12 @@ class Finetuner:
         dist.broadcast_object_list(result, src=0)
         return result[0]
 
-    # -- the loop ---------------------------------------------------------------------------
-    def train(self, until: int | None = None) -> list[dict]:
-        """Train for ``cfg.steps`` steps, evaluating before, every ``eval_every`` and at the end; export.
-        ``until``: stop after that step, as a preempted job would (no final evaluation or export)."""
-        cfg, acc = self.cfg, self.accelerator
-        until = cfg.steps if until is None else min(until, cfg.steps)
-        if self.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "run_config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
-            if self.trackers:
-                acc.init_trackers(self.out.name or "finetune", config=_flat(cfg.to_dict()))
-        if self.step == 0:
-            self.eval_results = {"step": 0, **{f"eval_{k}": v for k, v in self.evaluate().items()}}
-            self.history.append(self.eval_results)
-        with _progress(cfg.steps, self.step, enabled=cfg.progress and self.is_main) as bar:
-            while self.step < until:
-                row = self.train_step()
-                if self.step == cfg.steps or (cfg.eval_every and self.step % cfg.eval_every == 0):
-                    row.update({f"eval_{k}": v for k, v in self.evaluate().items()})
-                    self.eval_results = {"step": self.step, **{k: v for k, v in row.items() if k.startswith("eval_")}}
-                self.history.append(row)
-                if self.is_main:
-                    acc.log({k: v for k, v in row.items() if k != "step"}, step=self.step)
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{row['loss']:.3f}")
-                    if self.step % cfg.log_every == 0 or "eval_loss" in row:
-                        logger.info(_format(row))
-                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
-                    self.accelerator.save_state(self.out / "checkpoints" / f"step_{self.step}")
-        if self.step == cfg.steps:
-            self._finish()
-        return self.history
+    # -- the run's beginning and end ------------------------------------------------------------
+    def before_training(self) -> None:
+        """The held-out perplexity before any step (step 0 of the history)."""
+        self.history.append(dict(self.evaluate()) | {"step": 0})
 
-    def _finish(self) -> None:
+    def finish(self) -> None:
         cfg = self.cfg
         decisions = self.accelerator.compression_decisions()
         if self.is_main:
@@ -410,8 +391,21 @@ class Finetuner:
                 logger.info("loss curve: %s", self.out / "loss.png")
         if cfg.export:
             self.export()
-        if self.is_main and self.trackers:
-            self.accelerator.end_training()
+
+    def format_row(self, row: dict) -> str:
+        text = f"step {row['step']}: loss {row['loss']:.4f} lr {row['lr']:.2e} grad_norm {row['grad_norm']:.3f}"
+        text += f" {row['tokens_per_s']:.0f} scored tok/s"
+        if row["comm_bytes_sent"]:
+            text += f" comm saved {row['comm_bytes_saved'] / 2**20:.2f} MiB"
+        if "eval_loss" in row:
+            text += f" eval_loss {row['eval_loss']:.4f} eval_ppl {row['eval_perplexity']:.3f}"
+        return text
+
+    def extra_state(self) -> dict:
+        return {"eval_results": self.eval_results}
+
+    def load_extra_state(self, state: dict) -> None:
+        self.eval_results = state["eval_results"]
 
     def export(self) -> None:
         """LoRA: ``adapter/`` (peft, full shapes) and ``merged/``; full: ``final/``; tokenizer in each."""
@@ -442,19 +436,6 @@ class Finetuner:
         self.accelerator.load_state(folder)
 
 
-class _FinetuneProgress:
-    """The loop's own state in a checkpoint: step, history and the latest evaluation."""
-
-    def __init__(self, finetuner: Finetuner):
-        self.f = finetuner
-
-    def state_dict(self) -> dict:
-        return {"step": self.f.step, "history": self.f.history, "eval_results": self.f.eval_results}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.f.step, self.f.history, self.f.eval_results = state["step"], state["history"], state["eval_results"]
-
-
 def perplexity(nll: list[float], tokens: list[int]) -> dict:
     """``{"perplexity", "loss", "tokens", ...}`` through the local `evaluate` metric `token_perplexity`
     (no hub); the same formula without evaluate where it is not installed."""
@@ -469,13 +450,3 @@ def perplexity(nll: list[float], tokens: list[int]) -> dict:
 
     metric = evaluate.load(MODULE_DIR, keep_in_memory=True)
     return metric.compute(nll=nll, tokens=tokens)
-
-
-def _format(row: dict) -> str:
-    text = f"step {row['step']}: loss {row['loss']:.4f} lr {row['lr']:.2e} grad_norm {row['grad_norm']:.3f}"
-    text += f" {row['tokens_per_s']:.0f} scored tok/s"
-    if row["comm_bytes_sent"]:
-        text += f" comm saved {row['comm_bytes_saved'] / 2**20:.2f} MiB"
-    if "eval_loss" in row:
-        text += f" eval_loss {row['eval_loss']:.4f} eval_ppl {row['eval_perplexity']:.3f}"
-    return text

@@ -13,18 +13,17 @@ Read top to bottom, picotron style:
    gradients (averaged over dp, tied embeddings summed across stages) and clips them by their
    norm over the whole mesh; AdamW and the schedule step. Loss and communication statistics
    reach every rank in one all-reduce.
-3. `Trainer.train`: the loop, evaluation every N steps, tracker logging, a progress bar,
-   checkpoints (``accelerator.save_state``); at the end a loss-curve PNG and the export.
+3. `Trainer.train` is the one loop (`TrainingLoop`): evaluation every N steps, tracker
+   logging, a progress bar, checkpoints (``accelerator.save_state``); `Trainer.finish` writes
+   the history, the compression decisions, a loss-curve PNG and the transformers export.
 
 The global batch is ``micro_batch_size * micro_batches * dp`` windows of ``seq_len`` tokens.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -38,13 +37,13 @@ from ..parallel import SCHEDULES, ParallelDims, collective_timeout
 from . import checkpoint as ckpt
 from .accelerator import Accelerator
 from .launch import main_first, usable_trackers
+from .loop import TrainingLoop, lr_lambda
 from .metrics import flops_per_token, plot_losses, write_history, write_json
 from .presets import model_config, pad_vocab
 
 logger = logging.getLogger(__name__)
 
 MIXED_PRECISION = ("no", "bf16")
-HPARAMS = ("lr", "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm", "steps")
 
 
 @dataclass
@@ -136,16 +135,6 @@ def _jsonable(value):
     return value
 
 
-def lr_lambda(cfg: TrainConfig):
-    """Linear warm-up to ``lr``, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
-    def factor(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    return factor
-
-
 def _comm_totals() -> tuple[float, float]:
     """(bytes sent, bytes a plain collective would send) by this rank since the last call."""
     from ..comm import pop_comm_stats
@@ -154,8 +143,11 @@ def _comm_totals() -> tuple[float, float]:
     return float(sum(s.bytes_sent for s in stats)), float(sum(s.bytes_uncompressed for s in stats))
 
 
-class Trainer:
-    """Builds a parallel run from a `TrainConfig`; `train()` runs it and returns the history."""
+class Trainer(TrainingLoop):
+    """Builds a parallel run from a `TrainConfig`; `train()` (the one loop, `TrainingLoop`) runs
+    it and returns the history."""
+
+    run_name = "pretrain"
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
@@ -175,7 +167,7 @@ class Trainer:
         self._build_model()
         self._build_optimizer()
         self.step, self.history = 0, []
-        acc.register_for_checkpointing(self.batches, _Progress(self))
+        acc.register_for_checkpointing(self.batches, self)
         if cfg.resume:
             self._resume(cfg.resume)
 
@@ -274,44 +266,17 @@ class Trainer:
             "comm_compression": plain / sent if sent else 1.0,
         }
 
-    def evaluate(self) -> float:
-        """Mean validation loss over the fixed validation batches (a collective)."""
+    def evaluate(self) -> dict:
+        """``{"val_loss": mean loss over the fixed validation batches}`` (a collective)."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for inputs, labels in self.val:
             with self.accelerator.autocast():
                 total += self.pipe.eval(inputs, labels)
         _comm_totals()  # evaluation traffic is not part of the training step figures
-        return self._reduce(total / len(self.val))[0]  # one collective and one host sync
+        return {"val_loss": self._reduce(total / len(self.val))[0]}  # one collective and one host sync
 
-    # -- the loop ---------------------------------------------------------------------------
-    def train(self, until: int | None = None) -> list[dict]:
-        """Train to ``cfg.steps`` (or stop after step ``until``, as a preempted job would: no
-        export then); returns the metric history."""
-        cfg, acc = self.cfg, self.accelerator
-        until = cfg.steps if until is None else min(until, cfg.steps)
-        if self.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            if self.trackers:
-                acc.init_trackers(Path(cfg.output_dir).name or "pretrain", config=_flat(cfg.to_dict()))
-        with _progress(cfg.steps, self.step, enabled=cfg.progress and self.is_main) as bar:
-            while self.step < until:
-                row = self.train_step()
-                if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
-                    row["val_loss"] = self.evaluate()
-                self.history.append(row)
-                if self.is_main:
-                    acc.log({k: v for k, v in row.items() if k != "step"}, step=self.step)
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
-                    if self.step % cfg.log_every == 0 or "val_loss" in row:
-                        logger.info(_format(row))
-                if cfg.save_every and self.step % cfg.save_every == 0:
-                    self.save_checkpoint()
-        if self.step == cfg.steps:
-            self._finish()
-        return self.history
-
-    def _finish(self) -> None:
+    # -- the end of a run ---------------------------------------------------------------------
+    def finish(self) -> None:
         cfg = self.cfg
         decisions = self.accelerator.compression_decisions()
         if self.is_main:
@@ -325,8 +290,15 @@ class Trainer:
 
             export_pretrained(self.parts.modules, self.mesh, self.model_config, self.out / "final",
                               tokenizer=self.tokenizer, drop=self.parts.export_drop)
-        if self.is_main and self.trackers:
-            self.accelerator.end_training()
+
+    def format_row(self, row: dict) -> str:
+        text = (f"step {row['step']}: loss {row['loss']:.4f} lr {row['lr']:.2e} grad_norm {row['grad_norm']:.3f} "
+                f"{row['tokens_per_s']:.0f} tok/s {row['tflops_per_device']:.3f} TFLOPS/device")
+        if row["comm_bytes_sent"]:
+            text += f" comm saved {row['comm_bytes_saved'] / 2**20:.2f} MiB ({row['comm_compression']:.2f}x)"
+        if "val_loss" in row:
+            text += f" val_loss {row['val_loss']:.4f}"
+        return text
 
     # -- checkpoints ------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
@@ -340,36 +312,6 @@ class Trainer:
             return
         self.accelerator.load_state(folder)
         self.batches.step = self.step
-
-
-class _Progress:
-    """The loop's own state in a checkpoint: step, metric history and the hyper-parameters of
-    the run that wrote it. Changed hyper-parameters win on resume, with a warning (the
-    schedule's base learning rate and the weight decay are re-applied)."""
-
-    def __init__(self, trainer: Trainer):
-        self.trainer = trainer
-
-    def state_dict(self) -> dict:
-        t = self.trainer
-        return {"step": t.step, "history": t.history, "hparams": {k: getattr(t.cfg, k) for k in HPARAMS}}
-
-    def load_state_dict(self, state: dict) -> None:
-        t, cfg = self.trainer, self.trainer.cfg
-        t.step, t.history = state["step"], state["history"]
-        changed = {k: (v, getattr(cfg, k)) for k, v in state["hparams"].items() if getattr(cfg, k) != v}
-        if not changed:
-            return
-        if t.is_main:
-            logger.warning("resuming at step %d with changed settings (checkpoint -> now): %s; the new values apply "
-                           "from here", t.step, ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()))
-        scheduler = t.scheduler.scheduler
-        factor = lr_lambda(cfg)(scheduler.last_epoch)
-        scheduler.base_lrs = [cfg.lr for _ in scheduler.base_lrs]
-        decays = (cfg.weight_decay, 0.0)
-        for group, decay in zip(t.optimizer.param_groups, decays):
-            group["initial_lr"], group["lr"], group["weight_decay"] = cfg.lr, cfg.lr * factor, decay
-        scheduler._last_lr = [group["lr"] for group in t.optimizer.param_groups]
 
 
 def timeout_handler(seconds: float | None):
@@ -394,45 +336,3 @@ def requested_dims(pp, dp, tp, dp_mode) -> ParallelDims:
 
 def _describe(compression) -> str:
     return "off" if compression in (None, "off") else compression if isinstance(compression, str) else "on"
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        elif isinstance(v, (int, float, str, bool)):
-            out[f"{prefix}{k}"] = v
-        else:
-            out[f"{prefix}{k}"] = str(v)
-    return out
-
-
-def _format(row: dict) -> str:
-    text = (f"step {row['step']}: loss {row['loss']:.4f} lr {row['lr']:.2e} grad_norm {row['grad_norm']:.3f} "
-            f"{row['tokens_per_s']:.0f} tok/s {row['tflops_per_device']:.3f} TFLOPS/device")
-    if row["comm_bytes_sent"]:
-        text += f" comm saved {row['comm_bytes_saved'] / 2**20:.2f} MiB ({row['comm_compression']:.2f}x)"
-    if "val_loss" in row:
-        text += f" val_loss {row['val_loss']:.4f}"
-    return text
-
-
-class _NoBar:
-    def update(self, n=1): ...
-    def set_postfix(self, **kw): ...
-
-
-@contextlib.contextmanager
-def _progress(total: int, initial: int, enabled: bool):
-    """A tqdm bar on the main process; log lines are printed above it, not glued to it."""
-    try:
-        from tqdm.auto import tqdm
-        from tqdm.contrib.logging import logging_redirect_tqdm
-    except ImportError:
-        enabled = False
-    if not enabled:
-        yield _NoBar()
-        return
-    with logging_redirect_tqdm(), tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True) as bar:
-        yield bar

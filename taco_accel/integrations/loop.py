@@ -1,0 +1,171 @@
+"""The one training loop: steps, evaluation, logging, progress, checkpoints, the end of a run.
+
+`TrainingLoop.train` is what every run of the recipes does, pretraining (`Trainer`) and
+fine-tuning (`Finetuner`) alike; a subclass says what one step is (``train_step() -> row``),
+how it evaluates (``evaluate() -> metrics``), how a log line reads (``format_row``) and what
+the end of a run writes (``finish``). The loop owns the order::
+
+    before_training()                       # e.g. a baseline evaluation at step 0
+    while step < until:
+        row = train_step()                  # the step counter advances
+        row |= evaluate()                   # every eval_every steps, and after the last step
+        log to the trackers, the bar, every log_every steps a line
+        save_state(checkpoints/step_N)      # every save_every steps
+    finish()                                # only when the last step ran (not a preempted stop)
+
+A subclass sets ``cfg`` (``steps``, ``eval_every``, ``log_every``, ``save_every``, ``progress``,
+``output_dir`` and the `HPARAMS`), ``accelerator``, ``out``, ``trackers``, ``is_main``, ``step``,
+``history``, ``optimizer`` and ``scheduler``, and registers itself with
+``accelerator.register_for_checkpointing``: a checkpoint then holds the step, the history and the
+hyper-parameters, and a resume with changed ones applies them with a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# what a resumed run may change: it applies from the resumed step on (`TrainingLoop.apply_hparams`)
+HPARAMS = ("lr", "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm", "steps")
+
+
+class TrainingLoop:
+    """Base of the run classes; see the module doc."""
+
+    run_name = "run"
+
+    def train_step(self) -> dict:
+        raise NotImplementedError
+
+    def evaluate(self) -> dict:
+        raise NotImplementedError
+
+    def format_row(self, row: dict) -> str:
+        raise NotImplementedError
+
+    def before_training(self) -> None:
+        """Hook before the first step of a run (not of a resumed one)."""
+
+    def finish(self) -> None:
+        """Hook after the last step: histories, plots, exports."""
+
+    # -- checkpoints: the loop's own state (register the loop with register_for_checkpointing) ---
+    def state_dict(self) -> dict:
+        cfg = self.cfg
+        return {"step": self.step, "history": self.history, "hparams": {k: getattr(cfg, k) for k in HPARAMS},
+                **self.extra_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Step and history from the checkpoint; changed hyper-parameters win, with a warning
+        (`apply_hparams`)."""
+        self.step, self.history = state["step"], state["history"]
+        self.load_extra_state(state)
+        changed = {k: (v, getattr(self.cfg, k)) for k, v in state["hparams"].items() if getattr(self.cfg, k) != v}
+        if changed:
+            if self.is_main:
+                logger.warning("resuming at step %d with changed settings (checkpoint -> now): %s; the new values "
+                               "apply from here", self.step, ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items()))
+            self.apply_hparams()
+
+    def extra_state(self) -> dict:
+        return {}
+
+    def load_extra_state(self, state: dict) -> None:
+        """Hook: the subclass's part of `state_dict`."""
+
+    def apply_hparams(self) -> None:
+        """Re-apply ``cfg``'s learning rate and weight decay to the optimizer and its schedule at
+        the current step (``optimizer`` param groups: decay, then no decay; ``scheduler``: an
+        Accelerate-wrapped LambdaLR of ``lr_factor``); warm-up and length are read from ``cfg``
+        by the schedule itself."""
+        cfg, scheduler = self.cfg, self.scheduler.scheduler
+        factor = self.lr_factor(scheduler.last_epoch)
+        scheduler.base_lrs = [cfg.lr for _ in scheduler.base_lrs]
+        for group, decay in zip(self.optimizer.param_groups, (cfg.weight_decay, 0.0)):
+            group["initial_lr"], group["lr"], group["weight_decay"] = cfg.lr, cfg.lr * factor, decay
+        scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+    def lr_factor(self, step: int) -> float:
+        return lr_lambda(self.cfg)(step)
+
+    def train(self, until: int | None = None) -> list[dict]:
+        """Train to ``cfg.steps`` (or stop after step ``until``, as a preempted job would: no
+        `finish` then); returns the metric history. Evaluation runs every ``eval_every`` steps
+        (0: never in between) and after the last step."""
+        cfg, acc = self.cfg, self.accelerator
+        until = cfg.steps if until is None else min(until, cfg.steps)
+        if self.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "run_config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
+            if self.trackers:
+                acc.init_trackers(Path(cfg.output_dir).name or self.run_name, config=flat(cfg.to_dict()))
+        if self.step == 0:
+            self.before_training()
+        with progress_bar(cfg.steps, self.step, enabled=cfg.progress and self.is_main) as bar:
+            while self.step < until:
+                row = self.train_step()
+                if self.step == cfg.steps or (cfg.eval_every and self.step % cfg.eval_every == 0):
+                    row.update(self.evaluate())
+                self.history.append(row)
+                if self.is_main:
+                    acc.log({k: v for k, v in row.items() if k != "step"}, step=self.step)
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{row['loss']:.3f}")
+                    if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                        logger.info(self.format_row(row))
+                if cfg.save_every and self.step % cfg.save_every == 0:
+                    acc.save_state(self.out / "checkpoints" / f"step_{self.step}")
+        if self.step == cfg.steps:
+            self.finish()
+            if self.is_main and self.trackers:
+                acc.end_training()
+        return self.history
+
+
+def lr_lambda(cfg):
+    """Linear warm-up to ``cfg.lr`` over ``warmup_steps``, then cosine decay to
+    ``min_lr_ratio * lr`` at ``steps`` (a LambdaLR factor; it reads ``cfg`` at each call)."""
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return factor
+
+
+def flat(d: dict, prefix: str = "") -> dict:
+    """A nested config as one level of ``a.b`` keys with tracker-friendly values."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f"{prefix}{k}."))
+        elif isinstance(v, (int, float, str, bool)):
+            out[f"{prefix}{k}"] = v
+        else:
+            out[f"{prefix}{k}"] = str(v)
+    return out
+
+
+class _NoBar:
+    def update(self, n=1): ...
+    def set_postfix(self, **kw): ...
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, initial: int, enabled: bool):
+    """A tqdm bar on the main process; log lines are printed above it, not glued to it."""
+    try:
+        from tqdm.auto import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+    except ImportError:
+        enabled = False
+    if not enabled:
+        yield _NoBar()
+        return
+    with logging_redirect_tqdm(), tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True) as bar:
+        yield bar
