@@ -16,14 +16,14 @@ import time
 
 import torch
 
-from taco_accel.bench.convergence import PRESETS, VARIANTS, Data, TrainStep, _optimizer, build_model
+from taco_accel.bench.convergence import PRESETS, VARIANTS, Data, TrainStep, build_model, make_optimizer
 
 
 def profile_variant(key: str, preset, data: Data, device: torch.device, replays: int, top: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     model = build_model(data, VARIANTS[key], preset, seed=0, group_size=128, device=device)
-    opt, _ = _optimizer(model, preset, device, capturable=True)
+    opt = make_optimizer(model, preset, device, capturable=True)
     gen = torch.Generator().manual_seed(0)
 
     def batch():

@@ -10,6 +10,7 @@ import torch
 
 from taco_accel.bench import convergence
 from taco_accel.comm.emulated import EmulatedGroup
+from taco_accel.integrations.loop import lr_lambda
 
 
 def _small_text(tmp_path) -> str:
@@ -83,7 +84,8 @@ def test_train_step_follows_the_schedule_and_learning_rate_tensors_are_filled_in
     preset = convergence.PRESETS["nano"]
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
-    opt, factor = convergence._optimizer(model, preset, torch.device("cpu"))
+    opt = convergence.make_optimizer(model, preset, torch.device("cpu"))
+    factor = lr_lambda(convergence.RunConfig.of(preset))  # the one loop's schedule
     assert [round(factor(s), 6) for s in (0, preset.warmup, preset.steps)] == [1 / preset.warmup, 1.0, 0.1]
     convergence.set_lr(opt, 0.5)
     assert [g["lr"] for g in opt.param_groups] == [0.5, 0.5]

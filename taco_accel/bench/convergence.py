@@ -53,6 +53,7 @@ import torch
 
 from taco_accel.bench.fidelity import naive_per_tensor
 from taco_accel.codec import TacoConfig
+from taco_accel.integrations.loop import TrainingLoop
 
 logger = logging.getLogger(__name__)
 
@@ -216,8 +217,9 @@ def build_model(data: Data, variant: Variant, preset: Preset, seed: int, group_s
     return model.to(device)
 
 
-def _optimizer(model, preset: Preset, device: torch.device, capturable: bool = False):
-    """AdamW and the learning-rate factor of a step (linear warm-up, cosine to 10%).
+def make_optimizer(model, preset: Preset, device: torch.device, capturable: bool = False):
+    """AdamW over the model (weight decay 0.1 on matrices), at the preset's peak learning rate;
+    the schedule is the loop's (`RunConfig`: linear warm-up, cosine to 10%).
 
     ``capturable``: the fused CUDA optimizer with its step count and learning rate in device
     tensors, so that a CUDA graph replays the step (`set_lr` then fills the rate in place)."""
@@ -225,18 +227,10 @@ def _optimizer(model, preset: Preset, device: torch.device, capturable: bool = F
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     cuda = device.type == "cuda"
     lr = torch.tensor(preset.lr, device=device) if capturable and cuda else preset.lr
-    opt = torch.optim.AdamW(
+    return torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
         lr=lr, betas=(0.9, 0.95), eps=1e-8, **({"fused": True, "capturable": capturable} if cuda else {}),
     )
-
-    def factor(step: int) -> float:
-        if step < preset.warmup:
-            return (step + 1) / preset.warmup
-        progress = min(1.0, (step - preset.warmup) / max(1, preset.steps - preset.warmup))
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return opt, factor
 
 
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
@@ -337,10 +331,97 @@ def evaluate(model, batches, device, bf16: bool) -> float:
     return sum(losses) / len(batches)
 
 
+@dataclass
+class RunConfig:
+    """What the training loop reads of one study run (`VariantRun`)."""
+
+    steps: int
+    eval_every: int
+    lr: float
+    warmup_steps: int
+    log_every: int = 10**9
+    save_every: int = 0
+    progress: bool = False
+    output_dir: str = ""
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    max_grad_norm: float = 1.0
+
+    @classmethod
+    def of(cls, preset: Preset) -> "RunConfig":
+        return cls(steps=preset.steps, eval_every=preset.eval_every, lr=preset.lr, warmup_steps=preset.warmup)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class VariantRun(TrainingLoop):
+    """One variant of the study on the one training loop (`taco_accel.integrations.loop`), with
+    the study's own step: the emulated model, clipping to norm 1, AdamW, and on CUDA the step
+    replayed from a graph (`TrainStep`). No accelerator: no trackers, no checkpoints."""
+
+    run_name = "convergence"
+
+    def __init__(self, key: str, data: Data, preset: Preset, *, seed: int, group_size: int, device: torch.device,
+                 progress: bool = False, on_step: Callable | None = None, on_eval: Callable | None = None,
+                 deadline: float | None = None, graph: bool = False):
+        from taco_accel.data import PackedBatches, eval_batches
+
+        self.key, self.variant, self.preset, self.seed, self.group_size = key, VARIANTS[key], preset, seed, group_size
+        self.device, self.verbose, self.on_step, self.on_eval, self.deadline = device, progress, on_step, on_eval, deadline
+        self.cfg = RunConfig.of(preset)
+        self.accelerator = self.out = None
+        self.trackers, self.is_main, self.step, self.history = [], True, 0, []
+        self.model = build_model(data, self.variant, preset, seed, group_size, device)
+        self.optimizer = make_optimizer(self.model, preset, device, capturable=graph)
+        self.run_step = TrainStep(self.model, self.optimizer, device, preset.bf16, graph=graph)
+        self.batches = PackedBatches(data.train, preset.seq_len, preset.batch, seed=seed)
+        self.val = eval_batches(data.val, preset.seq_len, preset.batch, preset.eval_batches)
+        self.start = time.perf_counter()
+
+    def before_training(self) -> None:
+        if self.on_step is not None:
+            self.on_step(0, self.model)
+
+    def train_step(self) -> dict:
+        lr = self.preset.lr * self.lr_factor(self.step)
+        loss = self.run_step(*self.batches.batch(self.step), lr=lr)
+        self.step += 1
+        if self.on_step is not None:
+            self.on_step(self.step, self.model)
+        return {"step": self.step, "loss": loss.item()}
+
+    def evaluate(self) -> dict:
+        return {"val_loss": evaluate(self.model, self.val, self.device, self.preset.bf16)}
+
+    def format_row(self, row: dict) -> str:
+        return f"{self.key} step {row['step']}: loss {row['loss']:.4f}"
+
+    def should_stop(self, row: dict) -> bool:
+        if not math.isfinite(row["loss"]):
+            logger.warning("%s diverged at step %d", self.key, row["step"])
+            return True
+        if "val_loss" not in row:
+            return False
+        if self.verbose:
+            logger.info("%s step %d: loss %.4f val %.4f", self.key, row["step"], row["loss"], row["val_loss"])
+        if self.on_eval is not None:
+            self.on_eval(self.record())
+        if self.deadline is not None and time.perf_counter() > self.deadline and self.step < self.preset.steps:
+            logger.warning("%s: time budget spent, stopping at step %d of %d", self.key, self.step, self.preset.steps)
+            return True
+        return False
+
+    def record(self) -> dict:
+        return _record(self.key, self.variant, self.seed, self.group_size, self.history, self.start,
+                       self.step == self.preset.steps and math.isfinite(self.history[-1]["loss"]),
+                       self.run_step.graphed)
+
+
 def train_variant(key: str, data: Data, preset: Preset, *, seed: int, group_size: int, device: torch.device,
                   progress: bool = False, on_step: Callable | None = None, on_eval: Callable | None = None,
                   deadline: float | None = None, graph: bool = False) -> dict:
-    """Train one variant; returns its record (loss history, finals, time, ``complete``).
+    """Train one variant (`VariantRun`); returns its record (loss history, finals, time, ``complete``).
 
     ``graph``: replay the training step from a CUDA graph (`TrainStep`; CUDA only).
 
@@ -349,46 +430,10 @@ def train_variant(key: str, data: Data, preset: Preset, *, seed: int, group_size
     `time.perf_counter` value) the run stops at its next validation and is not ``complete``:
     runs that share a deadline are then compared at a step they all validated (`align`).
     """
-    from taco_accel.data import PackedBatches, eval_batches
-
-    variant = VARIANTS[key]
-    model = build_model(data, variant, preset, seed, group_size, device)
-    opt, lr_factor = _optimizer(model, preset, device, capturable=graph)
-    train_step = TrainStep(model, opt, device, preset.bf16, graph=graph)
-    batches = PackedBatches(data.train, preset.seq_len, preset.batch, seed=seed)
-    val = eval_batches(data.val, preset.seq_len, preset.batch, preset.eval_batches)
-    history, pending, start = [], [], time.perf_counter()
-
-    def record(complete: bool) -> dict:
-        return _record(key, variant, seed, group_size, history, start, complete, train_step.graphed)
-
-    if on_step is not None:
-        on_step(0, model)
-    for step in range(1, preset.steps + 1):
-        pending.append(train_step(*batches.batch(step - 1), lr=preset.lr * lr_factor(step - 1)))
-        if on_step is not None:
-            on_step(step, model)
-        if step % preset.eval_every and step != preset.steps:
-            continue
-        # the losses since the last validation, read in one host sync rather than one per step
-        first = len(history) + 1
-        history += [{"step": first + i, "loss": v} for i, v in enumerate(torch.stack(pending).tolist())]
-        pending.clear()
-        diverged = next((h["step"] for h in history[first - 1:] if not math.isfinite(h["loss"])), None)
-        if diverged is not None:
-            del history[diverged:]
-            logger.warning("%s diverged at step %d", key, diverged)
-            break
-        row = history[-1]
-        row["val_loss"] = evaluate(model, val, device, preset.bf16)
-        if progress:
-            logger.info("%s step %d: loss %.4f val %.4f", key, step, row["loss"], row["val_loss"])
-        if on_eval is not None:
-            on_eval(record(complete=step == preset.steps))
-        if deadline is not None and time.perf_counter() > deadline and step < preset.steps:
-            logger.warning("%s: time budget spent, stopping at step %d of %d", key, step, preset.steps)
-            return record(complete=False)
-    return record(complete=True)
+    run = VariantRun(key, data, preset, seed=seed, group_size=group_size, device=device, progress=progress,
+                     on_step=on_step, on_eval=on_eval, deadline=deadline, graph=graph)
+    run.train()
+    return run.record()
 
 
 def _record(key: str, variant: Variant, seed: int, group_size: int, history: list[dict], start: float,

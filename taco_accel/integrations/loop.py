@@ -11,13 +11,17 @@ the end of a run writes (``finish``). The loop owns the order::
         row |= evaluate()                   # every eval_every steps, and after the last step
         log to the trackers, the bar, every log_every steps a line
         save_state(checkpoints/step_N)      # every save_every steps
+        if should_stop(row): return         # a time budget, a diverged loss: as if preempted
     finish()                                # only when the last step ran (not a preempted stop)
 
 A subclass sets ``cfg`` (``steps``, ``eval_every``, ``log_every``, ``save_every``, ``progress``,
 ``output_dir`` and the `HPARAMS`), ``accelerator``, ``out``, ``trackers``, ``is_main``, ``step``,
 ``history``, ``optimizer`` and ``scheduler``, and registers itself with
 ``accelerator.register_for_checkpointing``: a checkpoint then holds the step, the history and the
-hyper-parameters, and a resume with changed ones applies them with a warning.
+hyper-parameters, and a resume with changed ones applies them with a warning. The pretraining
+`Trainer`, the `Finetuner` and the convergence study's runs (`taco_accel.bench.convergence`,
+with its emulated step and CUDA graph, no accelerator: ``accelerator = out = None``) are the
+subclasses.
 """
 
 from __future__ import annotations
@@ -53,6 +57,11 @@ class TrainingLoop:
 
     def finish(self) -> None:
         """Hook after the last step: histories, plots, exports."""
+
+    def should_stop(self, row: dict) -> bool:
+        """Hook after each step's row (with its evaluation): True ends the run there, as a
+        preempted job (no `finish`): a time budget, a diverged loss."""
+        return False
 
     # -- checkpoints: the loop's own state (register the loop with register_for_checkpointing) ---
     def state_dict(self) -> dict:
@@ -97,13 +106,13 @@ class TrainingLoop:
         """Train to ``cfg.steps`` (or stop after step ``until``, as a preempted job would: no
         `finish` then); returns the metric history. Evaluation runs every ``eval_every`` steps
         (0: never in between) and after the last step."""
-        cfg, acc = self.cfg, self.accelerator
+        cfg, acc = self.cfg, self.accelerator  # acc None: no trackers, no checkpoints (a bench's runs)
         until = cfg.steps if until is None else min(until, cfg.steps)
-        if self.is_main:
+        if self.is_main and self.out is not None:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "run_config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))
-            if self.trackers:
-                acc.init_trackers(Path(cfg.output_dir).name or self.run_name, config=flat(cfg.to_dict()))
+        if self.is_main and self.trackers:
+            acc.init_trackers(Path(cfg.output_dir).name or self.run_name, config=flat(cfg.to_dict()))
         if self.step == 0:
             self.before_training()
         with progress_bar(cfg.steps, self.step, enabled=cfg.progress and self.is_main) as bar:
@@ -113,13 +122,16 @@ class TrainingLoop:
                     row.update(self.evaluate())
                 self.history.append(row)
                 if self.is_main:
-                    acc.log({k: v for k, v in row.items() if k != "step"}, step=self.step)
+                    if acc is not None:
+                        acc.log({k: v for k, v in row.items() if k != "step"}, step=self.step)
                     bar.update(1)
                     bar.set_postfix(loss=f"{row['loss']:.3f}")
                     if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                         logger.info(self.format_row(row))
                 if cfg.save_every and self.step % cfg.save_every == 0:
                     acc.save_state(self.out / "checkpoints" / f"step_{self.step}")
+                if self.should_stop(row):
+                    return self.history
         if self.step == cfg.steps:
             self.finish()
             if self.is_main and self.trackers:
