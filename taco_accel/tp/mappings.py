@@ -28,25 +28,20 @@ from .utils import ShardSpec, group_rank, group_size
 
 
 def _all_reduce(x: torch.Tensor, site: Site) -> torch.Tensor:
-    site.observe(x)
-    return comm.all_reduce(x.contiguous(), site.group, site.call_config("all_reduce", x), site=site.name)
+    return site.collective("all_reduce", x)
 
 
 def _all_gather(x: torch.Tensor, site: Site, dim: int) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``; the wire carries each rank's ``x`` as one
     block in its own layout (`to_blocks` / `from_blocks`)."""
-    x = x.contiguous()
-    site.observe(x)
-    out = comm.all_gather(x.unsqueeze(0), site.group, site.call_config("all_gather", x), site=site.name)
+    out = site.collective("all_gather", x.contiguous().unsqueeze(0))
     return from_blocks(out, dim)  # (P, *x.shape) -> x.shape with dim P times longer
 
 
 def _reduce_scatter(x: torch.Tensor, site: Site, dim: int) -> torch.Tensor:
     """This rank's part (along ``dim``) of the sum of every rank's ``x``."""
-    blocks = to_blocks(x, group_size(site.group), dim)  # (P, *part shape)
-    site.observe(blocks)
-    out = comm.reduce_scatter(blocks, site.group, site.call_config("reduce_scatter", blocks), site=site.name)
-    return out.squeeze(0)
+    blocks = to_blocks(x, site.world, dim)  # (P, *part shape)
+    return site.collective("reduce_scatter", blocks).squeeze(0)
 
 
 def to_blocks(x: torch.Tensor, parts: int, dim: int) -> torch.Tensor:

@@ -23,9 +23,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .. import comm
 from ..codec import TacoConfig, calibrate
 from ..codec.config import GROUP_SIZES
+from ..comm import ops as comm_ops
 from .auto import AutoDecider
+from .utils import group_size
 
 logger = logging.getLogger(__name__)
 
@@ -129,15 +132,33 @@ class Site:
     `call_config` is what a collective of this site must use.
     """
 
-    __slots__ = ("name", "group", "_config", "decider", "decision", "samples", "_max_elements", "_call")
+    __slots__ = ("name", "group", "world", "handle", "_config", "decider", "decision", "samples", "_max_elements",
+                 "_call", "__weakref__")
 
     def __init__(self, name: str, group, config: TacoConfig | None, decider=None) -> None:
         self.name, self.group, self.decider, self.decision = name, group, decider, None
+        self.world = group_size(group)
+        self.handle = comm_ops.register(self)  # how the compiled graph's custom ops find this site
         self.config = config
         self.samples: list[torch.Tensor] | None = None  # a list only while calibrating
         self._max_elements = 0
         if decider is not None:
             decider.sites.append(self)
+
+    def collective(self, kind: str, x: torch.Tensor) -> torch.Tensor:
+        """Send ``x`` through the collective ``kind`` ("all_reduce", "all_gather",
+        "reduce_scatter") from this site: `run`, or inside torch.compile the custom op that
+        calls `run` at run time (`comm.ops`: the collective stays in the graph)."""
+        if torch.compiler.is_compiling():
+            if kind == "all_reduce":
+                return torch.ops.taco.all_reduce(x, self.handle)
+            return comm_ops.OPS[kind](x, self.handle, self.world)
+        return self.run(kind, x)
+
+    def run(self, kind: str, x: torch.Tensor) -> torch.Tensor:
+        """The collective, eagerly: calibration sample, settings (the auto decision), statistics."""
+        self.observe(x)
+        return getattr(comm, kind)(x, self.group, self.call_config(kind, x), site=self.name)
 
     @property
     def config(self) -> TacoConfig | None:
