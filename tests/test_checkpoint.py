@@ -11,7 +11,7 @@ import torch.distributed as dist
 from harness import run_ranks
 
 import taco_accel
-from taco_accel.models.checkpoint import gather_state_dict, shard_specs
+from taco_accel.models.state import gather_state_dict, shard_specs
 from taco_accel.models.tiny import tiny_model, tiny_model_types
 
 ARCHS = tuple(tiny_model_types())  # every registered family: one parity suite

@@ -20,7 +20,7 @@ from harness import run_ranks
 import taco_accel
 from taco_accel import comm
 from taco_accel.comm.emulated import EmulatedGroup
-from taco_accel.models.checkpoint import shard_specs
+from taco_accel.models.state import shard_specs
 from taco_accel.models.tiny import tiny_model, tiny_model_types
 from taco_accel.tp.utils import ShardSpec
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from harness import run_ranks
 
 import taco_accel
-from taco_accel.models.checkpoint import shard_specs
+from taco_accel.models.state import shard_specs
 from taco_accel.models.tiny import tiny_model
 
 ARCHS = ("qwen2", "llama", "gpt2", "qwen3")  # tied + GQA, one kv head replicated, fused Conv1D, q/k norms

@@ -17,7 +17,7 @@ from harness import run_ranks
 
 import taco_accel
 from taco_accel import comm
-from taco_accel.models.checkpoint import shard_specs
+from taco_accel.models.state import shard_specs
 from taco_accel.models.tiny import tiny_config, tiny_model, tiny_model_types
 
 ARCHS = tuple(tiny_model_types())  # every registered family: one parity suite

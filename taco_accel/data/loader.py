@@ -220,7 +220,7 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
 
 
-def _check_positive(**values) -> None:
+def check_positive(**values) -> None:
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: pass a positive int")
@@ -228,7 +228,7 @@ def _check_positive(**values) -> None:
 
 def check_dp(dp_rank: int, dp_size: int) -> None:
     """A ValueError unless 0 <= dp_rank < dp_size (another rank would read other ranks' or no data)."""
-    _check_positive(dp_size=dp_size)
+    check_positive(dp_size=dp_size)
     if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank={dp_rank!r}: pass an int in [0, dp_size={dp_size})")
 
@@ -247,7 +247,7 @@ class PackedBatches:
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch: int, dp_rank: int = 0, dp_size: int = 1,
                  seed: int = 0):
-        _check_positive(seq_len=seq_len, global_batch=global_batch)
+        check_positive(seq_len=seq_len, global_batch=global_batch)
         check_dp(dp_rank, dp_size)
         if global_batch % dp_size:
             raise ValueError(f"global batch {global_batch} is not divisible by dp={dp_size}")
@@ -297,7 +297,7 @@ def eval_batches(tokens: torch.Tensor, seq_len: int, batch: int, num_batches: in
                  dp_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The first ``num_batches`` global batches of validation windows, in order (this rank's
     slices). Validation text shorter than one batch is repeated, with a warning."""
-    _check_positive(seq_len=seq_len, batch=batch, num_batches=num_batches)
+    check_positive(seq_len=seq_len, batch=batch, num_batches=num_batches)
     check_dp(dp_rank, dp_size)
     if batch % dp_size:
         raise ValueError(f"batch {batch} is not divisible by dp={dp_size}")

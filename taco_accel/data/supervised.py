@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .loader import _check_positive, check_dp, epoch_permutation, where
+from .loader import check_positive, check_dp, epoch_permutation, where
 
 logger = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ class SFTBatches:
                  dp_size: int = 1, seed: int = 0, pad_multiple: int = 1):
         if not examples:
             raise ValueError("no examples to draw batches from")
-        _check_positive(micro_batch_size=micro_batch_size, micro_batches=micro_batches, pad_multiple=pad_multiple)
+        check_positive(micro_batch_size=micro_batch_size, micro_batches=micro_batches, pad_multiple=pad_multiple)
         check_dp(dp_rank, dp_size)
         self.examples, self.pad_id, self.pad_multiple = examples, pad_id, pad_multiple
         self.micro_batch_size, self.micro_batches = micro_batch_size, micro_batches

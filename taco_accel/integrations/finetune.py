@@ -39,15 +39,15 @@ from ..data.loader import load_records
 from ..data.supervised import IGNORE, RecordFields, SFTBatches, eval_micro_batches, split_examples, \
     tokenize_records
 from ..models import from_pretrained, save_pretrained
-from ..models.checkpoint import tp_replicas
+from ..models.state import tp_replicas
 from ..models.checks import check_labels
 from ..tp import vocab_parallel_cross_entropy
 from . import checkpoint as ckpt
 from .accelerator import Accelerator
-from .launch import main_first, usable_trackers
+from .launch import global_rank, main_first, usable_trackers
 from .metrics import plot_losses, write_history, write_json
-from .loop import TrainingLoop, lr_lambda
-from .trainer import MIXED_PRECISION, _comm_totals, _global_rank, config_dict, requested_dims, timeout_handler
+from .loop import TrainingLoop, comm_totals, lr_lambda
+from .trainer import MIXED_PRECISION, config_dict, requested_dims, timeout_handler
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ class Finetuner(TrainingLoop):
     def __init__(self, cfg: FinetuneConfig):
         self.cfg = cfg
         self.out = Path(cfg.output_dir)
-        self.trackers = usable_trackers(cfg.trackers) if _global_rank() == 0 else []
+        self.trackers = usable_trackers(cfg.trackers) if global_rank() == 0 else []
         self.accelerator = acc = Accelerator(
             parallel_dims=requested_dims(1, cfg.dp, cfg.tp, "ddp"), mixed_precision=cfg.mixed_precision,
             cpu=cfg.device == "cpu", project_dir=str(self.out), compression=cfg.compression,
@@ -327,7 +327,7 @@ class Finetuner(TrainingLoop):
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        sent, plain = _comm_totals()
+        sent, plain = comm_totals()
         loss, sent, plain = self._all_sum([loss / self.dims.dp, sent, plain], replica_only=True)
         seconds = time.perf_counter() - start
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": seconds,
@@ -364,7 +364,7 @@ class Finetuner(TrainingLoop):
         if nll:  # one host transfer (a dp rank may hold no validation batch)
             nll, tokens = torch.cat(nll).tolist(), torch.cat(tokens).tolist()
         self.model.train()
-        _comm_totals()  # evaluation traffic is not part of the training step figures
+        comm_totals()  # evaluation traffic is not part of the training step figures
         parts = [None] * self.dims.dp
         dist.all_gather_object(parts, (nll, tokens), group=self.mesh["dp"].get_group())
         nll, tokens = [v for p in parts for v in p[0]], [v for p in parts for v in p[1]]

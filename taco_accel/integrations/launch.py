@@ -71,6 +71,11 @@ def launch_notes(num_processes: int) -> list[str]:
     ]
 
 
+def global_rank() -> int:
+    """This process's rank: torch.distributed's, else the launcher's RANK (before the group exists)."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
 def main_first(fn):
     """``fn()`` on global rank 0, then on the other ranks (downloads, tokenizers and caches are
     made once, then read); every rank returns its own result."""

@@ -139,6 +139,15 @@ class TrainingLoop:
         return self.history
 
 
+def comm_totals() -> tuple[float, float]:
+    """(bytes sent, bytes a plain collective would send) by this rank's TP collectives since the
+    last call (a step's figures; the loops sum them over the ranks with their loss)."""
+    from ..comm import pop_comm_stats
+
+    stats = pop_comm_stats().values()
+    return float(sum(s.bytes_sent for s in stats)), float(sum(s.bytes_uncompressed for s in stats))
+
+
 def lr_lambda(cfg):
     """Linear warm-up to ``cfg.lr`` over ``warmup_steps``, then cosine decay to
     ``min_lr_ratio * lr`` at ``steps`` (a LambdaLR factor; it reads ``cfg`` at each call)."""

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models import context_of, gather_state_dict
-from ..models.checkpoint import shard_specs
+from ..models.state import shard_specs
 from ..tp import ColumnParallelLinear, RowParallelLinear, Site, copy_to_tp_region, sum_replica_grads
 
 logger = logging.getLogger(__name__)

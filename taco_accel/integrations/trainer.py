@@ -36,8 +36,8 @@ from ..codec import TacoConfig
 from ..parallel import SCHEDULES, ParallelDims, collective_timeout
 from . import checkpoint as ckpt
 from .accelerator import Accelerator
-from .launch import main_first, usable_trackers
-from .loop import TrainingLoop, lr_lambda
+from .launch import global_rank, main_first, usable_trackers
+from .loop import TrainingLoop, comm_totals, lr_lambda
 from .metrics import flops_per_token, plot_losses, write_history, write_json
 from .presets import model_config, pad_vocab
 
@@ -135,14 +135,6 @@ def _jsonable(value):
     return value
 
 
-def _comm_totals() -> tuple[float, float]:
-    """(bytes sent, bytes a plain collective would send) by this rank since the last call."""
-    from ..comm import pop_comm_stats
-
-    stats = pop_comm_stats().values()
-    return float(sum(s.bytes_sent for s in stats)), float(sum(s.bytes_uncompressed for s in stats))
-
-
 class Trainer(TrainingLoop):
     """Builds a parallel run from a `TrainConfig`; `train()` (the one loop, `TrainingLoop`) runs
     it and returns the history."""
@@ -152,7 +144,7 @@ class Trainer(TrainingLoop):
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.out = Path(cfg.output_dir)
-        self.trackers = usable_trackers(cfg.trackers) if _global_rank() == 0 else []
+        self.trackers = usable_trackers(cfg.trackers) if global_rank() == 0 else []
         self.accelerator = acc = Accelerator(
             parallel_dims=requested_dims(cfg.pp, cfg.dp, cfg.tp, cfg.dp_mode), mixed_precision=cfg.mixed_precision,
             cpu=cfg.device == "cpu", project_dir=str(self.out), compression=cfg.compression,
@@ -254,7 +246,7 @@ class Trainer(TrainingLoop):
         self.scheduler.step()
         self.step += 1
         self.batches.step = self.step
-        sent, plain = _comm_totals()
+        sent, plain = comm_totals()
         loss, sent, plain = self._reduce(loss, sent, plain)
         seconds = time.perf_counter() - start
         tokens = self.global_batch * cfg.seq_len
@@ -272,7 +264,7 @@ class Trainer(TrainingLoop):
         for inputs, labels in self.val:
             with self.accelerator.autocast():
                 total += self.pipe.eval(inputs, labels)
-        _comm_totals()  # evaluation traffic is not part of the training step figures
+        comm_totals()  # evaluation traffic is not part of the training step figures
         return {"val_loss": self._reduce(total / len(self.val))[0]}  # one collective and one host sync
 
     # -- the end of a run ---------------------------------------------------------------------
@@ -319,10 +311,6 @@ def timeout_handler(seconds: float | None):
     from accelerate.utils import InitProcessGroupKwargs
 
     return InitProcessGroupKwargs(timeout=collective_timeout(seconds))
-
-
-def _global_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
 def requested_dims(pp, dp, tp, dp_mode) -> ParallelDims:

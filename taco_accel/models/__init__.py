@@ -1,7 +1,8 @@
 """Layer 4: per-architecture tensor-parallel plans, `parallelize`, and TP-aware checkpoints."""
 
 from . import gpt2, llama, qwen  # noqa: F401  (the built-in families register their plans)
-from .checkpoint import from_pretrained, gather_state_dict, save_pretrained
+from .pretrained import from_pretrained
+from .state import gather_state_dict, save_pretrained
 from .parallelize import TPContext, calibrate_group_sizes, context_of, parallelize
 from .plan import (
     AttentionDims, Colwise, EnterRegion, Rowwise, TPPlan, plan_for, plan_of_type, register_plan, supported_model_types,

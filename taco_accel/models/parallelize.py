@@ -17,10 +17,10 @@ from ..tp.overlap import ColumnRegion, OverlapState
 from ..tp.regions import EnterRegionHook, RegionEntry, RegionExit, SequenceGather, SequenceSplit, SequenceState
 from ..tp.sites import Compression, Site, SiteTable
 from ..tp.utils import ShardSpec, divide, group_rank, group_size
-from . import gpt2, llama, qwen  # noqa: F401  (register the built-in plans)
 from .checks import check_call, install_input_checks, verify_same_model
 from .loss import CausalLMLoss, LogitsMode
 from .plan import AttentionDims, Colwise, EnterRegion, Rowwise, TPPlan
+from .state import bind_save_pretrained
 
 logger = logging.getLogger(__name__)
 
@@ -160,8 +160,6 @@ def parallelize(
     install_input_checks(model, plan, group, same_batch=verify)
     _sync_rng(group)
     model.taco = context
-    from .checkpoint import bind_save_pretrained  # it builds on this module
-
     bind_save_pretrained(model)
     logger.info(
         "tensor parallel %s: tp=%d, sequence_parallel=%s, %s",

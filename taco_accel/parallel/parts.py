@@ -212,7 +212,7 @@ def _replicas_of(model: nn.Module, tp: int) -> dict[str, int]:
     """How many tp ranks hold each parameter's values (an emulated model holds them whole)."""
     if model.taco.emulated:
         return {n: 1 for n, _ in model.named_parameters()}
-    from ..models.checkpoint import tp_replicas
+    from ..models.state import tp_replicas
 
     return tp_replicas(model, tp)
 

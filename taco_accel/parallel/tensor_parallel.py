@@ -28,7 +28,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, compression: TacoConfig | None 
         return {n: 1 for n, _ in model.named_parameters()}
     try:
         from ..models import parallelize
-        from ..models.checkpoint import tp_replicas
+        from ..models.state import tp_replicas
     except ImportError as e:  # pragma: no cover - only while taco_accel.models is missing
         raise RuntimeError(f"tp={tp_mesh.size()} needs taco_accel.models.parallelize ({e})") from e
     parallelize(model, tp=tp, compression=compression, sequence_parallel=sequence_parallel,
