@@ -4,6 +4,7 @@
     python -m taco_accel.bench.collectives --world-size 4 --sizes 1M,16M
     torchrun --nproc-per-node 8 -m taco_accel.bench.collectives   # GPUs: NCCL, 1 MiB..512 MiB
     python -m taco_accel.bench.collectives --stages               # codec stages on ONE device
+    python -m taco_accel.bench.collectives --host                 # host us per call, kernels stubbed
 
 Sizes are message sizes in the chosen dtype, as in nccl-tests: the input of all_reduce, the
 input (P blocks) of reduce_scatter, the output (P blocks) of all_gather. Bus bandwidth is
@@ -16,6 +17,12 @@ module without torchrun, it launches ``--world-size`` processes itself.
 all-reduce for P = 2, 4, 8: compress as P chunks, `sum_packed` over P received chunks,
 decompress the whole result. "break-even" is the link bandwidth below which the bytes saved
 pay for that codec time even without overlap.
+
+``--host`` prints the host microseconds one call costs: the call timed with the codec kernels
+and the transfers stubbed (the codec's dispatch and header checks, and the torch.distributed
+calls, do nothing), plus the measured host cost of issuing one real async collective for each
+collective the call makes. That is what the Python, the allocations and the launches of a call
+cost, next to the plain collective's (on a GPU: before any kernel time).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import torch.distributed as dist
 from .. import comm
 from ..codec import TacoConfig, compress, decompress, sum_packed
 from ..codec.api import Packed
+from ..comm.pipeline import PIECE_BYTES
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -175,7 +183,7 @@ def _spawned(rank: int, world: int, init_file: str, args) -> None:
         torch.cuda.set_device(rank % torch.cuda.device_count())  # gloo may share one GPU
     dist.init_process_group(args.backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        run_collectives(args)
+        run_host(args) if args.host else run_collectives(args)
     finally:
         dist.destroy_process_group()
 
@@ -187,7 +195,7 @@ def launch(args) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         dist.init_process_group(args.backend)
         try:
-            run_collectives(args)
+            run_host(args) if args.host else run_collectives(args)
         finally:
             dist.destroy_process_group()
         return
@@ -260,6 +268,105 @@ def run_stages(args) -> None:
             )
 
 
+# --- host cost of one call --------------------------------------------------------------------
+
+
+class _Stubbed:
+    """Codec kernels and transfers replaced by no-ops (the codec's dispatch, its header checks,
+    and the torch.distributed calls of `comm`), everything else as it runs; counts the
+    collectives a call would issue."""
+
+    def __init__(self) -> None:
+        self.issued = 0
+        self.saved = []
+
+    def _issue(self, *args, **kwargs):
+        self.issued += 1
+        return _NoWait()
+
+    def __enter__(self):
+        from ..codec import api, dispatch
+        from ..comm import collectives, compressed
+
+        for module in (collectives, compressed):
+            for name in ("all_reduce_", "all_gather_into", "reduce_scatter_into", "all_to_all"):
+                if hasattr(module, name):
+                    self.saved.append((module, name, getattr(module, name)))
+                    setattr(module, name, self._issue)
+        for name in ("compress_into", "decompress_into", "sum_into"):
+            self.saved.append((dispatch, name, getattr(dispatch, name)))
+            setattr(dispatch, name, lambda *args, **kwargs: None)
+        self.saved.append((api, "_check_wire_where_cheap", api._check_wire_where_cheap))
+        api._check_wire_where_cheap = lambda *args, **kwargs: None
+        return self
+
+    def __exit__(self, *exc):
+        for module, name, original in reversed(self.saved):
+            setattr(module, name, original)
+
+
+class _NoWait:
+    def wait(self) -> bool:
+        return True
+
+
+def _issue_us(x: torch.Tensor, calls: int, device: torch.device) -> float:
+    """Host us to issue one real async all_reduce (its wait not counted)."""
+    spent = 0.0
+    for i in range(calls + 10):
+        _sync(device)
+        start = time.perf_counter()
+        work = dist.all_reduce(x, async_op=True)
+        if i >= 10:
+            spent += time.perf_counter() - start
+        work.wait()
+    return spent / calls * 1e6
+
+
+def host_times(numel: int, calls: int, device: torch.device) -> dict:
+    """Host us per `comm.all_reduce` call, plain and compressed, kernels and transfers stubbed,
+    with the issue cost of a real collective added once per collective the call makes."""
+    x = torch.randn(numel, device=device)
+    config = TacoConfig(threshold_bytes=0)
+    issue = _issue_us(x, calls, device)
+
+    def per_call(fn) -> tuple[float, int]:
+        with _Stubbed() as stub:
+            for _ in range(10):
+                fn()
+            stub.issued = 0
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            spent = time.perf_counter() - start
+        return spent / calls * 1e6, stub.issued // calls
+
+    plain, n_plain = per_call(lambda: comm.all_reduce(x, None, None))
+    compressed, n_compressed = per_call(lambda: comm.all_reduce(x, None, config))
+    comm.pop_comm_stats()
+    return dict(issue=issue, own=(plain, compressed), plain=plain + n_plain * issue,
+                compressed=compressed + n_compressed * issue, collectives=(n_plain, n_compressed))
+
+
+def run_host(args) -> None:
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    rows = [(numel, host_times(numel, args.host_calls, device)) for numel in (1024, 65536)]
+    if dist.get_rank() == 0:
+        print(f"# host us per all_reduce call, {dist.get_world_size()} ranks, {args.backend}, {device.type}, fp32, "
+              f"codec kernels and transfers stubbed, plus the measured issue cost of each real collective; "
+              f"mean of {args.host_calls} calls, torch {torch.__version__}")
+        print("| values | issue one collective | taco_accel's own: plain / compressed | comm plain (collectives) | "
+              "comm compressed (collectives) | compressed / plain |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+        for numel, t in rows:
+            n_plain, n_compressed = t["collectives"]
+            own_plain, own_compressed = t["own"]
+            print(f"| {numel} | {t['issue']:.1f} | {own_plain:.1f} / {own_compressed:.1f} | {t['plain']:.1f} "
+                  f"({n_plain}) | {t['compressed']:.1f} ({n_compressed}) | {t['compressed'] / t['plain']:.2f}x |",
+                  flush=True)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     gpu = torch.cuda.is_available()
     p = argparse.ArgumentParser(
@@ -276,13 +383,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--codec-backend", choices=("auto", "triton", "torch"), default="auto",
                    help="TacoConfig.backend: auto = Triton kernels on CUDA, reference on CPU")
-    p.add_argument("--piece-mib", type=float, default=TacoConfig().piece_bytes / MiB,
-                   help="pieces for overlap (0: off)")
+    p.add_argument("--piece-mib", type=float, default=PIECE_BYTES / MiB,
+                   help="pieces for overlap (0: off); default comm.pipeline.PIECE_BYTES")
     p.add_argument("--budget", type=float, default=1.0 if gpu else 0.5, help="seconds of timed calls per row")
     p.add_argument("--max-iters", type=int, default=50)
     p.add_argument("--stages", action="store_true", help="time the codec stages on one device instead")
     p.add_argument("--reps", type=int, default=20, help="repetitions per stage (--stages)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads for --stages on a CPU")
+    p.add_argument("--host", action="store_true", help="host us per call, kernels stubbed")
+    p.add_argument("--host-calls", type=int, default=500, help="calls per figure (--host)")
     args = p.parse_args(argv)
     if args.sizes is None:
         if args.stages:

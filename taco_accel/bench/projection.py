@@ -1,53 +1,102 @@
-"""A small cost model of TP training with and without TACO, and its check against gloo runs.
+"""A cost model of TP training with and without TACO, per topology, and its check against gloo runs.
 
-    python -m taco_accel.bench.projection --preset qwen-7b --tp 8 --link-gbs 450
-    python -m taco_accel.bench.projection --validate-gloo       # measured vs predicted, CPU
+    python -m taco_accel.bench.projection                                  # 7B, tp 8, every topology
+    python -m taco_accel.bench.projection --preset llama-13b --topologies pcie multinode
+    python -m taco_accel.bench.projection --pieces                         # piece size vs time
+    python -m taco_accel.bench.projection --validate-gloo                  # measured vs predicted, CPU
 
-Model (Megatron TP without sequence parallelism; TP communication is on the critical path):
+Model (Megatron TP without sequence parallelism, one micro-batch of ``tokens`` tokens):
 
-* per step and micro-batch of b*s tokens, a transformer of L layers does 4 all-reduces of
-  n = b*s*h values per layer (forward: attention and MLP outputs; backward: the input
-  gradients of the q/k/v and gate/up projections) plus 2 for the embedding and the head;
-* plain ring all-reduce of n bf16 values on P ranks: ``2(P-1)/P * 2n / B + 2(P-1) * lat``;
-* TACO two-shot: the wire carries ``w = n * (1 + 4k/G)`` bytes (k scales per group), so
-  ``2(P-1)/P * w / B`` on the link, plus the codec: compress (2n + w bytes over its
-  throughput), dequant-sum-requant ((P+1) w/P bytes) and decompress (w + 2n bytes). Large
-  messages are split into pieces that overlap codec and wire, so the time lies between
-  ``max(codec, wire)`` (perfect overlap) and ``codec + wire`` (none); both are printed;
-* compute: ``(6 N + 12 L h s) * b * s / P`` FLOPs at the achieved rate F per GPU.
+* collectives: per layer 2 forward all-reduces (attention and MLP outputs) and 2 backward ones
+  (the input gradients of the q/k/v and gate/up regions), plus the embedding's (forward) and
+  the lm head's (backward); each of n = tokens * hidden values in bf16;
+* plain all-reduce: ``latency + f * 2n / B`` with B the per-GPU bus bandwidth of the link and
+  ``f = 2(P-1)/P`` for NCCL's ring, ``0.76 * 2(P-1)/P`` for NVLS (NVSwitch reduces in the
+  switch: NCCL's default for large bf16 all-reduces on NVSwitch machines; 0.76 is the
+  ring / NVLS ratio behind DESIGN.md's ceilings, 1.45-1.5x against NVLS vs 1.94x against ring).
+  The compressed two-shot cannot use NVLS (scales differ per rank);
+* compressed all-reduce: `simulate_all_reduce` replays the schedule of
+  ``comm.pipeline.Pipeline`` (pieces of ``piece_bytes``; per piece compress, all-to-all, sum,
+  all-gather, decompress) on two in-order streams (kernels, NCCL) and the host that issues
+  them (``host_us`` per operation), with the H200 stage costs of benchmarks/RESULTS.md:
+  a fixed cost per kernel (compress 3.7 us, decompress 1.7 us, sum 5 us: the intercept of
+  time against size) plus bytes over the measured throughputs (fractions of the 4244 GB/s
+  copy bandwidth); each collective pays ``latency`` plus its bytes over B;
+* overlap with compute (``overlap=True``, what `taco_accel.tp.overlap` does): the backward
+  all-reduce of a column region runs while the region's weight-gradient matmuls run
+  (2 * tokens * hidden * (q+k+v or gate+up outputs) / P FLOPs); a plain all-reduce is then
+  exposed for ``max(0, t - t_wgrad)``; a compressed one for ``max(t_codec, t - t_wgrad)``,
+  as its kernels compete with the matmul for the GPU;
+* auto (the default mode): each collective compressed only where its compressed time beats
+  the plain one by 5% (what `comm.autotune` measures);
+* compute: ``(6 N + 12 L h s) * tokens / P`` FLOPs at the achieved rate F per GPU.
 
-The codec throughputs default to the H200 measurements of benchmarks/RESULTS.md (fractions
-of the measured copy bandwidth); pass ``--codec-gbs`` to use others.
+NCCL latencies and the host time per operation are assumptions (no multi-GPU machine was
+available), not measurements: pass ``--latency-us`` / ``--host-us`` to test others.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-PRESETS = {  # hidden, layers, parameters (billions)
-    "qwen-0.5b": (896, 24, 0.49),
-    "qwen-1.5b": (1536, 28, 1.54),
-    "qwen-7b": (3584, 28, 7.6),
-    "llama-13b": (5120, 40, 13.0),
-    "gpt2-xl": (1600, 48, 1.56),
+from ..comm.pipeline import PIECE_BYTES
+
+MiB = 2**20
+NVLS_FACTOR = 0.76  # NVLS all-reduce bytes / ring bytes, from the 1.475x vs 1.94x ceilings (DESIGN.md)
+AUTO_MARGIN = 0.05  # comm.autotune.MARGIN
+
+
+@dataclass(frozen=True)
+class Preset:
+    hidden: int
+    layers: int
+    params_b: float
+    intermediate: int
+    kv_dim: int  # key (= value) projection width
+    vocab: int
+
+
+PRESETS = {
+    "qwen-0.5b": Preset(896, 24, 0.49, 4864, 128, 151936),
+    "qwen-1.5b": Preset(1536, 28, 1.54, 8960, 256, 151936),
+    "qwen-7b": Preset(3584, 28, 7.6, 18944, 512, 152064),
+    "llama-13b": Preset(5120, 40, 13.0, 13824, 5120, 32000),
+    "gpt2-xl": Preset(1600, 48, 1.56, 6400, 1600, 50257),
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class Link:
-    bus_gbs: float  # per-GPU bus bandwidth of the collective, GB/s
-    latency_us: float = 5.0
+    """A TP group's interconnect as one collective sees it."""
+
+    name: str
+    bus_gbs: float  # per-GPU bus bandwidth of a collective, GB/s
+    latency_us: float = 10.0  # per collective call
+    algo: str = "ring"  # NCCL's algorithm for the plain all-reduce: "ring" or "nvls"
 
 
-@dataclass
+TOPOLOGIES = {
+    "nvswitch": Link("8x H200 NVSwitch, NCCL NVLS", 450.0, 10.0, "nvls"),
+    "nvswitch-ring": Link("8x H200 NVSwitch, NCCL ring (NCCL_NVLS_ENABLE=0)", 450.0, 10.0, "ring"),
+    "pcie": Link("PCIe Gen5 box, no NVLink (NCCL_P2P_DISABLE=1)", 25.0, 15.0, "ring"),
+    "multinode": Link("TP across 2 nodes, 400 Gb/s InfiniBand per GPU", 50.0, 25.0, "ring"),
+}
+
+
+@dataclass(frozen=True)
 class Codec:
+    """Codec throughputs (GB/s of bytes read + written) and fixed costs per kernel (us)."""
+
     compress_gbs: float
     sum_gbs: float
     decompress_gbs: float
     group_size: int = 128
     num_scales: int = 1
+    compress_us: float = 3.7
+    sum_us: float = 5.0
+    decompress_us: float = 1.7
 
     @property
     def wire_ratio(self) -> float:
@@ -55,65 +104,142 @@ class Codec:
         return 1 + 4 * self.num_scales / self.group_size
 
 
-def plain_all_reduce_s(n: int, p: int, link: Link, elem_bytes: int = 2) -> float:
-    return 2 * (p - 1) / p * n * elem_bytes / (link.bus_gbs * 1e9) + 2 * (p - 1) * link.latency_us * 1e-6
-
-
-def taco_all_reduce_s(n: int, p: int, link: Link, codec: Codec, elem_bytes: int = 2) -> tuple[float, float]:
-    """(perfect overlap, no overlap) seconds of one compressed two-shot all-reduce."""
-    w = n * codec.wire_ratio
-    wire = 2 * (p - 1) / p * w / (link.bus_gbs * 1e9) + 2 * (p - 1) * link.latency_us * 1e-6
-    codec_s = (
-        (elem_bytes * n + w) / (codec.compress_gbs * 1e9)
-        + (p + 1) * w / p / (codec.sum_gbs * 1e9)
-        + (w + elem_bytes * n) / (codec.decompress_gbs * 1e9)
-    )
-    return max(codec_s, wire), codec_s + wire
-
-
-def project(hidden: int, layers: int, params_b: float, tp: int, tokens: int, seq: int, tflops: float,
-            link: Link, codec: Codec, threshold_bytes: int = 8 * 2**20) -> dict:
-    """Step times and the speedup of TACO over plain bf16 TP for one micro-batch of ``tokens``."""
-    n = tokens * hidden
-    count = 4 * layers + 2
-    compute = (6 * params_b * 1e9 + 12 * layers * hidden * seq) * tokens / tp / (tflops * 1e12)
-    plain = count * plain_all_reduce_s(n, tp, link)
-    if 2 * n < threshold_bytes:
-        best = worst = plain
-    else:
-        overlap, serial = taco_all_reduce_s(n, tp, link, codec)
-        best, worst = count * overlap, count * serial
-    return dict(
-        compute_s=compute, comm_plain_s=plain, comm_taco_best_s=best, comm_taco_worst_s=worst,
-        speedup_best=(compute + plain) / (compute + best), speedup_worst=(compute + plain) / (compute + worst),
-        message_mib=2 * n / 2**20,
-    )
-
-
-def h200_codec(copy_gbs: float = 4244.0, fractions=(0.90, 0.91, 0.83)) -> Codec:
-    """Codec throughputs as fractions of the copy bandwidth: compress, sum (P=4), decompress,
-    measured on an H200 at 256M elements, G=128 (benchmarks/RESULTS.md)."""
+def h200_codec(copy_gbs: float = 4244.0, fractions=(1.0, 0.95, 0.97)) -> Codec:
+    """H200, G = 128: the bandwidth slopes (fractions of the copy bandwidth: compress 1.03,
+    decompress 0.96 in the twelfth run's time-against-size fit; sum of 8 0.96-1.00 from 64M on)
+    and the fixed costs of that fit (sum: 5.7 us from its 16M / 64M times)."""
     return Codec(*(f * copy_gbs for f in fractions))
 
 
+# --- one collective ---------------------------------------------------------------------------
+
+
+def plain_all_reduce_s(n: int, p: int, link: Link, elem_bytes: int = 2) -> float:
+    factor = 2 * (p - 1) / p * (NVLS_FACTOR if link.algo == "nvls" else 1.0)
+    return link.latency_us * 1e-6 + factor * n * elem_bytes / (link.bus_gbs * 1e9)
+
+
+def _stages(m: int, p: int, link: Link, codec: Codec, elem_bytes: int) -> list[tuple[str, float]]:
+    """(stream, seconds) of the 5 operations of one piece of m values, in dependency order."""
+    w = m * codec.wire_ratio
+    wire = link.latency_us * 1e-6 + (p - 1) / p * w / (link.bus_gbs * 1e9)
+    return [
+        ("gpu", codec.compress_us * 1e-6 + (elem_bytes * m + w) / (codec.compress_gbs * 1e9)),
+        ("net", wire),  # all-to-all
+        ("gpu", codec.sum_us * 1e-6 + (p + 1) * w / p / (codec.sum_gbs * 1e9)),
+        ("net", wire),  # all-gather of the reduced chunks
+        ("gpu", codec.decompress_us * 1e-6 + (w + elem_bytes * m) / (codec.decompress_gbs * 1e9)),
+    ]
+
+
+def simulate_all_reduce(n: int, p: int, link: Link, codec: Codec, piece_bytes: int = 0,
+                        host_us: float = 15.0, elem_bytes: int = 2) -> dict:
+    """Seconds of one compressed all-reduce of n values: ``total`` and ``codec`` (kernel time).
+
+    The issue order is `comm.pipeline.Pipeline`'s: each tick starts a piece and advances the
+    live ones newest first (piece t: compress, all-to-all; t-1: sum, all-gather; t-2:
+    decompress); each operation starts when its stream is free, its predecessor in the piece
+    is done and the host has issued it."""
+    step = n if piece_bytes <= 0 else max(1, min(n, piece_bytes // elem_bytes))
+    sizes = [min(step, n - a) for a in range(0, n, step)]
+    plan = [_stages(m, p, link, codec, elem_bytes) for m in sizes]
+    done = [[None] * 5 for _ in sizes]
+    free = {"gpu": 0.0, "net": 0.0}
+    host = 0.0
+    ticks = len(sizes) + 2
+    for tick in range(ticks):
+        for piece in range(min(tick, len(sizes) - 1), max(-1, tick - 3), -1):  # newest first
+            phase = tick - piece  # 0: ops 0-1, 1: ops 2-3, 2: op 4
+            for op in ((0, 1), (2, 3), (4,))[phase]:
+                stream, seconds = plan[piece][op]
+                host += host_us * 1e-6
+                ready = done[piece][op - 1] if op else 0.0
+                start = max(free[stream], ready, host)
+                done[piece][op] = free[stream] = start + seconds
+    return {"total": max(max(d) for d in done), "codec": sum(s for stages in plan for st, s in stages if st == "gpu")}
+
+
+def best_piece(n: int, p: int, link: Link, codec: Codec, pieces_mib=(1, 2, 4, 8, 16, 32, 64), **kw) -> float:
+    """The piece size (MiB, 0: whole message) with the shortest simulated all-reduce."""
+    times = {mib: simulate_all_reduce(n, p, link, codec, int(mib * MiB), **kw)["total"] for mib in (0, *pieces_mib)}
+    return min(times, key=times.get)
+
+
+# --- one training step ------------------------------------------------------------------------
+
+
+def project(preset: Preset, tp: int, tokens: int, seq: int, tflops: float, link: Link, codec: Codec,
+            piece_bytes: int = PIECE_BYTES, host_us: float = 15.0, overlap: bool = True) -> dict:
+    """Step times (s) of one micro-batch: plain bf16 TP and TACO in auto mode."""
+    h, layers = preset.hidden, preset.layers
+    n = tokens * h
+    flops = tflops * 1e12
+    compute = (6 * preset.params_b * 1e9 + 12 * layers * h * seq) * tokens / tp / flops
+    plain = plain_all_reduce_s(n, tp, link)
+    taco = simulate_all_reduce(n, tp, link, codec, piece_bytes, host_us)
+    use_taco = taco["total"] < plain * (1 - AUTO_MARGIN)
+    # (count, weight-gradient seconds that can hide it)
+    wgrad = lambda outputs: 2 * tokens * h * outputs / tp / flops  # noqa: E731
+    groups = [(2 * layers + 1, 0.0),  # forward: attention / MLP outputs, embedding
+              (layers, wgrad(h + 2 * preset.kv_dim) if overlap else 0.0),  # backward: q/k/v input grads
+              (layers, wgrad(2 * preset.intermediate) if overlap else 0.0),  # backward: gate/up input grads
+              (1, wgrad(preset.vocab) if overlap else 0.0)]  # backward: lm head input grad
+    exposed_plain = sum(c * max(0.0, plain - hide) for c, hide in groups)
+    exposed_on = sum(c * max(taco["codec"], taco["total"] - hide) for c, hide in groups)
+    exposed_auto = exposed_on if use_taco else exposed_plain
+    return dict(
+        compute_s=compute, message_mib=2 * n / MiB, plain_ar_s=plain, taco_ar_s=taco["total"],
+        taco_codec_s=taco["codec"], auto_compresses=use_taco,
+        step_plain_s=compute + exposed_plain, step_auto_s=compute + exposed_auto,
+        speedup=(compute + exposed_plain) / (compute + exposed_auto),
+        speedup_on=(compute + exposed_plain) / (compute + exposed_on),
+        comm_plain_s=exposed_plain, comm_auto_s=exposed_auto,
+    )
+
+
 def print_projection(args) -> None:
-    hidden, layers, params = PRESETS[args.preset]
+    preset = PRESETS[args.preset]
     codec = Codec(*args.codec_gbs) if args.codec_gbs else h200_codec(args.copy_gbs)
-    print(f"{args.preset}: hidden {hidden}, {layers} layers, {params}B params, tp {args.tp}, "
-          f"{args.tokens} tokens/micro-batch (seq {args.seq}), {args.tflops} TFLOP/s per GPU achieved")
-    print(f"codec GB/s: compress {codec.compress_gbs:.0f}, sum {codec.sum_gbs:.0f}, decompress {codec.decompress_gbs:.0f}")
-    print(f"{'link GB/s':>9s} {'msg MiB':>8s} {'compute ms':>10s} {'plain comm':>10s} {'taco comm':>15s} {'speedup':>13s}")
-    for bw in args.link_gbs:
-        r = project(hidden, layers, params, args.tp, args.tokens, args.seq, args.tflops, Link(bw), codec)
-        print(f"{bw:9.0f} {r['message_mib']:8.1f} {r['compute_s'] * 1e3:10.1f} {r['comm_plain_s'] * 1e3:10.1f} "
-              f"{r['comm_taco_best_s'] * 1e3:6.1f}..{r['comm_taco_worst_s'] * 1e3:6.1f}  "
-              f"{r['speedup_worst']:5.2f}..{r['speedup_best']:5.2f}x")
+    print(f"{args.preset}: hidden {preset.hidden}, {preset.layers} layers, {preset.params_b}B params, tp {args.tp}, "
+          f"{args.tokens} tokens/micro-batch (seq {args.seq}), {args.tflops} TFLOP/s per GPU, pieces "
+          f"{args.piece_mib:g} MiB, host {args.host_us:g} us/op, overlap {'on' if not args.no_overlap else 'off'}")
+    print("| topology | plain AR | GB/s | msg MiB | plain AR us | TACO AR us | auto | compute ms | exposed comm ms "
+          "plain / auto | step speedup auto (always on) |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
+    for name in args.topologies:
+        link = TOPOLOGIES[name]
+        if args.latency_us is not None:
+            link = replace(link, latency_us=args.latency_us)
+        r = project(preset, args.tp, args.tokens, args.seq, args.tflops, link, codec, int(args.piece_mib * MiB),
+                    args.host_us, not args.no_overlap)
+        print(f"| {name} | {link.algo} | {link.bus_gbs:g} | {r['message_mib']:.1f} | {r['plain_ar_s'] * 1e6:.0f} | "
+              f"{r['taco_ar_s'] * 1e6:.0f} | {'compress' if r['auto_compresses'] else 'plain'} | "
+              f"{r['compute_s'] * 1e3:.1f} | {r['comm_plain_s'] * 1e3:.1f} / {r['comm_auto_s'] * 1e3:.1f} | "
+              f"{r['speedup']:.2f}x ({r['speedup_on']:.2f}x) |")
+
+
+def print_pieces(args) -> None:
+    """Simulated compressed all-reduce time against piece size, per topology and message."""
+    codec = Codec(*args.codec_gbs) if args.codec_gbs else h200_codec(args.copy_gbs)
+    pieces = (0, 1, 2, 4, 8, 16, 32)
+    print(f"compressed all-reduce, tp {args.tp}, bf16, host {args.host_us:g} us/op: time (us) by piece size (MiB; "
+          "0 = whole message), relative to the best in brackets")
+    print("| topology | msg MiB | plain | " + " | ".join(str(p) for p in pieces) + " |")
+    print("| --- | ---: | ---: |" + " ---: |" * len(pieces))
+    for name in args.topologies:
+        link = TOPOLOGIES[name]
+        for mib in (8, 16, 32, 64, 128):
+            n = int(mib * MiB) // 2
+            t = [simulate_all_reduce(n, args.tp, link, codec, int(p * MiB), args.host_us)["total"] for p in pieces]
+            best = min(t)
+            cells = " | ".join(f"{x * 1e6:.0f} ({x / best:.2f})" for x in t)
+            print(f"| {name} | {mib} | {plain_all_reduce_s(n, args.tp, link) * 1e6:.0f} | {cells} |")
 
 
 # --- validation on gloo (CPU) ------------------------------------------------------------------
 
 
-def _gloo_worker(rank: int, world: int, init_file: str, numel: int, reps: int, queue) -> None:
+def _gloo_worker(rank: int, world: int, init_file: str, numel: int, reps: int, piece_bytes: int, queue) -> None:
     import torch
     import torch.distributed as dist
 
@@ -123,7 +249,7 @@ def _gloo_worker(rank: int, world: int, init_file: str, numel: int, reps: int, q
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     x = torch.randn(numel) * 0.02
-    cfg = TacoConfig(threshold_bytes=0, piece_bytes=0)
+    cfg = TacoConfig(threshold_bytes=0, piece_bytes=piece_bytes)
 
     def clock(fn):
         fn()
@@ -137,7 +263,7 @@ def _gloo_worker(rank: int, world: int, init_file: str, numel: int, reps: int, q
     plain = clock(lambda: dist.all_reduce(x.clone()))
     taco = clock(lambda: all_reduce(x, config=cfg))
     # the codec stages alone, on this rank's share, as the cost model counts them
-    packed = compress(x, cfg, chunks=world)
+    packed = compress(x, cfg.replace(piece_bytes=0), chunks=world)
     chunk = packed.layout.chunk_layout()
     stacked = packed.buffer.view(world, -1)
     t_c = clock(lambda: compress(x, cfg, chunks=world))
@@ -148,20 +274,22 @@ def _gloo_worker(rank: int, world: int, init_file: str, numel: int, reps: int, q
     dist.destroy_process_group()
 
 
-def validate_gloo(world: int = 2, sizes=(2**20, 2**22, 2**24), reps: int = 5) -> None:
+def validate_gloo(world: int = 2, sizes=(2**20, 2**22, 2**24), reps: int = 5, piece_bytes: int = 0) -> None:
     """Measure plain and compressed gloo all-reduce and compare with the model's prediction."""
     import os
     import tempfile
 
     import torch.multiprocessing as mp
 
-    print(f"gloo, {world} ranks on this CPU: measured vs predicted compressed all-reduce (fp32 input)")
-    print(f"{'elements':>9s} {'plain ms':>9s} {'link GB/s':>9s} {'taco ms':>8s} {'predicted ms':>16s}")
+    print(f"gloo, {world} ranks on this CPU: measured vs predicted compressed all-reduce (fp32 input, "
+          f"pieces {piece_bytes / MiB:g} MiB)")
+    print(f"{'elements':>9s} {'plain ms':>9s} {'link GB/s':>9s} {'taco ms':>8s} {'predicted ms':>12s}")
     ctx = mp.get_context("spawn")
     for numel in sizes:
         with tempfile.TemporaryDirectory() as tmp:
             queue = ctx.Queue()
-            procs = [ctx.Process(target=_gloo_worker, args=(r, world, os.path.join(tmp, "s"), numel, reps, queue))
+            procs = [ctx.Process(target=_gloo_worker,
+                                 args=(r, world, os.path.join(tmp, "s"), numel, reps, piece_bytes, queue))
                      for r in range(world)]
             for p in procs:
                 p.start()
@@ -169,16 +297,17 @@ def validate_gloo(world: int = 2, sizes=(2**20, 2**22, 2**24), reps: int = 5) ->
             for p in procs:
                 p.join()
         # the link bandwidth the plain collective achieved defines B for this machine
-        link = Link(bus_gbs=2 * (world - 1) / world * numel * 4 / m["plain"] / 1e9, latency_us=0.0)
+        link = Link("gloo", bus_gbs=2 * (world - 1) / world * numel * 4 / m["plain"] / 1e9, latency_us=0.0)
         w = m["wire"]
         codec = Codec(
             compress_gbs=(4 * numel + w) / m["compress"] / 1e9,
             sum_gbs=(world + 1) * w / world / m["sum"] / 1e9,
             decompress_gbs=(w + 4 * numel) / m["decompress"] / 1e9,
+            compress_us=0.0, sum_us=0.0, decompress_us=0.0,
         )
-        best, worst = taco_all_reduce_s(numel, world, link, codec, elem_bytes=4)
+        predicted = simulate_all_reduce(numel, world, link, codec, piece_bytes, host_us=0.0, elem_bytes=4)["total"]
         print(f"{numel / 2**20:8.1f}M {m['plain'] * 1e3:9.2f} {link.bus_gbs:9.2f} {m['taco'] * 1e3:8.2f} "
-              f"{best * 1e3:7.2f}..{worst * 1e3:7.2f}")
+              f"{predicted * 1e3:12.2f}")
 
 
 def main(argv=None) -> None:
@@ -188,14 +317,21 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per micro-batch (b*s)")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--tflops", type=float, default=400.0, help="achieved dense TFLOP/s per GPU")
-    parser.add_argument("--link-gbs", type=float, nargs="+", default=[450.0, 150.0, 50.0, 25.0])
+    parser.add_argument("--topologies", nargs="+", default=list(TOPOLOGIES), choices=list(TOPOLOGIES))
+    parser.add_argument("--latency-us", type=float, default=None, help="override every topology's latency")
+    parser.add_argument("--host-us", type=float, default=15.0, help="host time per issued operation")
+    parser.add_argument("--piece-mib", type=float, default=PIECE_BYTES / MiB, help="default: comm.pipeline.PIECE_BYTES")
+    parser.add_argument("--no-overlap", action="store_true", help="no compute/communication overlap")
     parser.add_argument("--copy-gbs", type=float, default=4244.0)
     parser.add_argument("--codec-gbs", type=float, nargs=3, metavar=("COMPRESS", "SUM", "DECOMPRESS"))
+    parser.add_argument("--pieces", action="store_true", help="time against piece size instead")
     parser.add_argument("--validate-gloo", action="store_true")
     parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args(argv)
     if args.validate_gloo:
-        validate_gloo(args.world_size)
+        validate_gloo(args.world_size, piece_bytes=int(args.piece_mib * MiB))
+    elif args.pieces:
+        print_pieces(args)
     else:
         print_projection(args)
 

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ..codec import NonFiniteError, TacoConfig
 from . import stats
-from .compressed import Tally, all_gather_pieces, all_reduce_pieces, reduce_scatter_pieces
+from .compressed import Tally, acquire, all_gather_pieces, all_reduce_pieces, reduce_scatter_pieces, release
 from .dist_ops import Done, all_gather_into, all_reduce_, reduce_scatter_into
 from .pipeline import Pipeline
 
@@ -118,7 +118,7 @@ def _collective(kind: str, x: torch.Tensor, group, config: TacoConfig | None, si
     x, world = x.detach(), _world(group)
     if kind != "all_reduce":
         check_rows(x, world if kind == "reduce_scatter" else None)
-    pending = Pending(kind, x, group, config, site or kind)
+    pending = Pending(kind, x, group, config, site or kind, world)
     return pending if async_op else pending.wait()
 
 
@@ -132,16 +132,19 @@ class Pending:
     often, in the same order relative to other collectives.
     """
 
-    def __init__(self, kind: str, x: torch.Tensor, group, config: TacoConfig | None, site: str) -> None:
+    def __init__(self, kind: str, x: torch.Tensor, group, config: TacoConfig | None, site: str,
+                 world: int | None = None) -> None:
         self.kind, self.x, self.group, self.config, self.site = kind, x, group, config, site
-        self.world = _world(group)
+        self.world = _world(group) if world is None else world
         self.out = torch.empty(output_shape(kind, x, self.world), dtype=x.dtype, device=x.device)
         nbytes = x.numel() * x.element_size()
         self.compressed = not plain_path(config, nbytes, self.world)
         if self.compressed:
             self.tally = Tally(check_nonfinite=config.nonfinite == "raise")
-            pieces = _PIECES[kind](x.contiguous(), self.out, codec_config(config), group, self.world, self.tally)
-            self._pipeline = Pipeline(pieces)
+            self._buffers = acquire(x.device)  # receive buffers reused from call to call
+            pieces = _PIECES[kind](x.contiguous(), self.out, codec_config(config), group, self.world, self.tally,
+                                   self._buffers)
+            self._pipeline = Pipeline.of(list(pieces))
             self._pipeline.tick()  # the first piece encoded and on the wire
         else:
             self.sent = stats.plain_bytes(kind, nbytes, self.world)
@@ -156,7 +159,10 @@ class Pending:
     def result(self) -> tuple[torch.Tensor, int, bool]:
         """``(out, bytes this rank sent, compressed?)`` once complete; no statistics."""
         if self.compressed:
-            self._pipeline.finish()
+            try:
+                self._pipeline.finish()
+            finally:
+                release(self._buffers)
             self.sent = self.tally.sent
             flag = self.tally.any_nonfinite() if self.tally.check_nonfinite else None
         else:

@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _no_native_all_to_all: set[str] = set()  # backends seen refusing all_to_all_single
+_backends: dict = {}  # process group (None: the default one) -> its backend name, looked up once
 
 
 class Done:
@@ -53,7 +54,9 @@ def all_to_all(out: torch.Tensor, x: torch.Tensor, group=None):
 
     Rank r receives block r of each peer: out[p*n:(p+1)*n] = x_p[r*n:(r+1)*n].
     """
-    backend = str(dist.get_backend(group))
+    backend = _backends.get(group)
+    if backend is None:
+        backend = _backends[group] = str(dist.get_backend(group))
     if backend not in _no_native_all_to_all:
         try:
             return dist.all_to_all_single(out, x, group=group, async_op=True)

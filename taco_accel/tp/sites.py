@@ -27,6 +27,7 @@ from .. import comm
 from ..codec import TacoConfig, calibrate
 from ..codec.config import GROUP_SIZES
 from ..comm import ops as comm_ops
+from ..comm.pipeline import PIECE_BYTES
 from .auto import AutoDecider
 from .utils import group_size
 
@@ -35,7 +36,8 @@ logger = logging.getLogger(__name__)
 DIRECTIONS = ("fwd", "bwd")
 
 
-ON = TacoConfig(threshold_bytes=0)  # "on": every message of every site compressed
+DEFAULT = TacoConfig(piece_bytes=PIECE_BYTES)  # the codec's defaults, the collectives' piece size
+ON = DEFAULT.replace(threshold_bytes=0)  # "on": every message of every site compressed
 MODES = ("auto", "on", "off")
 
 
@@ -45,9 +47,10 @@ class Compression:
 
     Args:
         forward: settings of the forward sites (activations: row-parallel outputs, the
-            embedding, sequence-parallel all-gathers). Default ``TacoConfig()``.
+            embedding, sequence-parallel all-gathers). Default ``DEFAULT``: ``TacoConfig()``
+            with pieces of `comm.pipeline.PIECE_BYTES`.
         backward: settings of the backward sites (input gradients of column-parallel
-            regions, sequence-parallel reduce-scatters). Default ``TacoConfig()``.
+            regions, sequence-parallel reduce-scatters). Default ``DEFAULT``.
         sites: per-site overrides, ``{pattern: TacoConfig | None}`` with shell-style
             patterns on site names, e.g. ``{"lm_head/*": None, "layers.0.*": cfg}``. When
             several patterns match, the last one wins.
@@ -59,12 +62,12 @@ class Compression:
             compressed by its size threshold, ``None`` plain), untimed.
 
     `resolve` also takes the strings ``"auto"`` (the default of `parallelize`: ``auto=True``
-    with ``TacoConfig()``), ``"on"`` (every message compressed: ``TacoConfig(threshold_bytes=0)``)
+    with ``DEFAULT``), ``"on"`` (every message compressed: ``DEFAULT`` with ``threshold_bytes=0``)
     and ``"off"`` (plain TP).
     """
 
-    forward: TacoConfig | None = TacoConfig()
-    backward: TacoConfig | None = TacoConfig()
+    forward: TacoConfig | None = DEFAULT
+    backward: TacoConfig | None = DEFAULT
     sites: Mapping[str, TacoConfig | None] = field(default_factory=dict)
     auto: bool = False
 
