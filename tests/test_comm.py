@@ -340,12 +340,26 @@ def _chunked() -> list[dict]:
     return records
 
 
+def _in_flight() -> dict:
+    """Two compressed collectives in flight at once (async_op, several pieces each, advanced in
+    turn): the second cannot use the busy workspace; both equal their synchronous results."""
+    rank = dist.get_rank()
+    cfg = CFG.replace(piece_bytes=1024)
+    a, b = _input(110, rank, (7, 433)), _input(111, rank, (5, 301))
+    expect_a, expect_b = comm.all_reduce(a, None, cfg), comm.all_gather(b, None, cfg)
+    first, second = comm.all_reduce(a, None, cfg, async_op=True), comm.all_gather(b, None, cfg, async_op=True)
+    for _ in range(3):
+        first.progress()
+        second.progress()
+    return {"same": torch.equal(second.wait(), expect_b) and torch.equal(first.wait(), expect_a)}
+
+
 def _battery() -> dict:
     world = dist.get_world_size()
     results = dict(
         accuracy=_accuracy(None, list(range(world))), formats=_formats(), plain=_plain(),
         threshold=_threshold(), pieces=_pieces(), drift=_drift(), nonfinite=_nonfinite(),
-        stats=_stats(), misc=_misc(), autotune=_autotune(), chunked=_chunked(),
+        stats=_stats(), misc=_misc(), autotune=_autotune(), chunked=_chunked(), in_flight=_in_flight(),
     )
     if world == 4:
         results["subgroups"] = _subgroups()
@@ -512,6 +526,10 @@ def test_chunked_collectives_equal_the_one_shot_ones(ranks):
             else:  # a plain reduction may add in another order than reduce_scatter: a rounding or two
                 assert rec["scatter_ulps"] <= 2, rec
     _same_across([p["chunked"] for p in ranks], list(range(world)))
+
+
+def test_collectives_in_flight_together(ranks):
+    assert all(per_rank["in_flight"]["same"] for per_rank in ranks)
 
 
 def test_subgroups(ranks):
