@@ -159,6 +159,7 @@ def _rank(rank: int, world: int, init_file: str, args) -> None:
         result = measure(args)
         if rank == 0:
             report(args, result)
+        dist.barrier()  # leave together: gloo's teardown aborted a rank now and then when one left early
     finally:
         dist.destroy_process_group()
 

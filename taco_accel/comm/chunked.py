@@ -90,8 +90,8 @@ class GatherChunks:
 
 class ScatterChunks:
     """Reduce-scatter, one reduction per destination rank: `submit` rank r's partial (every rank,
-    r = 0..P-1 in order, same shape; it is not modified), `wait` for the sum of this rank's
-    partials."""
+    r = 0..P-1 in order, same shape; not modified unless ``owned``), `wait` for the sum of this
+    rank's partials."""
 
     def __init__(self, group, config: TacoConfig | None, site: str = "reduce_scatter") -> None:
         self.group, self.config, self.site = group, config, site
@@ -101,7 +101,9 @@ class ScatterChunks:
         self.mine: torch.Tensor | None = None
         self.received: list[torch.Tensor] = []
 
-    def submit(self, rank: int, part: torch.Tensor) -> None:
+    def submit(self, rank: int, part: torch.Tensor, owned: bool = False) -> None:
+        """Send this rank's ``part`` of rank ``rank``'s rows; ``owned``: the caller gives ``part``
+        away (a temporary), so the plain reduction may work in it instead of a copy."""
         part = part.detach().contiguous()
         if self.compressed is None:  # the whole input is P such parts
             self.nbytes = self.world * part.numel() * part.element_size()
@@ -117,7 +119,7 @@ class ScatterChunks:
             self.keep.append(buffer)
         else:
             reduced = zero_policy(part, self.config)
-            if reduced.data_ptr() == part.data_ptr():  # the reduction works in place: not on the caller's tensor
+            if reduced.data_ptr() == part.data_ptr() and not owned:  # the reduction works in place
                 reduced = part.clone()
             part = reduced
             self.works.append(dist.reduce(part, dst, group=self.group, async_op=True))

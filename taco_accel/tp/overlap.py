@@ -175,13 +175,13 @@ def _scatter_input_grad(x_full, grad_x, grad_ys, weights, conv, site):
     config = site.call_config_like("reduce_scatter", block, x_full.dtype, x_full.device)
     sums = ScatterChunks(site.group, config, site=site.name)
     for rank in range(world):
-        part = rows(grad_x, rank)
+        part, owned = rows(grad_x, rank), False  # a view of the incoming gradient: not ours to overwrite
         for gy, w, c in zip(grad_ys, weights, conv):
             if gy is not None:
                 term = _input_grad(rows(gy, rank), w, c)
-                part = term if part is None else part + term
+                part, owned = (term if part is None else part + term), True
         site.observe(part)
-        sums.submit(rank, part)
+        sums.submit(rank, part, owned)
     return _Waiting(sums)
 
 
@@ -214,7 +214,7 @@ class RowSequenceLinear(torch.autograd.Function):
         for rank in range(world):
             part = _linear(rows(x, rank), weight, None, conv1d)  # (b, s/tp, out)
             site.observe(part)
-            sums.submit(rank, part)
+            sums.submit(rank, part, owned=True)
         ctx.save_for_backward(x, weight)
         ctx.conv1d, ctx.site = conv1d, exit_.bwd
         return sums.wait()  # (b, s/tp, out)
