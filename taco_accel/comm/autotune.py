@@ -13,14 +13,22 @@ MAX all-reduce gives every rank the slowest rank's figures, so that all take the
 only when it is faster by more than ``margin`` (default 5%): never slower by default, within
 the timing noise.
 
-What to expect (`taco_accel.bench.projection`, H200 codec figures, bf16):
+What to expect (`taco_accel.bench.projection`: H200 codec figures, assumed NCCL latencies;
+1.5B-13B models at tp=8, 8192 tokens, 24-80 MiB bf16 all-reduces):
 
-- NVLink / NVSwitch (about 450 GB/s of bus bandwidth, NCCL's NVLS all-reduce): the codec's
-  memory passes cost about as much as the bytes they save, so TP all-reduces of 1.5B-13B models
-  (14-80 MiB) mostly stay plain; reduce-scatter / all-gather under sequence parallelism too.
-- PCIe (25-50 GB/s between GPUs, no NVLink): the wire dominates; messages from a few MiB up
-  are compressed, about 1.9x fewer bytes.
-- Several nodes (TP across InfiniBand / RoCE, 25-50 GB/s per GPU): as PCIe; compressed.
+- NVLink / NVSwitch, NCCL's default NVLS all-reduce (the switch reduces; the compressed
+  two-shot cannot, its scales differ per rank): plain is faster, the sites stay plain, the step
+  is unchanged (always-on compression: 0.90-0.98x).
+- NVLink with NCCL's ring (``NCCL_NVLS_ENABLE=0``, or no NVSwitch): compression wins by 15-20%
+  on the larger messages in isolation, about 1% of the step.
+- PCIe without NVLink (25-50 GB/s between GPUs): the wire dominates; every TP message is
+  compressed, 1.6x on the step.
+- TP across nodes (InfiniBand / RoCE, 25-50 GB/s per GPU): as PCIe, about 1.4x.
+
+The decision times each collective alone; a backward all-reduce that `tp.overlap` hides behind
+the weight-gradient matmuls costs less than that in the step, while the codec's kernels cannot
+hide (they share the GPU): the model finds one case (13B, NVLink ring) where compressing is
+0.99x of plain. Explicit ``"off"`` for a direction or site pins it.
 
 The timing runs the collectives a few extra times (``2 + 2 * reps`` calls) once per distinct
 message (kind, size, dtype, settings), during the first steps; warm up in eager mode before
