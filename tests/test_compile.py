@@ -68,8 +68,9 @@ def _compiled_step(arch: str, sp: bool, compression) -> dict:
     out_e = eager(ids, labels=ids)
     out_e.loss.backward()
     grads = max(float((p.grad - q.grad).abs().max()) for p, q in zip(compiled.parameters(), eager.parameters()))
+    decided = lambda model: {k: d["compressed"] for k, d in model.taco.sites.decisions().items()}  # noqa: E731
     return {"loss": float((out_c.loss - out_e.loss).abs()), "grads": grads, "stats": stats,
-            "decisions": {k: d["compressed"] for k, d in compiled.taco.sites.decisions().items() if ".1." in k}}
+            "scale": float(out_e.loss), "decisions": decided(compiled), "eager_decisions": decided(eager)}
 
 
 def _worker() -> dict:
@@ -110,9 +111,13 @@ def test_compiled_layer_equals_eager_and_reports_at_run_time(measured, arch, sp)
 def test_auto_decides_inside_the_compiled_graph(measured):
     decisions = [result["auto"]["decisions"] for result in measured]
     assert decisions[0] == decisions[1]
-    fwd_bwd = {k: v for k, v in decisions[0].items() if k.endswith(("/fwd", "/bwd"))}
+    fwd_bwd = {k: v for k, v in decisions[0].items() if k.endswith(("/fwd", "/bwd")) and ".1." in k}
     assert fwd_bwd and all(v in (True, False) for v in fwd_bwd.values()), decisions[0]  # decided at run time
-    assert measured[0]["auto"]["loss"] < 1e-6
+    auto = measured[0]["auto"]
+    if auto["decisions"] == auto["eager_decisions"]:  # each model timed its own sites: they may differ
+        assert auto["loss"] < 1e-6, auto
+    else:
+        assert auto["loss"] < 0.02 * auto["scale"], auto
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
