@@ -88,8 +88,9 @@ class ColumnParallelLinear(_ParallelLinear):
     Megatron's column-parallel linear. ``entry`` enters the TP region (f, or the sequence
     all-gather: a `RegionEntry`, or an `overlap.ColumnRegion` holding this layer, which also
     computes its output and overlaps its backward); leave it ``None`` when the caller enters
-    once for several layers that read the same input (q/k/v). ``gather_output`` concatenates the outputs of all ranks (the lm
-    head when full logits are wanted) through the plain site ``gather``. ``shard`` defaults
+    once for several layers that read the same input (q/k/v). ``gather_output`` concatenates
+    the outputs of all ranks (the lm head when full logits are wanted) through the plain site
+    ``gather``. ``shard`` defaults
     to an even split; pass `ShardSpec.heads` / `ShardSpec.concat` for attention projections.
     Blocks held by several ranks (replicated kv heads) get their gradients summed at ``replica_site``.
     """

@@ -22,7 +22,6 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import comm
 from .sites import Site
 from .utils import ShardSpec, group_rank, group_size
 
