@@ -16,7 +16,7 @@ from harness import run_ranks
 from taco_accel import comm
 from taco_accel.codec import NonFiniteError, TacoConfig, WireLayout
 from taco_accel.comm import EmulatedGroup, compressed, dist_ops
-from taco_accel.comm.pipeline import piece_bounds, piece_length, run_pipelined
+from taco_accel.comm.pieces import piece_bounds, piece_length, run_pipelined
 
 CFG = TacoConfig(threshold_bytes=0)  # compress even tiny messages
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -22,7 +22,7 @@ from taco_accel import comm
 from taco_accel.comm.emulated import EmulatedGroup
 from taco_accel.models.state import shard_specs
 from taco_accel.models.tiny import tiny_model, tiny_model_types
-from taco_accel.tp.utils import ShardSpec
+from taco_accel.tp.shards import ShardSpec
 
 ARCHS = tuple(tiny_model_types())  # every registered family: one parity suite
 STEPS = 3

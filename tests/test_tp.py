@@ -14,7 +14,7 @@ from harness import run_ranks
 from torch import nn
 
 from taco_accel import TacoConfig, comm
-from taco_accel.comm.pipeline import PIECE_BYTES
+from taco_accel.comm.pieces import PIECE_BYTES
 from taco_accel.tp import (
     ColumnParallelLinear,
     Compression,
@@ -75,7 +75,7 @@ def test_compression_forms():
 def test_compression_modes_and_record():
     auto = Compression.resolve("auto")
     assert auto.auto and auto.rule_for("layers.0.mlp/bwd") == (TacoConfig(piece_bytes=PIECE_BYTES), True)
-    assert PIECE_BYTES == 32 * 2**20  # bench.projection's choice (comm.pipeline)
+    assert PIECE_BYTES == 32 * 2**20  # bench.projection's choice (comm.pieces)
     assert Compression.resolve("on").config_for("x/fwd").threshold_bytes == 0
     assert Compression.resolve("off").config_for("x/fwd") is None
     on = TacoConfig(threshold_bytes=0)

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from .. import comm
 from ..codec import TacoConfig, compress, decompress, sum_packed
 from ..codec.api import Packed
-from ..comm.pipeline import PIECE_BYTES
+from ..comm.pieces import PIECE_BYTES
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -384,7 +384,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--codec-backend", choices=("auto", "triton", "torch"), default="auto",
                    help="TacoConfig.backend: auto = Triton kernels on CUDA, reference on CPU")
     p.add_argument("--piece-mib", type=float, default=PIECE_BYTES / MiB,
-                   help="pieces for overlap (0: off); default comm.pipeline.PIECE_BYTES")
+                   help="pieces for overlap (0: off); default comm.pieces.PIECE_BYTES")
     p.add_argument("--budget", type=float, default=1.0 if gpu else 0.5, help="seconds of timed calls per row")
     p.add_argument("--max-iters", type=int, default=50)
     p.add_argument("--stages", action="store_true", help="time the codec stages on one device instead")

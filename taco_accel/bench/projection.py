@@ -16,7 +16,7 @@ Model (Megatron TP without sequence parallelism, one micro-batch of ``tokens`` t
   ring / NVLS ratio behind DESIGN.md's ceilings, 1.45-1.5x against NVLS vs 1.94x against ring).
   The compressed two-shot cannot use NVLS (scales differ per rank);
 * compressed all-reduce: `simulate_all_reduce` replays the schedule of
-  ``comm.pipeline.Pipeline`` (pieces of ``piece_bytes``; per piece compress, all-to-all, sum,
+  ``comm.pieces.Pipeline`` (pieces of ``piece_bytes``; per piece compress, all-to-all, sum,
   all-gather, decompress) on two in-order streams (kernels, NCCL) and the host that issues
   them (``host_us`` per operation), with the H200 stage costs of benchmarks/RESULTS.md:
   a fixed cost per kernel (compress 3.7 us, decompress 1.7 us, sum 5 us: the intercept of
@@ -41,7 +41,7 @@ import argparse
 import time
 from dataclasses import dataclass, replace
 
-from ..comm.pipeline import PIECE_BYTES
+from ..comm.pieces import PIECE_BYTES
 
 MiB = 2**20
 NVLS_FACTOR = 0.76  # NVLS all-reduce bytes / ring bytes, from the 1.475x vs 1.94x ceilings (DESIGN.md)
@@ -136,7 +136,7 @@ def simulate_all_reduce(n: int, p: int, link: Link, codec: Codec, piece_bytes: i
                         host_us: float = 15.0, elem_bytes: int = 2) -> dict:
     """Seconds of one compressed all-reduce of n values: ``total`` and ``codec`` (kernel time).
 
-    The issue order is `comm.pipeline.Pipeline`'s: each tick starts a piece and advances the
+    The issue order is `comm.pieces.Pipeline`'s: each tick starts a piece and advances the
     live ones newest first (piece t: compress, all-to-all; t-1: sum, all-gather; t-2:
     decompress); each operation starts when its stream is free, its predecessor in the piece
     is done and the host has issued it."""
@@ -320,7 +320,7 @@ def main(argv=None) -> None:
     parser.add_argument("--topologies", nargs="+", default=list(TOPOLOGIES), choices=list(TOPOLOGIES))
     parser.add_argument("--latency-us", type=float, default=None, help="override every topology's latency")
     parser.add_argument("--host-us", type=float, default=15.0, help="host time per issued operation")
-    parser.add_argument("--piece-mib", type=float, default=PIECE_BYTES / MiB, help="default: comm.pipeline.PIECE_BYTES")
+    parser.add_argument("--piece-mib", type=float, default=PIECE_BYTES / MiB, help="default: comm.pieces.PIECE_BYTES")
     parser.add_argument("--no-overlap", action="store_true", help="no compute/communication overlap")
     parser.add_argument("--copy-gbs", type=float, default=4244.0)
     parser.add_argument("--codec-gbs", type=float, nargs=3, metavar=("COMPRESS", "SUM", "DECOMPRESS"))

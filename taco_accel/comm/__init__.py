@@ -18,7 +18,7 @@ overlap), `ops` (custom ops for torch.compile), `release_workspaces` (the reused
 from .collectives import Pending, all_gather, all_reduce, reduce_scatter
 from .compressed import release_workspaces
 from .emulated import EmulatedGroup
-from .pipeline import PIECE_BYTES
+from .pieces import PIECE_BYTES
 from .stats import CommStats, error_sampling, pop_comm_stats, set_error_sampling
 
 __all__ = [

@@ -38,7 +38,7 @@ from ..codec import NonFiniteError, TacoConfig
 from . import stats
 from .compressed import Tally, acquire, all_gather_pieces, all_reduce_pieces, reduce_scatter_pieces, release
 from .dist_ops import Done, all_gather_into, all_reduce_, reduce_scatter_into
-from .pipeline import Pipeline
+from .pieces import Pipeline
 
 _PIECES = dict(all_reduce=all_reduce_pieces, reduce_scatter=reduce_scatter_pieces, all_gather=all_gather_pieces)
 _SAME_BYTES_EVERYWHERE = {"all_reduce": True, "reduce_scatter": False, "all_gather": True}

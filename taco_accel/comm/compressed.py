@@ -1,6 +1,6 @@
 """The compressed collectives of TACO_SPEC.md, one piece at a time.
 
-Each function here is a generator over one piece of a message (see `pipeline`): codec work,
+Each function here is a generator over one piece of a message (see `pieces`): codec work,
 then an asynchronous collective, ``yield``, wait, and so on. Notation: P ranks, G values per
 group, ``cb`` bytes per chunk (`WireLayout.chunk_bytes`).
 
@@ -26,7 +26,7 @@ import torch
 
 from ..codec import Packed, TacoConfig, WireLayout, compress, decompress, sum_packed
 from .dist_ops import all_gather_into, all_to_all
-from .pipeline import piece_bounds, piece_length
+from .pieces import piece_bounds, piece_length
 
 
 @dataclass
@@ -53,7 +53,7 @@ class Workspace:
     One per device, shared by every call site: collectives of a model run one after another,
     and a call holds the workspace from its start to its result (`acquire` / `release`; a
     second call in flight meanwhile, or a CUDA graph capture, gets fresh buffers instead). A
-    piece uses slot ``index % 3``: at most three pieces are in flight (`pipeline`). Each buffer
+    piece uses slot ``index % 3``: at most three pieces are in flight (`pieces`). Each buffer
     grows to the largest message seen and stays; `release_workspaces` frees them. Reuse is safe
     on NCCL: a collective's stream waits for the work queued before it, which includes the
     previous call's reads of the same buffer.

@@ -7,7 +7,8 @@
   support; a backend that refuses it (it raises before any byte moves, on every rank alike)
   gets the same exchange as P-1 isend/irecv pairs, `all_to_all_p2p`.
 
-Every function takes an explicit ``group`` (None: the default group) and, where it can run
+Every function takes an explicit ``group`` (None: the default group; `group_size` and
+`group_rank` also answer without torch.distributed, as one rank) and, where it can run
 asynchronously, returns a work handle whose ``wait()`` must be called before the output is
 read (on NCCL, ``wait()`` only makes the current CUDA stream wait: no host sync).
 """
@@ -25,6 +26,16 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _no_native_all_to_all: set[str] = set()  # backends seen refusing all_to_all_single
 _backends: dict = {}  # process group (None: the default one) -> its backend name, looked up once
+
+
+def group_size(group=None) -> int:
+    """Ranks in ``group`` (1 when torch.distributed is not initialised)."""
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def group_rank(group=None) -> int:
+    """This process's rank inside ``group`` (0 when torch.distributed is not initialised)."""
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
 class Done:

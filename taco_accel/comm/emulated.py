@@ -35,7 +35,7 @@ from ..codec import Packed, TacoConfig, WireLayout, compress, decompress, sum_pa
 from . import stats
 from .collectives import check_rows, codec_config, nonfinite_error, plain_path, relative_error, zero_policy
 from .compressed import pad_to_groups
-from .pipeline import piece_bounds, piece_length
+from .pieces import piece_bounds, piece_length
 
 Reducer = Callable[[Sequence[torch.Tensor], TacoConfig], tuple[torch.Tensor, int]]
 """``(partials, config) -> (sum, bytes one rank sends)``: a compressed all-reduce of P

@@ -3,7 +3,8 @@
 from . import gpt2, llama, qwen  # noqa: F401  (the built-in families register their plans)
 from .pretrained import from_pretrained
 from .state import gather_state_dict, save_pretrained
-from .parallelize import TPContext, calibrate_group_sizes, context_of, parallelize
+from .context import TPContext, context_of
+from .parallelize import calibrate_group_sizes, parallelize
 from .plan import (
     AttentionDims, Colwise, EnterRegion, Rowwise, TPPlan, plan_for, plan_of_type, register_plan, supported_model_types,
 )

@@ -12,6 +12,12 @@ logits; the lm head always returns the full logits (``model.taco.logits`` is ``"
 What real TP moves outside the site table, always uncompressed (the loss's all-gather of
 log-sum-exps, the gradient sums of replicated weights), the emulation computes in place,
 exactly, and records no statistics for.
+
+The emulation is one slice through the layers, each part public to the one above:
+`taco_accel.comm.emulated` (`EmulatedGroup`: the collectives of P ranks on lists of tensors),
+`taco_accel.tp.emulate` (the emulated layers, entries, exits and sequence hooks), and this
+module (`EmulatedRewrite`, `emulate_tp`), which builds on the walk, shards, checks and loss
+installation that real TP uses too (`rewrite`). `parallelize` calls `emulate_tp`.
 """
 
 from __future__ import annotations
@@ -34,9 +40,10 @@ from ..tp.emulate import (
 )
 from ..tp.regions import SequenceState
 from ..tp.sites import Compression, Site, SiteTable
+from .context import TPContext
 from .loss import CausalLMLoss
-from .parallelize import TPContext, _check_tp, _install_loss, _Rewrite, _shard
 from .plan import Colwise, EnterRegion, Rowwise, TPPlan
+from .rewrite import Rewrite, check_tp, install_loss
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +54,16 @@ def emulate_tp(model: nn.Module, plan: TPPlan, tp, compression, sequence_paralle
         raise ValueError(f"emulate=True needs the number of ranks to emulate: pass tp=<int >= 1>, got tp={tp!r}")
     if device_mesh is not None:
         raise ValueError("emulate=True runs every rank in this process: pass device_mesh=None")
-    _check_tp(model, plan, tp)
+    check_tp(model, plan, tp)
     compression = Compression.resolve(compression)
     group = EmulatedGroup(tp)
     context = TPContext(
         plan, None, tp, 0, compression, SiteTable(None, compression, timed=False),
         SequenceState(bool(sequence_parallel), tp), logits="full", emulator=group,
     )
-    _EmulatedRewrite(model, plan, context).install()
+    head = EmulatedRewrite(model, plan, context).install()
+    loss = EmulatedCausalLMLoss(head, Site("loss/lse", None, None), getattr(model, "_loss_function", None))
+    install_loss(model, loss)
     model.taco = context
     logger.info(
         "emulated tensor parallel %s: tp=%d in one process, sequence_parallel=%s, %s",
@@ -74,9 +83,9 @@ class EmulatedCausalLMLoss(CausalLMLoss):
         return emulated_vocab_parallel_cross_entropy(logits, shift_labels, self.lm_head.split, ignore_index)
 
 
-class _EmulatedRewrite(_Rewrite):
-    """The module swaps and hooks of one emulated `parallelize`; sites in forward order, with
-    the names real TP gives them."""
+class EmulatedRewrite(Rewrite):
+    """The layers of `taco_accel.tp.emulate` on the `EmulatedGroup` ``ctx.emulator``: every
+    rank's share in this process; sites in forward order, with the names real TP gives them."""
 
     def __init__(self, model: nn.Module, plan: TPPlan, ctx: TPContext) -> None:
         super().__init__(model, plan, ctx)
@@ -89,41 +98,40 @@ class _EmulatedRewrite(_Rewrite):
         self.swaps.append((name, new))
         return new
 
-    def layers(self) -> None:
-        plan, tp = self.plan, self.ctx.tp
-        layers = self.model.get_submodule(plan.layers)
-        if self.sp is not None:
-            split = EmulatedSequenceSplit(self.group, self.site(f"{plan.layers}.0", "bwd"), self.sp)
-            self.pre_hooks.append((layers[0], split))
-        local_q, local_kv = self.dims.num_heads // tp, max(self.dims.num_kv_heads // tp, 1)
-        for index, layer in enumerate(layers):
-            regions: dict[str, EmulatedRegion] = {}  # EnterRegion module name -> its region
-            for rel, style in plan.layer.items():
-                self.layer_module(f"{plan.layers}.{index}.{rel}", layer.get_submodule(rel), style, regions)
-            plan.set_local_heads(layer.get_submodule(plan.attention), tp * local_q, tp * local_kv)
-        if self.sp is not None:
-            final_norm = self.model.get_submodule(plan.final_norm)
-            gather = EmulatedSequenceGather(self.group, self.site(plan.final_norm, "fwd"), self.sp)
-            self.post_hooks.append((final_norm, gather))
+    def sequence_split(self, bwd: Site) -> EmulatedSequenceSplit:
+        return EmulatedSequenceSplit(self.group, bwd, self.sp)
 
-    def layer_module(self, name: str, module: nn.Module, style, regions: dict[str, EmulatedRegion]) -> None:
-        """Swap or hook one module of a layer (``regions``: the layer's regions met so far)."""
-        rel = name.rsplit(".", 1)[-1]
+    def sequence_gather(self, fwd: Site) -> EmulatedSequenceGather:
+        return EmulatedSequenceGather(self.group, fwd, self.sp)
+
+    def attention_heads(self) -> tuple[int, int]:
+        """The total head counts of the emulated layout: tp times one rank's (a replicated kv
+        head once per rank, so that each rank's query heads use their own kv copy)."""
+        num_heads, num_kv_heads = super().attention_heads()
+        return self.ctx.tp * num_heads, self.ctx.tp * num_kv_heads
+
+    def layer_module(self, name: str, module: nn.Module, style) -> None:
         if isinstance(style, EnterRegion):
             fwd = self.site(name, "fwd") if self.sp else None
-            regions[name] = EmulatedRegion(EmulatedEntry(self.group, fwd, self.site(name, "bwd"), self.sp))
-            self.pre_hooks.append((module, regions[name]))
+            self.regions[name] = EmulatedRegion(EmulatedEntry(self.group, fwd, self.site(name, "bwd"), self.sp))
+            self.pre_hooks.append((module, self.regions[name]))
         elif isinstance(style, Colwise):
-            split = _shard(style, module, self.dims, self.ctx.tp, rel)
-            region = next((r for prefix, r in regions.items() if name.startswith(prefix + ".")), None)
+            split, region = self.shard(style, module, name), self.region_of(name)
             self.swaps.append((name, EmulatedColumnParallelLinear(module, split, self.group, region=region)))
         elif isinstance(style, Rowwise):
             fwd = self.site(name, "fwd")  # sites are created in real TP's order: fwd, then bwd
             reduce = EmulatedExit(self.group, fwd, self.site(name, "bwd") if self.sp else None, self.sp)
-            split = _shard(style, module, self.dims, self.ctx.tp, rel)
+            split = self.shard(style, module, name)
             self.swaps.append((name, EmulatedRowParallelLinear(module, split, self.group, reduce=reduce)))
         else:
             raise TypeError(f"unknown plan style {style!r} for {name}")
+
+    def region_of(self, name: str) -> EmulatedRegion | None:
+        """The region of the nearest EnterRegion module that contains ``name``, if any."""
+        parent = name.rpartition(".")[0]
+        while parent and parent not in self.regions:
+            parent = parent.rpartition(".")[0]
+        return self.regions.get(parent)
 
     def lm_head(self, embedding: EmulatedVocabParallelEmbedding) -> EmulatedColumnParallelLinear:
         """Split like the embedding; the parameter objects stay those of the model (tying kept)."""
@@ -132,12 +140,3 @@ class _EmulatedRewrite(_Rewrite):
         new = EmulatedColumnParallelLinear(self.model.get_submodule(name), embedding.split, self.group, entry=entry)
         self.swaps.append((name, new))
         return new
-
-    def install(self) -> None:
-        """Build everything first (an error leaves the model untouched), then swap and hook."""
-        embedding = self.embedding()
-        self.layers()
-        head = self.lm_head(embedding)
-        self.apply()
-        _install_loss(self.model, EmulatedCausalLMLoss(head, Site("loss/lse", None, None),
-                                                       getattr(self.model, "_loss_function", None)))

@@ -4,85 +4,26 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch import nn
 
 from ..codec import TacoConfig
 from ..codec.config import GROUP_SIZES
-from ..tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, _weight_and_layout
-from ..tp.mappings import GradSumBucket
-from ..tp.overlap import ColumnRegion, OverlapState
+from ..comm.dist_ops import group_rank, group_size
+from ..tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from ..tp.overlap import ColumnRegion
 from ..tp.regions import EnterRegionHook, RegionEntry, RegionExit, SequenceGather, SequenceSplit, SequenceState
 from ..tp.sites import Compression, Site, SiteTable
-from ..tp.utils import ShardSpec, divide, group_rank, group_size
 from .checks import check_call, install_input_checks, verify_same_model
+from .context import TPContext, context_of
+from .emulate import emulate_tp
 from .loss import CausalLMLoss, LogitsMode
-from .plan import AttentionDims, Colwise, EnterRegion, Rowwise, TPPlan
+from .plan import Colwise, EnterRegion, Rowwise, TPPlan
+from .rewrite import Rewrite, check_tp, install_loss
 from .state import bind_save_pretrained
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class TPContext:
-    """What `parallelize` did to a model, kept at ``model.taco``.
-
-    ``sites``: the communication sites (print it; ``save`` / ``load`` their group sizes).
-    ``logits``: ``"auto"`` (default: the lm head returns this rank's vocabulary slice when
-    ``labels`` are given, the full logits otherwise), ``"full"`` or ``"local"``.
-    ``emulator``: the `EmulatedGroup` of an emulated model (``emulate=True``: ``group`` is
-    None, ``rank`` 0, the logits always full), None for real TP.
-    ``overlap``: whether the layers hide their communication behind compute (`tp.overlap`;
-    ``model.taco.overlap.enabled = False`` turns it off).
-    """
-
-    plan: TPPlan
-    group: object
-    tp: int
-    rank: int
-    compression: Compression
-    sites: SiteTable
-    sequence: SequenceState
-    logits: str = "auto"
-    emulator: object = None
-    grad_sum_params: list[str] = field(default_factory=list)
-    overlap: OverlapState = field(default_factory=OverlapState)
-    _grad_sum_handles: list = field(default_factory=list, repr=False)
-
-    @property
-    def sequence_parallel(self) -> bool:
-        return self.sequence.enabled
-
-    @property
-    def emulated(self) -> bool:
-        return self.emulator is not None
-
-    def install_grad_sums(self, model: nn.Module) -> None:
-        """(Re)register the gradient sums of replicated parameters that see part of the data
-        (call again after replacing parameter objects, as `from_pretrained` does): one plain
-        all-reduce per backward for all of them (`GradSumBucket`)."""
-        self.remove_grad_sums()
-        params = [p for p in map(model.get_parameter, self.grad_sum_params) if p.requires_grad]
-        if params:
-            self._grad_sum_handles = [GradSumBucket(params, Site("replicated_params/grad", self.group, None))]
-
-    def remove_grad_sums(self) -> None:
-        """Drop the gradient-sum hooks, for a wrapper that replaces the parameter objects (FSDP2)
-        and sums ``grad_sum_params`` over the TP group itself after backward."""
-        for handle in self._grad_sum_handles:
-            handle.remove()
-        self._grad_sum_handles = []
-
-    def short(self, name: str) -> str:
-        return _short(self.plan, name)
-
-
-def _short(plan: TPPlan, name: str) -> str:
-    """Site names drop the base model prefix: ``model.layers.3.mlp`` -> ``layers.3.mlp``."""
-    head = plan.embedding.split(".")[0] + "."
-    return name[len(head):] if name.startswith(head) else name
 
 
 def parallelize(
@@ -142,15 +83,13 @@ def parallelize(
         )
     plan = check_call(model, tp, sequence_parallel, device_mesh, emulate, verify)  # before any collective
     if emulate:
-        from .emulate import emulate_tp  # it builds on this module
-
         return emulate_tp(model, plan, tp, compression, sequence_parallel, device_mesh)
     if tp is not None:
-        _check_tp(model, plan, tp)  # before any collective: wrong numbers fail fast
+        check_tp(model, plan, tp)  # before any collective: wrong numbers fail fast
     group, tp = _resolve_group(tp, device_mesh)
     if verify:
         verify_same_model(model, group)  # a collective: every rank raises on a difference
-    _check_tp(model, plan, tp)
+    check_tp(model, plan, tp)
     compression = Compression.resolve(compression)
     context = TPContext(
         plan, group, tp, group_rank(group), compression, SiteTable(group, compression),
@@ -226,45 +165,8 @@ def _group_of(device_mesh):
     raise ValueError(f"device_mesh has dims {names or device_mesh.ndim}; pass a 1-D mesh or one with a 'tp' dim")
 
 
-def _check_tp(model: nn.Module, plan: TPPlan, tp: int) -> None:
-    """Compute every shard of the first layer, so that bad sizes raise before any change."""
-    dims = plan.dims(model.config)
-    divide(dims.num_heads, tp, "num_attention_heads")
-    layer = model.get_submodule(plan.layers)[0]
-    for name, style in plan.layer.items():
-        if not isinstance(style, EnterRegion):
-            _shard(style, layer.get_submodule(name), dims, tp, name)
-
-
-def _shard(style, module: nn.Module, dims: AttentionDims, tp: int, name: str) -> ShardSpec:
-    """The output (Colwise) or input (Rowwise) split of one linear."""
-    in_features, out_features, _ = _weight_and_layout(module)
-    if isinstance(style, Rowwise):
-        return ShardSpec.even(in_features, tp, what=f"{name}.in_features")
-    if style.heads is None:
-        return ShardSpec.even(out_features, tp, what=f"{name}.out_features")
-    if style.heads == "q":
-        block = ShardSpec.even(dims.num_heads, tp, what="num_attention_heads").scaled(dims.head_dim)
-    else:
-        block = ShardSpec.heads(dims.num_kv_heads, dims.head_dim, tp, what="num_key_value_heads")
-    return ShardSpec.concat([block] * style.fused)
-
-
-class _Rewrite:
-    """The module swaps and hooks of one `parallelize` call, collected before any is applied
-    (so that an error leaves the model untouched); sites are created in forward order."""
-
-    def __init__(self, model: nn.Module, plan: TPPlan, ctx: TPContext) -> None:
-        self.model, self.plan, self.ctx = model, plan, ctx
-        self.regions: dict[str, ColumnRegion] = {}  # EnterRegion module name -> its column layers
-        self.dims = plan.dims(model.config)
-        self.sp = ctx.sequence if ctx.sequence.enabled else None  # None: no sequence sites at all
-        self.swaps: list[tuple[str, nn.Module]] = []
-        self.pre_hooks: list[tuple[nn.Module, object]] = []
-        self.post_hooks: list[tuple[nn.Module, object]] = []
-
-    def site(self, name: str, direction: str) -> Site:
-        return self.ctx.sites.site(f"{self.ctx.short(name)}/{direction}")
+class TPRewrite(Rewrite):
+    """The layers of real TP (`taco_accel.tp.layers`): this rank's shards, collectives on the group."""
 
     def embedding(self) -> VocabParallelEmbedding:
         name = self.plan.embedding
@@ -274,28 +176,21 @@ class _Rewrite:
         self.swaps.append((name, new))
         return new
 
-    def layers(self) -> None:
-        layers, plan, ctx = self.model.get_submodule(self.plan.layers), self.plan, self.ctx
-        if self.sp is not None:
-            self.pre_hooks.append((layers[0], SequenceSplit(self.site(f"{plan.layers}.0", "bwd"), self.sp)))
-        local_q, local_kv = self.dims.num_heads // ctx.tp, max(self.dims.num_kv_heads // ctx.tp, 1)
-        for index, layer in enumerate(layers):
-            for rel, style in plan.layer.items():
-                self.layer_module(f"{plan.layers}.{index}.{rel}", layer.get_submodule(rel), style)
-            plan.set_local_heads(layer.get_submodule(plan.attention), local_q, local_kv)
-        if self.sp is not None:
-            final_norm = self.model.get_submodule(plan.final_norm)
-            self.post_hooks.append((final_norm, SequenceGather(self.site(plan.final_norm, "fwd"), self.sp)))
+    def sequence_split(self, bwd: Site) -> SequenceSplit:
+        return SequenceSplit(bwd, self.sp)
+
+    def sequence_gather(self, fwd: Site) -> SequenceGather:
+        return SequenceGather(fwd, self.sp)
 
     def layer_module(self, name: str, module: nn.Module, style) -> None:
-        group, rel = self.ctx.group, name.rsplit(".", 1)[-1]
+        group = self.ctx.group
         if isinstance(style, EnterRegion):
             fwd = self.site(name, "fwd") if self.sp else None
             region = ColumnRegion(RegionEntry(fwd, self.site(name, "bwd"), self.sp), self.ctx.overlap)
             self.regions[name] = region
             self.pre_hooks.append((module, EnterRegionHook(region)))
         elif isinstance(style, Colwise):
-            shard = _shard(style, module, self.dims, self.ctx.tp, rel)
+            shard = self.shard(style, module, name)
             replicas = Site(f"{self.ctx.short(name)}/replica_grad", group, None) if shard.replicas > 1 else None
             new = ColumnParallelLinear.from_module(module, shard=shard, group=group, replica_site=replicas)
             if name.rpartition(".")[0] in self.regions:  # computed by its region, which overlaps its backward
@@ -304,7 +199,7 @@ class _Rewrite:
         elif isinstance(style, Rowwise):
             reduce = RegionExit(self.site(name, "fwd"), self.site(name, "bwd") if self.sp else None, self.sp,
                                 self.ctx.overlap)
-            shard = _shard(style, module, self.dims, self.ctx.tp, rel)
+            shard = self.shard(style, module, name)
             self.swaps.append((name, RowParallelLinear.from_module(module, shard=shard, group=group, reduce=reduce)))
         else:
             raise TypeError(f"unknown plan style {style!r} for {name}")
@@ -324,36 +219,14 @@ class _Rewrite:
         self.swaps.append((name, new))
         return new
 
-    def apply(self) -> None:
-        for name, new in self.swaps:
-            parent, _, attr = name.rpartition(".")
-            setattr(self.model.get_submodule(parent) if parent else self.model, attr, new)
-        for module, hook in self.pre_hooks:
-            module.register_forward_pre_hook(hook, with_kwargs=True)
-        for module, hook in self.post_hooks:
-            module.register_forward_hook(hook)
-
 
 def _apply_plan(model: nn.Module, plan: TPPlan, ctx: TPContext) -> None:
     """Swap the modules named by the plan, add the hooks, install the loss."""
-    rewrite = _Rewrite(model, plan, ctx)
-    embedding = rewrite.embedding()
-    rewrite.layers()
-    head = rewrite.lm_head(embedding)
-    rewrite.apply()
-
+    head = TPRewrite(model, plan, ctx).install()
     ctx.grad_sum_params = _partial_grad_params(model, plan, ctx)
     ctx.install_grad_sums(model)
-    _install_loss(model, CausalLMLoss(head, Site("loss/lse", ctx.group, None), getattr(model, "_loss_function", None)))
+    install_loss(model, CausalLMLoss(head, Site("loss/lse", ctx.group, None), getattr(model, "_loss_function", None)))
     model.register_forward_pre_hook(LogitsMode(model, head, ctx), with_kwargs=True)
-
-
-def _install_loss(model: nn.Module, loss) -> None:
-    """Make ``loss`` the model's ``loss_function``."""
-    try:
-        model.loss_function = loss
-    except AttributeError:  # a transformers without the setter reads _loss_function first
-        model._loss_function = loss
 
 
 def _partial_grad_params(model: nn.Module, plan: TPPlan, ctx: TPContext) -> list[str]:
@@ -407,10 +280,3 @@ def calibrate_group_sizes(model: nn.Module, candidates=GROUP_SIZES, tolerance: f
         sites.stop_recording()
         raise
     sites.calibrate(candidates, tolerance)
-
-
-def context_of(model: nn.Module) -> TPContext:
-    ctx = getattr(model, "taco", None)
-    if not isinstance(ctx, TPContext):
-        raise ValueError(f"{type(model).__name__} is not parallelised; call taco_accel.parallelize(model) first")
-    return ctx

@@ -17,8 +17,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..codec import TacoConfig
-from ..tp.utils import ShardSpec
-from .parallelize import context_of, parallelize
+from ..tp.shards import ShardSpec
+from .context import context_of
+from .parallelize import parallelize
 from .state import shard_specs
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..tp.utils import ShardSpec
+from ..tp.shards import ShardSpec
 
 
 def shard_specs(model: nn.Module) -> dict[str, ShardSpec]:

@@ -1,7 +1,8 @@
 """Layer 3: Megatron-style tensor parallelism over the compressed collectives of `taco_accel.comm`.
 
-utils (who holds what) -> sites (names and codec settings) -> mappings (autograd functions)
--> regions (entering / leaving the TP region, sequence parallelism) -> layers, cross_entropy.
+shards (who holds what) -> sites (names and codec settings) -> mappings (autograd functions)
+-> regions (entering / leaving the TP region, sequence parallelism) -> layers, cross_entropy;
+emulate: the same layers for tp virtual ranks in one process (``parallelize(..., emulate=True)``).
 """
 
 from .cross_entropy import vocab_parallel_cross_entropy
@@ -17,8 +18,8 @@ from .mappings import (
     sum_replica_grads,
 )
 from .regions import RegionEntry, RegionExit, SequenceState
+from .shards import ShardSpec
 from .sites import Compression, Site, SiteTable
-from .utils import ShardSpec
 
 __all__ = [
     "ColumnParallelLinear",

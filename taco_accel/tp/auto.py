@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..comm.autotune import MARGIN, REPS, time_collective
-from .utils import group_rank
+from ..comm.dist_ops import group_rank
 
 logger = logging.getLogger(__name__)
 

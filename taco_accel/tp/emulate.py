@@ -40,11 +40,10 @@ from torch import nn
 
 from ..comm.emulated import EmulatedGroup
 from .cross_entropy import combine_loss_parts, local_loss_parts
-from .layers import _weight_and_layout
 from .mappings import from_blocks, to_blocks
-from .regions import SEQ_DIM, SequenceState, _hidden_states, _with_hidden_states
+from .regions import SEQ_DIM, HiddenStatesHook, SequenceState
+from .shards import ShardSpec, linear_layout
 from .sites import Site
-from .utils import ShardSpec
 
 # --- collectives on per-rank lists, through one site -----------------------------------------
 
@@ -210,7 +209,7 @@ class EmulatedExit:
         return _Reduce.apply(self.group, self.fwd, *partials)
 
 
-class EmulatedRegion:
+class EmulatedRegion(HiddenStatesHook):
     """Forward pre-hook of a module whose column-parallel layers share one entry (attention:
     q/k/v; MLP: gate/up): enters once, passes rank 0's copy on as ``hidden_states`` and hands
     every rank's copy to each of the ``consumers`` column layers that receive it (`inputs`),
@@ -221,10 +220,9 @@ class EmulatedRegion:
         self._copies: list[torch.Tensor] | None = None
         self._left = 0
 
-    def __call__(self, module, args, kwargs):
-        args, kwargs, hidden = _hidden_states(args, kwargs)
+    def rewrite(self, hidden: torch.Tensor) -> torch.Tensor:
         self._copies, self._left = self.entry(hidden), self.consumers
-        return _with_hidden_states(args, kwargs, self._copies[0])
+        return self._copies[0]
 
     def inputs(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's copy of ``x``, which must be what the hook passed on."""
@@ -241,17 +239,16 @@ class EmulatedRegion:
         return copies
 
 
-class EmulatedSequenceSplit:
+class EmulatedSequenceSplit(HiddenStatesHook):
     """Forward pre-hook of the first layer: start the forward's sequence parallelism (the split
     itself moves nothing; its backward all-gathers the gradient at ``bwd``)."""
 
     def __init__(self, group: EmulatedGroup, bwd: Site, sequence: SequenceState) -> None:
         self.group, self.bwd, self.sequence = group, bwd, sequence
 
-    def __call__(self, module, args, kwargs):
-        args, kwargs, hidden = _hidden_states(args, kwargs)
+    def rewrite(self, hidden: torch.Tensor) -> torch.Tensor | None:
         if self.sequence.begin(hidden.shape[SEQ_DIM]):
-            return _with_hidden_states(args, kwargs, _SplitSequence.apply(hidden, self.group, self.bwd, SEQ_DIM))
+            return _SplitSequence.apply(hidden, self.group, self.bwd, SEQ_DIM)
         return None
 
 
@@ -292,7 +289,7 @@ class _EmulatedLinear(nn.Module):
 
     def __init__(self, module: nn.Module, split: ShardSpec, group: EmulatedGroup) -> None:
         super().__init__()
-        self.in_features, self.out_features, self.conv1d = _weight_and_layout(module)
+        self.in_features, self.out_features, self.conv1d = linear_layout(module)
         self.group, self.tp, self.split = group, group.size, split
         self.weight = module.weight
         if module.bias is None:
@@ -322,7 +319,7 @@ class EmulatedColumnParallelLinear(_EmulatedLinear):
         self, module: nn.Module, split: ShardSpec, group: EmulatedGroup, *,
         entry: EmulatedEntry | None = None, region: EmulatedRegion | None = None,
     ) -> None:
-        conv1d = _weight_and_layout(module)[2]
+        conv1d = linear_layout(module).conv1d
         super().__init__(module, split.on_dim(1 if conv1d else 0), group)
         self.entry, self.region = entry, region
         self.bias_split = self.split.on_dim(0)
@@ -347,7 +344,7 @@ class EmulatedRowParallelLinear(_EmulatedLinear):
     ``x[..., in_p] @ W[:, in_p].T``; ``reduce`` (an `EmulatedExit`) sums them; then the bias."""
 
     def __init__(self, module: nn.Module, split: ShardSpec, group: EmulatedGroup, *, reduce: EmulatedExit) -> None:
-        conv1d = _weight_and_layout(module)[2]
+        conv1d = linear_layout(module).conv1d
         super().__init__(module, split.on_dim(0 if conv1d else 1), group)
         self.input_split = split.on_dim(-1)
         self.reduce = reduce

@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..comm.dist_ops import group_rank, group_size
 from .mappings import gather_from_tp_region, sum_replica_grads
 from .overlap import RowSequenceLinear
 from .regions import RegionEntry, RegionExit
+from .shards import ShardSpec, linear_layout
 from .sites import Site
-from .utils import ShardSpec, group_rank, group_size
 
 
 def _init_uniform(tensor: torch.Tensor | None, fan_in: int) -> None:
@@ -27,15 +28,6 @@ def _init_uniform(tensor: torch.Tensor | None, fan_in: int) -> None:
     if tensor is not None and tensor.device.type != "meta":
         bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0.0
         nn.init.uniform_(tensor, -bound, bound)
-
-
-def _weight_and_layout(module: nn.Module) -> tuple[int, int, bool]:
-    """(in_features, out_features, conv1d) of an ``nn.Linear`` or a transformers ``Conv1D``."""
-    if isinstance(module, nn.Linear):
-        return module.in_features, module.out_features, False
-    if type(module).__name__ == "Conv1D":  # weight [in, out]; avoid importing transformers here
-        return module.weight.shape[0], module.weight.shape[1], True
-    raise TypeError(f"expected nn.Linear or transformers Conv1D, got {type(module).__name__}")
 
 
 class _ParallelLinear(nn.Module):
@@ -60,7 +52,7 @@ class _ParallelLinear(nn.Module):
     @classmethod
     def from_module(cls, module: nn.Module, *, shard: ShardSpec | None = None, **kwargs):
         """This rank's part of an existing ``nn.Linear`` / ``Conv1D`` (parameters copied)."""
-        in_features, out_features, conv1d = _weight_and_layout(module)
+        in_features, out_features, conv1d = linear_layout(module)
         new = cls(
             in_features, out_features, module.bias is not None, shard=shard, conv1d=conv1d,
             device="meta", dtype=module.weight.dtype, **kwargs,

@@ -22,8 +22,9 @@ from collections.abc import Sequence
 
 import torch
 
+from ..comm.dist_ops import group_rank, group_size
+from .shards import ShardSpec
 from .sites import Site
-from .utils import ShardSpec, group_rank, group_size
 
 
 def _all_reduce(x: torch.Tensor, site: Site) -> torch.Tensor:

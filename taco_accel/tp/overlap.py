@@ -32,8 +32,8 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..comm.chunked import GatherChunks, ScatterChunks
+from ..comm.dist_ops import group_size
 from .regions import SEQ_DIM, RegionEntry
-from .utils import group_size
 
 
 class OverlapState:

@@ -91,16 +91,39 @@ class RegionExit:
         return reduce_from_tp_region(partial, self.fwd)
 
 
-class SequenceSplit:
+class HiddenStatesHook:
+    """Base of the forward pre-hooks (registered ``with_kwargs=True``) that replace a module's
+    ``hidden_states`` input, given as the first positional argument or by keyword: `rewrite`
+    returns the tensor the module gets instead, or None to leave the call as it is. Real and
+    emulated TP (`taco_accel.tp.emulate`) enter the region and split the sequence this way."""
+
+    def rewrite(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def __call__(self, module, args, kwargs):
+        if args:
+            hidden = args[0]
+        elif "hidden_states" in kwargs:
+            hidden = kwargs["hidden_states"]
+        else:
+            raise TypeError("expected the hidden states as the first argument or as hidden_states=")
+        new = self.rewrite(hidden)
+        if new is None:
+            return None
+        if args:
+            return (new, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": new}
+
+
+class SequenceSplit(HiddenStatesHook):
     """Forward pre-hook of the first layer: start the forward's sequence parallelism."""
 
     def __init__(self, bwd: Site, sequence: SequenceState) -> None:
         self.bwd, self.sequence = bwd, sequence
 
-    def __call__(self, module, args, kwargs):
-        args, kwargs, hidden = _hidden_states(args, kwargs)
+    def rewrite(self, hidden: torch.Tensor) -> torch.Tensor | None:
         if self.sequence.begin(hidden.shape[SEQ_DIM]):
-            return _with_hidden_states(args, kwargs, scatter_to_sp_region(hidden, self.bwd, SEQ_DIM))
+            return scatter_to_sp_region(hidden, self.bwd, SEQ_DIM)  # (b, s, h) -> (b, s/tp, h)
         return None
 
 
@@ -116,7 +139,7 @@ class SequenceGather:
         return gather_from_tp_region(output, self.fwd, SEQ_DIM)  # (b, s/tp, h) -> (b, s, h)
 
 
-class EnterRegionHook:
+class EnterRegionHook(HiddenStatesHook):
     """Forward pre-hook that enters the TP region once for a module's ``hidden_states`` input,
     shared by the column-parallel layers inside it (q/k/v, gate/up): one collective, not three.
     ``entry``: a `RegionEntry`, or an `overlap.ColumnRegion` that also computes those layers."""
@@ -124,20 +147,5 @@ class EnterRegionHook:
     def __init__(self, entry) -> None:
         self.entry = entry
 
-    def __call__(self, module, args, kwargs):
-        args, kwargs, hidden = _hidden_states(args, kwargs)
-        return _with_hidden_states(args, kwargs, self.entry(hidden))
-
-
-def _hidden_states(args: tuple, kwargs: dict):
-    if args:
-        return args, kwargs, args[0]
-    if "hidden_states" in kwargs:
-        return args, kwargs, kwargs["hidden_states"]
-    raise TypeError("expected the hidden states as the first argument or as hidden_states=")
-
-
-def _with_hidden_states(args: tuple, kwargs: dict, hidden: torch.Tensor):
-    if args:
-        return (hidden, *args[1:]), kwargs
-    return args, {**kwargs, "hidden_states": hidden}
+    def rewrite(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.entry(hidden)

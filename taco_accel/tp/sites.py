@@ -27,9 +27,9 @@ from .. import comm
 from ..codec import TacoConfig, calibrate
 from ..codec.config import GROUP_SIZES
 from ..comm import ops as comm_ops
-from ..comm.pipeline import PIECE_BYTES
+from ..comm.dist_ops import group_size
+from ..comm.pieces import PIECE_BYTES
 from .auto import AutoDecider
-from .utils import group_size
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class Compression:
     Args:
         forward: settings of the forward sites (activations: row-parallel outputs, the
             embedding, sequence-parallel all-gathers). Default ``DEFAULT``: ``TacoConfig()``
-            with pieces of `comm.pipeline.PIECE_BYTES`.
+            with pieces of `comm.pieces.PIECE_BYTES`.
         backward: settings of the backward sites (input gradients of column-parallel
             regions, sequence-parallel reduce-scatters). Default ``DEFAULT``.
         sites: per-site overrides, ``{pattern: TacoConfig | None}`` with shell-style

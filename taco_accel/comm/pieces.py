@@ -1,4 +1,5 @@
-"""Overlap of codec work and communication: pieces, and a deterministic software pipeline.
+"""Pieces of a compressed message, and the deterministic software pipeline that overlaps them:
+one piece's codec work runs while another's messages are in flight.
 
 A compressed collective is written, per piece, as a generator that alternates codec work and
 asynchronous communication: it issues a collective (``async_op=True``), ``yield``s, and on

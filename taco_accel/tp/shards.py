@@ -1,4 +1,5 @@
-"""Who holds what: group helpers and `ShardSpec`, the rows of a full tensor each TP rank keeps.
+"""Who holds what: `ShardSpec`, the blocks of a full tensor each TP rank keeps, and
+`linear_layout`, the layout of the transformers linears they split.
 
 A `ShardSpec` speaks in the layout of the *full* transformers tensor (``nn.Linear`` weights are
 [out, in], GPT-2 ``Conv1D`` weights are [in, out]), so the same object slices a checkpoint,
@@ -10,21 +11,28 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
+from torch import nn
 
 Ranges = tuple[tuple[int, int], ...]  # [start, stop) blocks along one dim, concatenated in order
 
 
-def group_size(group=None) -> int:
-    """Ranks in ``group`` (1 when torch.distributed is not initialised)."""
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+class LinearLayout(NamedTuple):
+    in_features: int
+    out_features: int
+    conv1d: bool  # weight [in, out] (transformers Conv1D) instead of nn.Linear's [out, in]
 
 
-def group_rank(group=None) -> int:
-    """This process's rank inside ``group`` (0 when torch.distributed is not initialised)."""
-    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+def linear_layout(module: nn.Module) -> LinearLayout:
+    """The features and weight layout of an ``nn.Linear`` or a transformers ``Conv1D``, the
+    modules a TP plan splits (real and emulated layers, and the shards computed for them)."""
+    if isinstance(module, nn.Linear):
+        return LinearLayout(module.in_features, module.out_features, False)
+    if type(module).__name__ == "Conv1D":  # weight [in, out]; avoid importing transformers here
+        return LinearLayout(module.weight.shape[0], module.weight.shape[1], True)
+    raise TypeError(f"expected nn.Linear or transformers Conv1D, got {type(module).__name__}")
 
 
 def divide(numerator: int, tp: int, what: str) -> int:
