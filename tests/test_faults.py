@@ -451,3 +451,63 @@ def test_resume_applies_changed_hyper_parameters_and_says_so(tmp_path):
     assert r["lrs"][:2] == pytest.approx([1e-2 * factor(0), 1e-2 * factor(1)])  # from the checkpoint's history
     assert r["lrs"][2:] == pytest.approx([1e-3 * factor(2), 1e-3 * factor(3)])  # the new peak, same schedule
     assert "lr 0.01 -> 0.001" in r["log"] and "weight_decay 0.1 -> 0.0" in r["log"]
+
+
+# -- collectives: ranks that disagree, a stalled peer (gloo) -------------------------------------
+
+DISAGREEMENTS = {  # case: what rank 1 does differently from rank 0, and the field the error must name
+    "numel_same_padding": ({"numel": 1010}, "elements"),  # 1000 and 1010 values both pad to 8 groups of 128
+    "dtype": ({"dtype": torch.bfloat16}, "dtype"),
+    "group_size": ({"group_size": 64}, "group_size"),
+    "format": ({"format": "e5m2"}, "format"),
+    "random_signs": ({"random_signs": True}, "random_signs"),
+    "scale_layout": ({"scales": "dual"}, "scales"),
+    "plain_vs_compressed": ({"threshold_bytes": 1 << 30}, "compressed"),
+}
+
+
+def _disagreeing_calls() -> dict:
+    out = {}
+    rank = dist.get_rank()
+    for case, (change, _) in DISAGREEMENTS.items():
+        settings = dict(numel=1000, dtype=torch.float32, group_size=128, threshold_bytes=0)
+        if rank == 1:
+            settings.update(change)
+        numel, dtype = settings.pop("numel"), settings.pop("dtype")
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(rank)).to(dtype)
+        out[case] = _error(lambda: taco_accel.all_reduce(x, config=taco_accel.TacoConfig(**settings), site=f"case/{case}"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def disagreements():
+    return run_ranks(_disagreeing_calls, 2, timeout=FAST_S)
+
+
+@pytest.mark.parametrize("case", list(DISAGREEMENTS))
+def test_ranks_that_disagree_about_a_collective_raise_on_every_rank(disagreements, case):
+    field = DISAGREEMENTS[case][1]
+    for rank in disagreements:
+        r = rank[case]
+        assert r["type"] == "CollectiveMismatch", r
+        assert f"case/{case}" in r["message"] and field in r["message"], r["message"]
+        assert r["seconds"] < 10
+
+
+def _stalled_peer() -> dict:
+    from taco_accel.parallel import ParallelDims, build_mesh
+
+    group = build_mesh(ParallelDims(tp=2), "cpu")["tp"].get_group()  # its timeout: TACO_TIMEOUT_S
+    x, config = torch.ones(4096), taco_accel.TacoConfig(threshold_bytes=0)
+    taco_accel.all_reduce(x, group, config, site="layers.0.mlp.down_proj/fwd")  # checked, and fine
+    if dist.get_rank() == 1:
+        time.sleep(8)  # a peer that stopped answering
+        return {"type": None}
+    return _error(lambda: taco_accel.all_reduce(x, group, config, site="layers.0.mlp.down_proj/fwd"))
+
+
+def test_a_stalled_peer_fails_the_collective_with_its_site_named():
+    r = run_ranks(_stalled_peer, 2, timeout=FAST_S, env={"TACO_TIMEOUT_S": "3"})[0]
+    assert r["type"] == "CollectiveTimeout", r
+    assert "layers.0.mlp.down_proj/fwd" in r["message"] and "TACO_TIMEOUT_S" in r["message"], r["message"]
+    assert r["seconds"] < 7  # the group's 3 s, not torch's 30 minutes

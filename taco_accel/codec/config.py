@@ -59,7 +59,9 @@ class TacoConfig:
         threshold_bytes: messages smaller than this go through the plain collective in their
             own dtype, where the codec would cost more than it saves. Default 8 MiB.
         piece_bytes: the collectives split larger messages into pieces of about this size so
-            that encoding one piece overlaps sending another; 0 disables the split.
+            that encoding one piece overlaps sending another; 0 disables the split. Default
+            32 MiB, chosen with the cost model (``python -m taco_accel.bench.projection
+            --pieces``; the reasoning is at `taco_accel.comm.pieces`).
         sign_seed: seed of the random sign vector.
     """
 
@@ -72,7 +74,7 @@ class TacoConfig:
     nonfinite: NonFinitePolicy = "propagate"
     backend: Backend = "auto"
     threshold_bytes: int = 8 * 2**20
-    piece_bytes: int = 64 * 2**20
+    piece_bytes: int = 32 * 2**20
     sign_seed: int = 0x7AC0
 
     def __post_init__(self) -> None:

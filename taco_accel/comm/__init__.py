@@ -15,6 +15,7 @@ against compressed on a real message), `chunked` (the collectives cut per rank, 
 overlap), `ops` (custom ops for torch.compile), `release_workspaces` (the reused receive buffers).
 """
 
+from .agreement import CollectiveMismatch, CollectiveTimeout
 from .collectives import Pending, all_gather, all_reduce, reduce_scatter
 from .compressed import release_workspaces
 from .emulated import EmulatedGroup
@@ -23,6 +24,8 @@ from .stats import CommStats, error_sampling, pop_comm_stats, set_error_sampling
 
 __all__ = [
     "PIECE_BYTES",
+    "CollectiveMismatch",
+    "CollectiveTimeout",
     "CommStats",
     "EmulatedGroup",
     "Pending",

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..codec import Packed, TacoConfig, WireLayout, compress, decompress, sum_packed
-from . import stats
+from . import agreement, stats
 from .collectives import codec_config, plain_path, raise_if_flag, zero_policy
 
 
@@ -52,6 +52,8 @@ class GatherChunks:
             own = packed.buffer
         else:
             own = zero_policy(x, config)
+        if agreement.due(site):  # before any byte moves, as the whole collectives do
+            agreement.check("all_gather", x, group, config, self.compressed, site, self.world)
         self.buffers = [own if r == self.rank else torch.empty_like(own) for r in range(self.world)]
         self.works = [dist.broadcast(self.buffers[r], _global(group, r), group=group, async_op=True)
                       for r in range(self.world)]
@@ -60,7 +62,8 @@ class GatherChunks:
     def __iter__(self):
         for r in [self.rank, *(r for r in range(self.world) if r != self.rank)]:
             if r != self.rank:  # this rank's part is here already; its broadcast is awaited in `finish`
-                self.works[r].wait()
+                with agreement.named_timeouts(self.site, "all_gather (per rank)", self.group):
+                    self.works[r].wait()
             if self.compressed:  # this rank's part is decoded too: every rank holds the same bytes
                 part = decompress(Packed(self.buffers[r], self.shape, self.dtype, self.cfg, self.layout))
             else:
@@ -73,7 +76,8 @@ class GatherChunks:
         if any(p is None for p in self.parts):
             for _ in self:
                 pass
-        self.works[self.rank].wait()
+        with agreement.named_timeouts(self.site, "all_gather (per rank)", self.group):
+            self.works[self.rank].wait()
         if self.compressed:
             sent = (self.world - 1) * self.layout.total_bytes
             checked = [self.layout.scales(b) for b in self.buffers]  # a non-finite group has a NaN scale
@@ -109,6 +113,9 @@ class ScatterChunks:
             self.nbytes = self.world * part.numel() * part.element_size()
             self.compressed = not plain_path(self.config, self.nbytes, self.world)
             self.shape, self.dtype = part.shape, part.dtype
+            if agreement.due(self.site):
+                agreement.check("reduce_scatter", part, self.group, self.config, self.compressed, self.site,
+                                self.world)
         dst = _global(self.group, rank)
         if self.compressed:
             buffer = compress(part, codec_config(self.config)).buffer
@@ -128,8 +135,9 @@ class ScatterChunks:
                 self.mine = part  # reduced in place on this rank
 
     def wait(self) -> torch.Tensor:
-        for work in self.works:
-            work.wait()
+        with agreement.named_timeouts(self.site, "reduce_scatter (per rank)", self.group):
+            for work in self.works:
+                work.wait()
         if self.compressed:
             cfg = codec_config(self.config)
             own = WireLayout.for_tensor(self.shape.numel(), cfg)

@@ -5,7 +5,7 @@ on any group: the world, or a sub-group such as the TP group of a dp x tp mesh. 
 ``config=None``, a group of one rank, an empty tensor, or a message (the input tensor) under
 ``config.threshold_bytes``, it runs the plain collective in the input dtype; otherwise the
 TACO compressed path (`compressed`), in pieces of about ``config.piece_bytes`` whose codec
-work overlaps the transfer of their neighbours (`pipeline`). Either way the result is a new
+work overlaps the transfer of their neighbours (`pieces`). Either way the result is a new
 tensor of the input's dtype, and every rank of the group must make the same call.
 
 Autograd: the inputs are detached and the results do not require grad; layer 3 wraps these
@@ -24,7 +24,10 @@ every rank holds identically (the all_reduce / all_gather result) or on a flag a
 agree on through one tiny all-reduce (reduce_scatter, plain paths), so that a rank-local NaN
 never leaves the others blocked in a collective. It costs one host sync per call.
 
-Statistics (bytes sent, sampled error) are recorded per ``site`` name; see `stats`.
+Statistics (bytes sent, sampled error) are recorded per ``site`` name; see `stats`. Each
+site's first call (every call with ``TACO_CHECK_COLLECTIVES=1``) first checks that every rank
+makes the same call (`agreement`: a `CollectiveMismatch` on every rank otherwise), and a
+transfer that outlives the group's timeout raises a `CollectiveTimeout` naming the site.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..codec import NonFiniteError, TacoConfig
-from . import stats
+from . import agreement, stats
 from .compressed import Tally, acquire, all_gather_pieces, all_reduce_pieces, reduce_scatter_pieces, release
 from .dist_ops import Done, all_gather_into, all_reduce_, reduce_scatter_into
 from .pieces import Pipeline
@@ -139,13 +142,16 @@ class Pending:
         self.out = torch.empty(output_shape(kind, x, self.world), dtype=x.dtype, device=x.device)
         nbytes = x.numel() * x.element_size()
         self.compressed = not plain_path(config, nbytes, self.world)
+        if agreement.due(site):  # the same calls on every rank: checked before any byte moves
+            agreement.check(kind, x, group, config, self.compressed, site, self.world)
         if self.compressed:
             self.tally = Tally(check_nonfinite=config.nonfinite == "raise")
             self._buffers = acquire(x.device)  # receive buffers reused from call to call
             pieces = _PIECES[kind](x.contiguous(), self.out, codec_config(config), group, self.world, self.tally,
                                    self._buffers)
             self._pipeline = Pipeline.of(list(pieces))
-            self._pipeline.tick()  # the first piece encoded and on the wire
+            with agreement.named_timeouts(site, kind, group):
+                self._pipeline.tick()  # the first piece encoded and on the wire
         else:
             self.sent = stats.plain_bytes(kind, nbytes, self.world)
             self._work = _plain(kind, zero_policy(x, config).contiguous(), self.out, group, self.world)
@@ -154,19 +160,22 @@ class Pending:
     def progress(self) -> None:
         """One step of the compressed pipeline (nothing for a plain collective)."""
         if self.compressed and not self._done:
-            self._done = not self._pipeline.tick()
+            with agreement.named_timeouts(self.site, self.kind, self.group):
+                self._done = not self._pipeline.tick()
 
     def result(self) -> tuple[torch.Tensor, int, bool]:
         """``(out, bytes this rank sent, compressed?)`` once complete; no statistics."""
         if self.compressed:
             try:
-                self._pipeline.finish()
+                with agreement.named_timeouts(self.site, self.kind, self.group):
+                    self._pipeline.finish()
             finally:
                 release(self._buffers)
             self.sent = self.tally.sent
             flag = self.tally.any_nonfinite() if self.tally.check_nonfinite else None
         else:
-            self._work.wait()
+            with agreement.named_timeouts(self.site, self.kind, self.group):
+                self._work.wait()
             raising = self.config is not None and self.config.nonfinite == "raise" and self.out.is_floating_point()
             flag = ~torch.isfinite(self.out).all() if raising else None
         if flag is not None:

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-PIECE_BYTES = 32 * 2**20
+from ..codec import TacoConfig
+
+PIECE_BYTES = TacoConfig.piece_bytes
 """Default piece size (bytes of input) of the compressed collectives, chosen with
 `taco_accel.bench.projection` (``--pieces``): its replay of this schedule with the measured H200
 stage costs (kernel fixed costs 1.7-5 us, codec at 0.95-1.0 of copy bandwidth), over messages
@@ -30,8 +32,7 @@ per operation, puts 32 MiB within 1% of the best piece size on average (worst 1.
 averages 1.05x (worst 1.8x), 4 MiB 1.7x, one piece 1.03x (worst 1.24x). The codec runs at
 about ten times the link's bandwidth, so there is little to overlap, and every piece pays two
 collective latencies and five host launches. Messages up to 32 MiB go whole; larger ones
-pipeline. (TacoConfig's own default is the codec package's; `tp.sites` builds its configs
-with this one.)"""
+pipeline. The value lives in `TacoConfig.piece_bytes`, the one default."""
 
 
 def piece_bounds(n: int, piece: int) -> list[tuple[int, int]]:

@@ -75,10 +75,17 @@ class ReplicaGradSum:
         return bool(self.names)
 
     def __call__(self) -> None:
-        for stage in self.stages:
-            for name, p in stage.named_parameters():
-                if name in self.names and p.grad is not None:
-                    dist.all_reduce(local_tensor(p.grad), group=self.group)
+        """One all-reduce over tp per gradient dtype, of all these gradients flattened."""
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        grads = [local_tensor(p.grad) for stage in self.stages for name, p in stage.named_parameters()
+                 if name in self.names and p.grad is not None]
+        for dtype in {g.dtype for g in grads}:
+            bucket = [g for g in grads if g.dtype == dtype]
+            flat = _flatten_dense_tensors(bucket)
+            dist.all_reduce(flat, group=self.group)
+            for g, summed in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                g.copy_(summed)
 
 
 class DataParallelGradSync:

@@ -28,7 +28,6 @@ from ..codec import TacoConfig, calibrate
 from ..codec.config import GROUP_SIZES
 from ..comm import ops as comm_ops
 from ..comm.dist_ops import group_size
-from ..comm.pieces import PIECE_BYTES
 from .auto import AutoDecider
 
 logger = logging.getLogger(__name__)
@@ -36,7 +35,7 @@ logger = logging.getLogger(__name__)
 DIRECTIONS = ("fwd", "bwd")
 
 
-DEFAULT = TacoConfig(piece_bytes=PIECE_BYTES)  # the codec's defaults, the collectives' piece size
+DEFAULT = TacoConfig()  # the codec's defaults, the collectives' piece size among them
 ON = DEFAULT.replace(threshold_bytes=0)  # "on": every message of every site compressed
 MODES = ("auto", "on", "off")
 
@@ -48,7 +47,7 @@ class Compression:
     Args:
         forward: settings of the forward sites (activations: row-parallel outputs, the
             embedding, sequence-parallel all-gathers). Default ``DEFAULT``: ``TacoConfig()``
-            with pieces of `comm.pieces.PIECE_BYTES`.
+            with pieces of `comm.pieces.PIECE_BYTES` (`TacoConfig`'s default).
         backward: settings of the backward sites (input gradients of column-parallel
             regions, sequence-parallel reduce-scatters). Default ``DEFAULT``.
         sites: per-site overrides, ``{pattern: TacoConfig | None}`` with shell-style
