@@ -245,7 +245,8 @@ def raise_if_flag(flag: torch.Tensor, group, world: int, site: str, *, agree: bo
 
 def nonfinite_error(site: str) -> NonFiniteError:
     return NonFiniteError(
-        f"{site}: a rank's input (or the sum) holds NaN or Inf under TacoConfig.nonfinite='raise'; "
+        f"{site}: a rank's input (or the sum) holds NaN or Inf, or a group of finite values too large "
+        "for the codec's fp32 sums (max |x| past about 3.4e38 / G), under TacoConfig.nonfinite='raise'; "
         "find where the run diverges, or choose nonfinite='propagate' (decode to NaN) or 'zero'"
     )
 
