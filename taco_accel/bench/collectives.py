@@ -349,9 +349,26 @@ def host_times(numel: int, calls: int, device: torch.device) -> dict:
                 compressed=compressed + n_compressed * issue, collectives=(n_plain, n_compressed))
 
 
+def agreement_us(calls: int, device: torch.device) -> float:
+    """Us of one `comm.agreement.check` (the ranks' fingerprints compared: a real all-gather),
+    what a site's first call, and every call under TACO_CHECK_COLLECTIVES=1, adds."""
+    from ..comm import agreement
+
+    x, world = torch.randn(1024, device=device), dist.get_world_size()
+    for _ in range(10):
+        agreement.check("all_reduce", x, None, None, False, "bench", world)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        agreement.check("all_reduce", x, None, None, False, "bench", world)
+    _sync(device)
+    return (time.perf_counter() - start) / calls * 1e6
+
+
 def run_host(args) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     rows = [(numel, host_times(numel, args.host_calls, device)) for numel in (1024, 65536)]
+    check = agreement_us(args.host_calls, device)
     if dist.get_rank() == 0:
         print(f"# host us per all_reduce call, {dist.get_world_size()} ranks, {args.backend}, {device.type}, fp32, "
               f"codec kernels and transfers stubbed, plus the measured issue cost of each real collective; "
@@ -365,6 +382,8 @@ def run_host(args) -> None:
             print(f"| {numel} | {t['issue']:.1f} | {own_plain:.1f} / {own_compressed:.1f} | {t['plain']:.1f} "
                   f"({n_plain}) | {t['compressed']:.1f} ({n_compressed}) | {t['compressed'] / t['plain']:.2f}x |",
                   flush=True)
+        print(f"# the ranks' agreement check (each site's first call; every call with TACO_CHECK_COLLECTIVES=1): "
+              f"{check:.0f} us", flush=True)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

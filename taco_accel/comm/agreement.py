@@ -12,9 +12,10 @@ each rank's value.
 When: on each site's first calls (`CHECKED_CALLS`; sites are called in the same order on every
 rank, so every rank checks the same calls) and, with ``TACO_CHECK_COLLECTIVES=1``, on every
 call. A shape that changes only later on one rank is caught in that debug mode. Measured on 2
-gloo ranks (2-core CPU): one check costs 0.49 ms (the all-gather's round trip), so a model's
-first step pays it once per site (18 sites for a 2-layer model: 9 ms) and the debug mode once
-per call; under CUDA graph capture it is skipped.
+gloo ranks (2-core CPU, ``python -m taco_accel.bench.collectives --host``): one check costs
+0.5-0.8 ms, the all-gather's round trip, so a model's first step pays it once per site (18
+sites for a 2-layer model: 9-14 ms) and the debug mode once per call; under CUDA graph capture
+it is skipped.
 
 `named_timeouts` turns torch.distributed's timeout of a stalled peer into a `CollectiveTimeout`
 naming the site, the collective and the group's ranks.
