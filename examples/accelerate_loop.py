@@ -79,5 +79,5 @@ while step < args.steps:
 accelerator.save_state(f"{args.output_dir}/state")          # every rank's shard; load_state resumes
 accelerator.save_model(model, f"{args.output_dir}/model")   # a plain transformers checkpoint
 accelerator.end_training()
-accelerator.print(f"done: {accelerator.parallel_dims}, TACO {args.compression}; "
+accelerator.print(f"done: {accelerator.parallel_layout}, TACO {args.compression}; "
                   f"model in {args.output_dir}/model")

@@ -135,8 +135,7 @@ class Accelerator(_AccelerateAccelerator):
         if self.is_main_process:
             for note in launch_notes(self.num_processes):
                 logger.warning(note)
-        logger.info("taco_accel mesh %s on %d process(es)%s", requested, self.num_processes,
-                    f", tp={self.emulated_tp} emulated" if self.emulated_tp > 1 else "")
+        logger.info("taco_accel: %s on %d process(es)", self.parallel_layout, self.num_processes)
 
     # -- the mesh ---------------------------------------------------------------------------
     @property
@@ -159,6 +158,13 @@ class Accelerator(_AccelerateAccelerator):
     @property
     def data_parallel_size(self) -> int:
         return self.parallel_dims.dp
+
+    @property
+    def parallel_layout(self) -> str:
+        """The layout in words: ``"pp=1 x dp=2 (ddp) x tp=2"``, or ``"... x tp=2 emulated in one process"``."""
+        if self.emulated_tp > 1:
+            return f"tp={self.emulated_tp} emulated in one process"
+        return str(self.parallel_dims)
 
     @property
     def should_save_model(self) -> bool:
