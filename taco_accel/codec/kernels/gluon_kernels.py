@@ -137,7 +137,9 @@ if AVAILABLE:
             scale = scale * (G**-0.5)
         y = y * scale[:, None]
         if out_ptr.dtype.element_ty == gl.float16:  # saturate: a decoded value past 65504 is not inf
-            y = gl.clamp(y, -_FP16_MAX, _FP16_MAX, propagate_nan=tl.PropagateNan.ALL)
+            # min / max, not gl.clamp (absent from triton 3.6's Gluon); NaN passes through both
+            y = gl.minimum(gl.maximum(y, -_FP16_MAX, propagate_nan=tl.PropagateNan.ALL), _FP16_MAX,
+                           propagate_nan=tl.PropagateNan.ALL)
         x = gl.convert_layout(y.to(out_ptr.dtype.element_ty), L_OUT)
 
         rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L_OUT))
