@@ -45,8 +45,8 @@ What differs from ``accelerate.Accelerator``, and why:
 from __future__ import annotations
 
 import logging
-import math
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -58,7 +58,7 @@ from accelerate.utils import DistributedType
 from accelerate.utils.operations import recursively_apply
 from torch import nn
 
-from ..parallel import ModelParts, ParallelDims, build_mesh, collective_timeout, distribute, local_tensor
+from ..parallel import ModelParts, ParallelDims, build_mesh, clip_grad_norm_, collective_timeout, distribute
 from ..parallel.stage import taco_context
 from . import checkpoint as ckpt
 from .launch import launch_notes, without_parallelism_config
@@ -207,13 +207,8 @@ class Accelerator(_AccelerateAccelerator):
         """
         from ..parallel.pipeline import PipelineRunner
 
-        if self.emulated_tp > 1:
-            self._emulate(model)
         stages_per_rank = stages_per_rank or (2 if schedule == "interleaved_1f1b" else 1)
-        parts = distribute(model, self._taco_mesh, self.parallel_dims, compression=self.compression,
-                           sequence_parallel=self.sequence_parallel, device=self.device, pipeline=True,
-                           param_dtype=self._fsdp_param_dtype(), stages_per_rank=stages_per_rank, seq_len=seq_len)
-        self._parts.append((model, parts))
+        parts = self._lay_out(model, pipeline=True, stages_per_rank=stages_per_rank, seq_len=seq_len)
         vocab = model.config.vocab_size
         return PipelineRunner(parts, schedule, micro_batches, self.device, loss_fn=loss_fn, vocab_size=vocab,
                               shifted_labels=shifted_labels)
@@ -283,16 +278,16 @@ class Accelerator(_AccelerateAccelerator):
         fsdp = self.parallel_dims.dp_mode == "fsdp" and self.parallel_dims.dp > 1
         return torch.bfloat16 if fsdp and self.mixed_precision == "bf16" else None
 
-    def _lay_out(self, model: nn.Module) -> ModelParts:
+    def _lay_out(self, model: nn.Module, **pipeline) -> ModelParts:
+        """`distribute` ``model`` over the mesh (emulated TP in one process), keeping its parts and
+        which parameters it replaced; ``pipeline``: `distribute`'s pipeline arguments."""
         if self.emulated_tp > 1:
             self._emulate(model)
         before = {id(p): p for p in model.parameters()}
         parts = distribute(model, self._taco_mesh, self.parallel_dims, compression=self.compression,
                            sequence_parallel=self.sequence_parallel,
-                           device=self.device if self.device_placement else None,
-                           param_dtype=self._fsdp_param_dtype())
-        import weakref
-
+                           device=self.device if self.device_placement or pipeline else None,
+                           param_dtype=self._fsdp_param_dtype(), **pipeline)
         now = {id(p) for p in model.parameters()}
         self._replaced.update({i: weakref.ref(p) for i, p in before.items() if i not in now})
         self._parts.append((model, parts))
@@ -328,16 +323,7 @@ class Accelerator(_AccelerateAccelerator):
                 f"clip_grad_norm_ got {len(stray)} parameter(s) of no model prepared by this accelerator; pass "
                 "model.parameters() of the prepared model"
             )
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for parts in owners:
-            parts.finish_gradients()
-            total += parts.grad_norm_sq(params).to(self.device)
-        dist.all_reduce(total)  # the world spans the mesh
-        norm = math.sqrt(total.item())
-        if max_norm > 0 and norm > max_norm:
-            grads = [local_tensor(p.grad) for p in params if p.grad is not None]
-            torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
-        return torch.tensor(norm, device=self.device)
+        return clip_grad_norm_(owners, params, max_norm).float()  # the norm in fp32, as Accelerate returns it
 
     # -- evaluation -------------------------------------------------------------------------
     def gather(self, tensor):

@@ -112,10 +112,7 @@ def write(folder: str | os.PathLike, files: dict[str, object], meta: dict) -> Pa
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     _barrier()
-    mine = {}
-    for name, obj in files.items():
-        torch.save(obj, tmp / name)
-        mine[name] = _describe(tmp / name)
+    mine = {name: _save_hashed(obj, tmp / name) for name, obj in files.items()}
     reports = _all_gather(mine)
     if _rank() == 0:
         meta = {**meta, "files": {k: v for report in reports for k, v in report.items()}}
@@ -302,6 +299,30 @@ def _all_gather(value) -> list:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+class _HashingFile:
+    """A write-only file that hashes what passes through it: a save needs no second read."""
+
+    def __init__(self, f) -> None:
+        self.f, self.digest, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _save_hashed(obj, path: Path) -> dict:
+    """``torch.save`` ``obj`` to ``path``; its meta.json entry (size and sha256)."""
+    with open(path, "wb") as f:
+        out = _HashingFile(f)
+        torch.save(obj, out)
+        out.flush()
+    return {"bytes": out.size, "sha256": out.digest.hexdigest()}
 
 
 def _describe(path: Path) -> dict:

@@ -42,10 +42,9 @@ from ..models import from_pretrained, save_pretrained
 from ..models.state import tp_replicas
 from ..models.checks import check_labels
 from ..tp import vocab_parallel_cross_entropy
-from . import checkpoint as ckpt
 from .accelerator import Accelerator
 from .launch import global_rank, main_first, usable_trackers
-from .metrics import plot_losses, write_history, write_json
+from .metrics import plot_losses
 from .loop import TrainingLoop, comm_totals, lr_lambda
 from .trainer import MIXED_PRECISION, config_dict, requested_dims, timeout_handler
 
@@ -204,7 +203,7 @@ class Finetuner(TrainingLoop):
         self.step, self.history, self.eval_results = 0, [], {}
         acc.register_for_checkpointing(self)
         if cfg.resume:
-            self._resume(cfg.resume)
+            self.resume(cfg.resume)
 
     def _checkpoint(self) -> str:
         if self.cfg.model != TINY:
@@ -379,10 +378,7 @@ class Finetuner(TrainingLoop):
 
     def finish(self) -> None:
         cfg = self.cfg
-        decisions = self.accelerator.compression_decisions()
         if self.is_main:
-            write_history(self.history, self.out / "history.jsonl")
-            write_json(decisions, self.out / "compression.json")  # what each site did, and why
             (self.out / "eval_results.json").write_text(json.dumps(self.eval_results, indent=1))
             logger.info("held-out perplexity %.3f (loss %.4f) after %d steps", self.eval_results["eval_perplexity"],
                         self.eval_results["eval_loss"], self.eval_results["step"])
@@ -393,8 +389,7 @@ class Finetuner(TrainingLoop):
             self.export()
 
     def format_row(self, row: dict) -> str:
-        text = f"step {row['step']}: loss {row['loss']:.4f} lr {row['lr']:.2e} grad_norm {row['grad_norm']:.3f}"
-        text += f" {row['tokens_per_s']:.0f} scored tok/s"
+        text = f"{self.format_head(row)} {row['tokens_per_s']:.0f} scored tok/s"
         if row["comm_bytes_sent"]:
             text += f" comm saved {row['comm_bytes_saved'] / 2**20:.2f} MiB"
         if "eval_loss" in row:
@@ -426,14 +421,6 @@ class Finetuner(TrainingLoop):
                 self.tokenizer.save_pretrained(folder)
                 (folder / "eval_results.json").write_text(json.dumps(self.eval_results, indent=1))
             logger.info("exported %s", ", ".join(str(f) for f in folders))
-
-
-    def _resume(self, where: str) -> None:
-        folder = ckpt.latest(self.out / "checkpoints") if where == "latest" else Path(where)
-        if folder is None:
-            logger.info("no checkpoint under %s: starting from scratch", self.out / "checkpoints")
-            return
-        self.accelerator.load_state(folder)
 
 
 def perplexity(nll: list[float], tokens: list[int]) -> dict:

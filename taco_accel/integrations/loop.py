@@ -12,7 +12,7 @@ the end of a run writes (``finish``). The loop owns the order::
         log to the trackers, the bar, every log_every steps a line
         save_state(checkpoints/step_N)      # every save_every steps
         if should_stop(row): return         # a time budget, a diverged loss: as if preempted
-    finish()                                # only when the last step ran (not a preempted stop)
+    history.jsonl, compression.json; finish()  # only when the last step ran (not a preempted stop)
 
 A subclass sets ``cfg`` (``steps``, ``eval_every``, ``log_every``, ``save_every``, ``progress``,
 ``output_dir`` and the `HPARAMS`), ``accelerator``, ``out``, ``trackers``, ``is_main``, ``step``,
@@ -31,6 +31,9 @@ import json
 import logging
 import math
 from pathlib import Path
+
+from . import checkpoint
+from .metrics import write_history, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -129,14 +132,38 @@ class TrainingLoop:
                     if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                         logger.info(self.format_row(row))
                 if cfg.save_every and self.step % cfg.save_every == 0:
-                    acc.save_state(self.out / "checkpoints" / f"step_{self.step}")
+                    self.save_checkpoint()
                 if self.should_stop(row):
                     return self.history
         if self.step == cfg.steps:
+            if acc is not None:
+                decisions = acc.compression_decisions()  # a collective
+                if self.is_main:
+                    write_history(self.history, self.out / "history.jsonl")
+                    write_json(decisions, self.out / "compression.json")  # what each site did, and why
             self.finish()
             if self.is_main and self.trackers:
                 acc.end_training()
         return self.history
+
+    def save_checkpoint(self) -> Path:
+        """``OUTPUT_DIR/checkpoints/step_<N>`` through ``accelerator.save_state`` (a collective)."""
+        return self.accelerator.save_state(self.out / "checkpoints" / f"step_{self.step}")
+
+    def resume(self, where: str) -> None:
+        """Continue from ``where``: ``"latest"`` (the newest undamaged checkpoint under
+        ``OUTPUT_DIR/checkpoints``; none: start from scratch) or a checkpoint folder."""
+        root = self.out / "checkpoints"
+        folder = checkpoint.latest(root) if where == "latest" else Path(where)
+        if folder is None:
+            logger.info("no checkpoint under %s: starting from scratch", root)
+            return
+        self.accelerator.load_state(folder)
+
+    @staticmethod
+    def format_head(row: dict) -> str:
+        """The start of every loop's log line: step, loss, learning rate, gradient norm."""
+        return f"step {row['step']}: loss {row['loss']:.4f} lr {row['lr']:.2e} grad_norm {row['grad_norm']:.3f}"
 
 
 def comm_totals() -> tuple[float, float]:

@@ -14,8 +14,8 @@ Read top to bottom, picotron style:
    norm over the whole mesh; AdamW and the schedule step. Loss and communication statistics
    reach every rank in one all-reduce.
 3. `Trainer.train` is the one loop (`TrainingLoop`): evaluation every N steps, tracker
-   logging, a progress bar, checkpoints (``accelerator.save_state``); `Trainer.finish` writes
-   the history, the compression decisions, a loss-curve PNG and the transformers export.
+   logging, a progress bar, checkpoints (``accelerator.save_state``), at the end the history and
+   the compression decisions; `Trainer.finish` adds a loss-curve PNG and the transformers export.
 
 The global batch is ``micro_batch_size * micro_batches * dp`` windows of ``seq_len`` tokens.
 """
@@ -34,11 +34,10 @@ import torch.distributed as dist
 
 from ..codec import TacoConfig
 from ..parallel import SCHEDULES, ParallelDims, collective_timeout
-from . import checkpoint as ckpt
 from .accelerator import Accelerator
 from .launch import global_rank, main_first, usable_trackers
 from .loop import TrainingLoop, comm_totals, lr_lambda
-from .metrics import flops_per_token, plot_losses, write_history, write_json
+from .metrics import flops_per_token, plot_losses
 from .presets import model_config, pad_vocab
 
 logger = logging.getLogger(__name__)
@@ -161,7 +160,7 @@ class Trainer(TrainingLoop):
         self.step, self.history = 0, []
         acc.register_for_checkpointing(self.batches, self)
         if cfg.resume:
-            self._resume(cfg.resume)
+            self.resume(cfg.resume)
 
     # -- construction -----------------------------------------------------------------------
     def _build_data(self) -> None:
@@ -270,10 +269,7 @@ class Trainer(TrainingLoop):
     # -- the end of a run ---------------------------------------------------------------------
     def finish(self) -> None:
         cfg = self.cfg
-        decisions = self.accelerator.compression_decisions()
         if self.is_main:
-            write_history(self.history, self.out / "history.jsonl")
-            write_json(decisions, self.out / "compression.json")  # what each site did, and why
             if cfg.plot and plot_losses(self.history, self.out / "loss.png",
                                        f"{cfg.family}/{cfg.preset} {self.dims}, TACO {_describe(cfg.compression)}"):
                 logger.info("loss curve: %s", self.out / "loss.png")
@@ -284,26 +280,12 @@ class Trainer(TrainingLoop):
                               tokenizer=self.tokenizer, drop=self.parts.export_drop)
 
     def format_row(self, row: dict) -> str:
-        text = (f"step {row['step']}: loss {row['loss']:.4f} lr {row['lr']:.2e} grad_norm {row['grad_norm']:.3f} "
-                f"{row['tokens_per_s']:.0f} tok/s {row['tflops_per_device']:.3f} TFLOPS/device")
+        text = f"{self.format_head(row)} {row['tokens_per_s']:.0f} tok/s {row['tflops_per_device']:.3f} TFLOPS/device"
         if row["comm_bytes_sent"]:
             text += f" comm saved {row['comm_bytes_saved'] / 2**20:.2f} MiB ({row['comm_compression']:.2f}x)"
         if "val_loss" in row:
             text += f" val_loss {row['val_loss']:.4f}"
         return text
-
-    # -- checkpoints ------------------------------------------------------------------------
-    def save_checkpoint(self) -> Path:
-        """``OUTPUT_DIR/checkpoints/step_<N>`` through ``accelerator.save_state`` (a collective)."""
-        return self.accelerator.save_state(self.out / "checkpoints" / f"step_{self.step}")
-
-    def _resume(self, where: str) -> None:
-        folder = ckpt.latest(self.out / "checkpoints") if where == "latest" else Path(where)
-        if folder is None:
-            logger.info("no checkpoint under %s: starting from scratch", self.out / "checkpoints")
-            return
-        self.accelerator.load_state(folder)
-        self.batches.step = self.step
 
 
 def timeout_handler(seconds: float | None):

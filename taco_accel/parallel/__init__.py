@@ -9,7 +9,7 @@ reductions and clipping over the whole mesh that end a step.
 
 from .data_parallel import DataParallelGradSync, ReplicaGradSum, TiedEmbeddingSync, apply_dp, local_tensor
 from .mesh import MESH_DIMS, ParallelDims, build_mesh, collective_timeout, default_device
-from .parts import ModelParts, distribute
+from .parts import ModelParts, clip_grad_norm_, distribute
 from .pipeline import SCHEDULES, PipelinePlan, apply_pp, build_schedule, make_pipeline_stages, prune_to_stage, split_layers
 from .stage import StageModule, cross_entropy, decoder_layers
 from .tensor_parallel import apply_tp, check_parallelized
@@ -30,6 +30,7 @@ __all__ = [
     "build_mesh",
     "build_schedule",
     "check_parallelized",
+    "clip_grad_norm_",
     "collective_timeout",
     "cross_entropy",
     "decoder_layers",

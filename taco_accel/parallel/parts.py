@@ -14,13 +14,12 @@ before clipping, exactly once per step: the tp sums of replicated parameters FSD
 `parallelize`'s hooks, the dp average of DDP replicas, and the tied embedding's sum across
 pipeline stages. Backwards since the last finish are noticed through a hook on the outputs of
 the parts, so calling it twice (clipping, then the optimizer step) reduces once.
-`ModelParts.clip_grad_norm_` clips by the norm of the whole unsharded model's gradient.
+`clip_grad_norm_` clips by the norm of the whole unsharded model's gradient.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -115,23 +114,31 @@ class ModelParts:
         norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))  # one launch, no host sync
         return (norms.square() * torch.tensor(shares, dtype=torch.float64).to(norms.device)).sum()
 
-    def clip_grad_norm_(self, max_norm: float, params: list[nn.Parameter] | None = None) -> float:
-        """Finish the gradients, clip them by the whole model's gradient norm over the mesh
-        (a collective over all ranks); return the norm before clipping. ``max_norm <= 0``
-        only measures. ``params``: a subset to measure and clip (default: all)."""
-        self.finish_gradients()
-        total = self.grad_norm_sq(params).to(self.device)
-        dist.all_reduce(total)  # the default group spans the mesh
-        norm = math.sqrt(total.item())
-        if max_norm > 0 and norm > max_norm:
-            chosen = list(self.parameters()) if params is None else params
-            grads = [local_tensor(p.grad) for p in chosen if p.grad is not None]
-            torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
-        return norm
-
     @property
     def device(self) -> torch.device:
         return next(self.parameters()).device
+
+
+def clip_grad_norm_(parts: list[ModelParts], params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Finish the gradients of ``parts`` (`ModelParts.finish_gradients`), then clip ``params``
+    (theirs, or a subset) by the norm of the whole unsharded model's gradient over the mesh,
+    every tp shard, pipeline stage and FSDP shard counted once. A collective over all ranks;
+    returns the norm before clipping, a float64 0-d tensor on the gradients' device, without a
+    host sync (the factor is 1 where the norm is within ``max_norm``). ``max_norm <= 0`` only
+    measures."""
+    device = params[0].device if params else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for part in parts:
+        part.finish_gradients()
+        total += part.grad_norm_sq(params).to(device)
+    dist.all_reduce(total)  # the default group spans the mesh
+    norm = total.sqrt()
+    if max_norm > 0:
+        factor = torch.where(norm > max_norm, max_norm / (norm + 1e-6), torch.ones_like(norm))
+        grads = [local_tensor(p.grad) for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, factor.to(torch.float32))  # as a Python float would: fp32 math
+    return norm
 
 
 def _tensors(output):

@@ -191,7 +191,7 @@ class PipelineRunner:
     batch (the first stage reads ``input_ids``, the last computes the loss against ``labels``)
     and returns the mean micro-batch loss as a float64 0-d tensor on the device (zero on ranks
     without the last stage); ``eval`` runs forwards only. Gradients accumulate in the stages'
-    parameters: finish and clip them with ``ModelParts.clip_grad_norm_`` (or the Accelerator's).
+    parameters: finish and clip them with `clip_grad_norm_` (the Accelerator's calls it).
     ``loss_fn(logits, labels)`` defaults to the last stage's own (vocab-parallel) loss function;
     ``shifted_labels``: the labels already hold the next tokens (packed pretraining windows).
     """
