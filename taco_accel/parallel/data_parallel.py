@@ -76,16 +76,10 @@ class ReplicaGradSum:
 
     def __call__(self) -> None:
         """One all-reduce over tp per gradient dtype, of all these gradients flattened."""
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
         grads = [local_tensor(p.grad) for stage in self.stages for name, p in stage.named_parameters()
                  if name in self.names and p.grad is not None]
         for dtype in {g.dtype for g in grads}:
-            bucket = [g for g in grads if g.dtype == dtype]
-            flat = _flatten_dense_tensors(bucket)
-            dist.all_reduce(flat, group=self.group)
-            for g, summed in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                g.copy_(summed)
+            all_reduce_flat([g for g in grads if g.dtype == dtype], self.group)
 
 
 class DataParallelGradSync:
@@ -109,17 +103,24 @@ class DataParallelGradSync:
             yield bucket
 
     def __call__(self) -> None:
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
         for p in self.params:  # a parameter unused on this replica still takes part
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         for grads in self._buckets():
-            flat = _flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=self.group)
-            flat.div_(self.size)
-            for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                g.copy_(synced)
+            all_reduce_flat(grads, self.group, divide=self.size)
+
+
+def all_reduce_flat(tensors: list[torch.Tensor], group, divide: int = 1) -> None:
+    """Sum ``tensors`` (one dtype) over ``group`` in place through one flat buffer, one
+    all-reduce; ``divide``: then divide by it (an average over replicas)."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    flat = _flatten_dense_tensors(tensors)
+    dist.all_reduce(flat, group=group)
+    if divide != 1:
+        flat.div_(divide)
+    for t, summed in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+        t.copy_(summed)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
