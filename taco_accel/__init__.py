@@ -1,6 +1,15 @@
 """taco_accel: tensor-parallel training for Hugging Face models with FP8-compressed TP communication."""
 
-from .codec import NonFiniteError, Packed, TacoConfig, calibrate, compress, decompress
+from .errors import (
+    CheckpointError,
+    CollectiveMismatch,
+    CollectiveTimeout,
+    GroupOverflowError,
+    NonFiniteError,
+    TacoError,
+    WireFormatError,
+)
+from .codec import Packed, TacoConfig, calibrate, compress, decompress
 from .comm import all_gather, all_reduce, pop_comm_stats, reduce_scatter
 from .models import (
     TPPlan,
@@ -19,13 +28,19 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Accelerator",
+    "CheckpointError",
+    "CollectiveMismatch",
+    "CollectiveTimeout",
     "Compression",
+    "GroupOverflowError",
     "NonFiniteError",
     "Packed",
     "ParallelDims",
     "TPPlan",
     "TacoConfig",
+    "TacoError",
     "TrainConfig",
+    "WireFormatError",
     "Trainer",
     "all_gather",
     "all_reduce",

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import GroupOverflowError, NonFiniteError, WireFormatError
 from . import dispatch
 from .config import TacoConfig
 from .layout import WireLayout, describe_header, signed_header
@@ -25,20 +26,6 @@ from .tuning import DEFAULT_TUNING, Tuning
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP32_MAX = torch.finfo(torch.float32).max
-
-
-class NonFiniteError(FloatingPointError):
-    """A tensor holding NaN or Inf reached the codec under ``nonfinite="raise"``."""
-
-
-class GroupOverflowError(NonFiniteError):
-    """A group of finite values too large for the codec's fp32 arithmetic reached `compress`
-    under ``nonfinite="raise"`` (its transform sums G values: past 3.4e38 they overflow)."""
-
-
-class WireFormatError(ValueError):
-    """A wire buffer read under another `TacoConfig` than the one that wrote it, or not a buffer
-    of the layout it is read with."""
 
 
 @dataclass(frozen=True)

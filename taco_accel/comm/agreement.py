@@ -31,20 +31,13 @@ import torch
 import torch.distributed as dist
 
 from ..codec import TacoConfig
+from ..errors import CollectiveMismatch, CollectiveTimeout
 
 DEBUG_ENV = "TACO_CHECK_COLLECTIVES"
 CHECKED_CALLS = 1  # per site
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 FIELDS = ("collective", "elements", "rows", "dims", "dtype", "compressed", "codec settings", "codec settings")
 _calls: dict[str, int] = {}
-
-
-class CollectiveMismatch(ValueError):
-    """The ranks of a group made different calls of one collective."""
-
-
-class CollectiveTimeout(RuntimeError):
-    """A collective waited longer than the group's timeout for a peer."""
 
 
 def debug() -> bool:

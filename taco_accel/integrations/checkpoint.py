@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..errors import CheckpointError
 from ..parallel import ModelParts, ParallelDims
 
 logger = logging.getLogger(__name__)
@@ -52,10 +53,6 @@ META = "meta.json"
 SHARED = "state.pt"
 NAME = re.compile(r"(?:step|checkpoint)_(?P<step>\d+)")
 HIDDEN = re.compile(r"\.(?:step|checkpoint)_(?P<step>\d+)\.(?P<kind>tmp|old)-[0-9a-f]+")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder is incomplete, damaged, or does not fit this run."""
 
 
 @dataclass

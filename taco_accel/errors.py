@@ -1,0 +1,39 @@
+"""The library's exceptions, one base class for all of them.
+
+A leaf module (it imports nothing of taco_accel), so that every layer raises these and a user
+catches `TacoError` for anything the library refuses. Each class also derives from the builtin
+that names its kind (``ValueError`` for bad input, ``RuntimeError`` for a failed run), so code
+written against the builtins keeps working.
+"""
+
+from __future__ import annotations
+
+
+class TacoError(Exception):
+    """Base class of every error taco_accel raises on purpose."""
+
+
+class NonFiniteError(TacoError, FloatingPointError):
+    """A tensor holding NaN or Inf reached the codec under ``nonfinite="raise"``."""
+
+
+class GroupOverflowError(NonFiniteError):
+    """A group of finite values too large for the codec's fp32 arithmetic reached `compress`
+    under ``nonfinite="raise"`` (its transform sums G values: past 3.4e38 they overflow)."""
+
+
+class WireFormatError(TacoError, ValueError):
+    """A wire buffer read under another `TacoConfig` than the one that wrote it, or not a buffer
+    of the layout it is read with."""
+
+
+class CollectiveMismatch(TacoError, ValueError):
+    """The ranks of a group made different calls of one collective."""
+
+
+class CollectiveTimeout(TacoError, RuntimeError):
+    """A collective waited longer than the group's timeout for a peer."""
+
+
+class CheckpointError(TacoError, ValueError):
+    """A checkpoint folder is incomplete, damaged, or does not fit this run."""
