@@ -44,8 +44,9 @@ NLP = [str(SCRIPTS / "nlp_example.py"), "--cpu", "--train_file", "train.txt", "-
 # name: (mesh, compression, the script and its arguments, the one-process run's arguments on the
 # same global batch: per-device batches times the dp replicas)
 RUNS = {
-    "clm_max_train_steps": (TP2, "off", CLM + ["--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "2",
-                                               "--max_train_steps", "8"],
+    "clm_max_train_steps": (TP2, "off",
+                            CLM + ["--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "2",
+                                   "--max_train_steps", "8"],
                             CLM + ["--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "2",
                                    "--max_train_steps", "8"]),
     # 48 training blocks: divisible by 4 per device x 2 accumulated, so that the schedule sized

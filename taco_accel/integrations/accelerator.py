@@ -141,8 +141,9 @@ class Accelerator(_AccelerateAccelerator):
             )
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world != self.state.num_processes:
-            raise RuntimeError(f"torch.distributed has {world} processes but Accelerate sees {self.state.num_processes} "
-                               f"({self.distributed_type.value}); launch with accelerate launch or torchrun")
+            raise RuntimeError(f"torch.distributed has {world} processes but Accelerate sees "
+                               f"{self.state.num_processes} ({self.distributed_type.value}); launch with accelerate "
+                               "launch or torchrun")
         requested = parallel_dims or _dims_from_config(parallelism_config, pp_size, world)
         self.emulated_tp = 1
         if requested.world_size > 1 and world == 1 and requested.pp == requested.dp == 1:

@@ -7,7 +7,7 @@ installs three small pieces around that code, which it does not change:
 - `LogitsGather`, a forward hook on the lm head: it all-gathers this rank's vocabulary slice
   (b, s, V/tp) into the full logits (b, s, V), transformers' convention, whenever a user can
   see them. The gather is differentiable (forward: all-gather, backward: keep this rank's
-  slice; `tp.mappings.gather_from_tp_region`), so a loss computed from ``outputs.logits``
+  slice; `ColumnParallelLinear.gather_outputs`), so a loss computed from ``outputs.logits``
   trains right: every TP rank computes the same loss from the same full logits.
 - `CausalLMLoss` as ``model.loss_function``: the vocab-parallel cross-entropy on this rank's
   slice, never on the gathered tensor (the slice the head computed is kept beside the full
@@ -38,7 +38,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..tp.cross_entropy import vocab_parallel_cross_entropy
-from ..tp.mappings import gather_from_tp_region
 from ..tp.sites import Site
 from .checks import check_labels
 
@@ -73,7 +72,7 @@ class LogitsGather:
         self.kept = None
         if self.context.logits == "local" and labels is not False:
             return local  # (b, s, V/tp): the loss follows
-        full = gather_from_tp_region(local, head.gather, -1, head.gather_sizes)  # (b, s, V), rank order
+        full = head.gather_outputs(local)  # (b, s, V), rank order
         self.kept = (full, local)
         return full
 

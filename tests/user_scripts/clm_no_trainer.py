@@ -98,7 +98,8 @@ def main():
 
     train_dataloader = DataLoader(train_dataset, shuffle=True, collate_fn=default_data_collator,
                                   batch_size=args.per_device_train_batch_size)
-    eval_dataloader = DataLoader(eval_dataset, collate_fn=default_data_collator, batch_size=args.per_device_eval_batch_size)
+    eval_dataloader = DataLoader(eval_dataset, collate_fn=default_data_collator,
+                                 batch_size=args.per_device_eval_batch_size)
 
     no_decay = ["bias", "layer_norm.weight"]
     groups = [

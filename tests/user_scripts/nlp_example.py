@@ -26,7 +26,8 @@ import argparse
 
 import torch
 from torch.utils.data import DataLoader
-from transformers import AutoConfig, AutoModelForCausalLM, default_data_collator, get_linear_schedule_with_warmup, set_seed
+from transformers import (AutoConfig, AutoModelForCausalLM, default_data_collator, get_linear_schedule_with_warmup,
+                          set_seed)
 
 from taco_accel import Accelerator  # the user's one change: was `from accelerate import Accelerator`
 
