@@ -46,11 +46,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def accelerate_launch(config: Path, script: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+def launch_env(**extra: str) -> dict:
+    """This environment without a parent launch's rank variables, one thread per process, this
+    checkout first on the path; plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
+    return env
+
+
+def accelerate_launch(config: Path, script: Path, *args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(script), *args]
-    return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, env=launch_env(**(env or {})), cwd=cwd, capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module", params=list(MESHES))

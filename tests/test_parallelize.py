@@ -70,17 +70,21 @@ def _exact(arch: str, sp: bool, group) -> dict:
     local = model.lm_head.shard.on_dim(-1).take(expected.logits, model.taco.rank)
     with torch.no_grad():
         full = model(ids).logits
+        model.taco.logits = "local"
+        local_out = model(ids, labels=labels).logits
+        model.taco.logits = "full"
     model.eval(), ref.eval()
     prompt = ids[:, :3]
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
     generated, reference = model.generate(prompt, **kw), ref.generate(prompt, **kw)
     return {
         "loss": abs(out.loss.item() - expected.loss.item()),
-        "local_logits": _max_diff(out.logits, local),
+        "labels_logits": _max_diff(out.logits, expected.logits),  # transformers' full logits, labels or not
+        "local_logits": _max_diff(local_out, local),
         "full_logits": _max_diff(full, expected.logits),
         "grad": _grad_diff(model, ref),
         "generate_equal": bool(torch.equal(generated, reference)),
-        "local_vocab": out.logits.shape[-1],
+        "local_vocab": local_out.shape[-1],
         "layer_seq_len": _layer_input_len(model.train(), ids),
     }
 
@@ -188,10 +192,10 @@ def test_matches_single_process(measured, tp, arch, sp):
     for result in measured:
         r = result[tp, arch, sp, "exact"]
         assert r["loss"] < 1e-5, r
-        assert r["local_logits"] < 1e-5 and r["full_logits"] < 1e-5, r
+        assert r["labels_logits"] < 1e-5 and r["local_logits"] < 1e-5 and r["full_logits"] < 1e-5, r
         assert r["grad"] < 1e-5, r
         assert r["generate_equal"], r
-        assert r["local_vocab"] <= -(-tiny_config(arch).vocab_size // tp)  # the loss never gathered the logits
+        assert r["local_vocab"] <= -(-tiny_config(arch).vocab_size // tp)  # logits="local": never gathered
         assert r["layer_seq_len"] == (8 // tp if sp else 8), r
 
 

@@ -38,8 +38,20 @@ What differs from ``accelerate.Accelerator``, and why:
   ``load_state`` write and read taco_accel's sharded checkpoint (every rank's shard, atomic,
   checksummed); ``save_model`` / ``get_state_dict`` gather the full model: a plain
   transformers checkpoint. ``compression_stats()`` gives the TACO byte counts for ``log``.
-- A step scheduler prepared here steps once per dp replica (Accelerate steps it once per
-  process: the DataLoader is dp, not world, times shorter).
+- **num_processes** is the number of data-parallel replicas and ``process_index`` this
+  process's replica (the tensor- and pipeline-parallel ranks of a replica count once):
+  Accelerate's arithmetic on them means "how many batches one optimizer step consumes". So a
+  script that sizes warm-up and length by ``num_processes`` (transformers'
+  ``run_clm_no_trainer.py`` with ``--max_train_steps``), sizes them from ``len(dataloader)``
+  before ``prepare`` (its other path), reports ``per_device_batch * num_processes *
+  accumulation`` as the total batch or shards data by ``process_index`` gets what one process
+  on the same global batch gets: a prepared scheduler steps ``num_processes`` times per
+  optimizer step, ``gather`` returns ``num_processes`` parts. The processes started:
+  ``accelerator.state.num_processes``; ``is_main_process`` and ``local_process_index`` stay
+  Accelerate's. A schedule that ends long before the run does (sized for fewer processes, e.g. by
+  ``num_processes // tp``) is warned about once.
+- **Outputs**: ``outputs.logits`` has the full vocabulary, as transformers returns it; the loss
+  is vocab-parallel inside. ``logits="local"`` opts out (`taco_accel.models.loss`).
 """
 
 from __future__ import annotations
@@ -58,7 +70,9 @@ from accelerate.utils import DistributedType
 from accelerate.utils.operations import recursively_apply
 from torch import nn
 
+from ..models.loss import LogitsMode, check_logits_mode
 from ..parallel import ModelParts, ParallelDims, build_mesh, clip_grad_norm_, collective_timeout, distribute
+from ..parallel.mesh import PP_ENV
 from ..parallel.stage import taco_context
 from . import checkpoint as ckpt
 from .launch import launch_notes, without_parallelism_config
@@ -78,15 +92,21 @@ class Accelerator(_AccelerateAccelerator):
         parallelism_config: Accelerate's ``ParallelismConfig``: ``tp_size``, ``dp_shard_size``
             (FSDP2 over dp) or ``dp_replicate_size`` (replicas averaging gradients). Default:
             the launch config's ``parallelism_config`` block (``PARALLELISM_CONFIG_*``), else
-            tp=1 and data parallelism over every process. Processes the sizes leave unclaimed
-            form pipeline stages.
+            tp=1 and data parallelism over every process. As in Accelerate, sizes whose product
+            is not the number of processes raise a ValueError (all sizes 1: dp over every
+            process), unless ``pp_size`` (or ``TACO_PP_SIZE``) asks for pipeline stages.
         parallel_dims: taco_accel's own sizes (`ParallelDims`), instead of the above.
-        pp_size: pipeline stages (default: ``TACO_PP_SIZE``, else what the sizes leave).
+        pp_size: pipeline stages (default: ``TACO_PP_SIZE``, else 1).
         compression: what `parallelize` gets for a model that ``prepare`` parallelises:
             ``"auto"`` (default: each communication site compressed only where timing on
             the real group in the first step says it pays), ``"on"``, ``"off"`` / ``None``, a
             `TacoConfig`, a `Compression` or its dict.
         sequence_parallel: Megatron sequence parallelism inside TP, for such a model.
+        logits: what ``outputs.logits`` holds for the models prepared here (`parallelize`'s
+            ``logits``): ``"full"`` (the full vocabulary, transformers' convention) or
+            ``"local"`` (this rank's vocabulary slice when ``labels`` are given: no all-gather,
+            no (b, s, V) tensor; only ``outputs.loss`` is whole). Default None: ``"full"`` for
+            a model ``prepare`` parallelises, the model's own setting for one already parallel.
         **kwargs: everything ``accelerate.Accelerator`` takes, except the DeepSpeed, FSDP,
             Megatron-LM and TP plugins (taco_accel does their job). A collective waits at most
             ``InitProcessGroupKwargs(timeout=...)``'s timeout for a peer (default: the
@@ -94,13 +114,16 @@ class Accelerator(_AccelerateAccelerator):
     """
 
     def __init__(self, *args, parallelism_config=None, parallel_dims: ParallelDims | None = None,
-                 pp_size: int | None = None, compression="auto", sequence_parallel: bool = False, **kwargs):
+                 pp_size: int | None = None, compression="auto", sequence_parallel: bool = False,
+                 logits: LogitsMode | None = None, **kwargs):
         for name, what in _REFUSED_PLUGINS.items():
             if kwargs.get(name) is not None:
                 raise ValueError(
                     f"taco_accel.Accelerator does not take {name} ({what}): it lays the model out itself; give "
                     "the sizes as parallelism_config=ParallelismConfig(tp_size=..., dp_shard_size=... for FSDP2)"
                 )
+        if logits is not None:
+            check_logits_mode(logits)
         if parallelism_config is None and parallel_dims is None and _launch_asks_for_parallelism():
             from accelerate import ParallelismConfig
 
@@ -117,9 +140,10 @@ class Accelerator(_AccelerateAccelerator):
                 "(parallelism_config_tp_size, parallelism_config_dp_shard_size for FSDP2)"
             )
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if world != self.num_processes:
-            raise RuntimeError(f"torch.distributed has {world} processes but Accelerate sees {self.num_processes} "
-                               f"({self.distributed_type.value}); launch with accelerate launch or torchrun")
+        if world != self.state.num_processes:
+            raise RuntimeError(f"torch.distributed has {world} processes but Accelerate sees "
+                               f"{self.state.num_processes} ({self.distributed_type.value}); launch with accelerate "
+                               "launch or torchrun")
         requested = parallel_dims or _dims_from_config(parallelism_config, pp_size, world)
         self.emulated_tp = 1
         if requested.world_size > 1 and world == 1 and requested.pp == requested.dp == 1:
@@ -129,13 +153,16 @@ class Accelerator(_AccelerateAccelerator):
                            self.emulated_tp, self.emulated_tp)
         self.parallel_dims = requested
         self._taco_mesh = build_mesh(requested, self.device.type, timeout)
-        self.compression, self.sequence_parallel = compression, sequence_parallel
+        self.compression, self.sequence_parallel, self.logits = compression, sequence_parallel, logits
         self._parts: list[tuple[nn.Module, ModelParts]] = []
         self._replaced: dict[int, object] = {}  # id -> weakref of parameters that prepare replaced
         if self.is_main_process:
-            for note in launch_notes(self.num_processes):
+            for note in launch_notes(world):
                 logger.warning(note)
-        logger.info("taco_accel: %s on %d process(es)", self.parallel_layout, self.num_processes)
+            if self.num_processes != world:
+                logger.info("taco_accel: accelerator.num_processes is %d, the data-parallel replicas of %d processes "
+                            "(the world size: accelerator.state.num_processes)", self.num_processes, world)
+        logger.info("taco_accel: %s on %d process(es)", self.parallel_layout, world)
 
     # -- the mesh ---------------------------------------------------------------------------
     @property
@@ -158,6 +185,25 @@ class Accelerator(_AccelerateAccelerator):
     @property
     def data_parallel_size(self) -> int:
         return self.parallel_dims.dp
+
+    @property
+    def num_processes(self) -> int:
+        """The data-parallel replicas: how many batches one optimizer step consumes (the tp and pp
+        ranks of a replica count once; the world size is ``state.num_processes``)."""
+        dims = getattr(self, "parallel_dims", None)  # None while Accelerate's __init__ runs
+        return self.state.num_processes if dims is None else dims.dp
+
+    @property
+    def process_index(self) -> int:
+        """This process's data-parallel replica, in ``range(num_processes)`` (the global rank is
+        ``state.process_index``)."""
+        if getattr(self, "_taco_mesh", None) is None:
+            return self.state.process_index
+        return self.data_parallel_rank
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.state.is_last_process
 
     @property
     def parallel_layout(self) -> str:
@@ -189,9 +235,11 @@ class Accelerator(_AccelerateAccelerator):
 
     def prepare_model(self, model: nn.Module, device_placement=None, evaluation_mode: bool = False):
         """Lay ``model`` out on the mesh (if `prepare` has not), then Accelerate's mixed precision
-        and compilation; never Accelerate's DDP / FSDP wrappers."""
+        and compilation; never Accelerate's DDP / FSDP wrappers. ``evaluation_mode=True`` (as in
+        Accelerate: a model for inference only): tensor parallel and placed, without FSDP2
+        sharding or gradient reductions."""
         if not getattr(model, "_is_accelerate_prepared", False) and self._parts_of(model) is None:
-            self._lay_out(model)
+            self._lay_out(model, evaluation=evaluation_mode)
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
 
     def prepare_pipeline(self, model: nn.Module, *, micro_batches: int, schedule: str = "1f1b",
@@ -202,7 +250,8 @@ class Accelerator(_AccelerateAccelerator):
         ``step(input_ids, labels)`` runs forward and backward of ``micro_batches`` micro-batches
         with ``schedule`` ("gpipe", "1f1b", "interleaved_1f1b"). Create the optimizer over
         ``runner.parameters()`` afterwards and `prepare` it; clip with ``clip_grad_norm_``.
-        ``loss_fn(logits, labels)`` defaults to the model's own (vocab-parallel) loss;
+        ``loss_fn(logits, labels)`` defaults to the model's own (vocab-parallel) loss; a custom
+        one gets the full logits (this rank's vocabulary slice under ``logits="local"``);
         ``shifted_labels``: the labels are already the next tokens (packed pretraining data).
         """
         from ..parallel.pipeline import PipelineRunner
@@ -251,19 +300,20 @@ class Accelerator(_AccelerateAccelerator):
             )
         if device_placement is None:
             device_placement = self.device_placement
-        prepared = _StepOptimizer(optimizer, self._finish_gradients, device_placement=device_placement,
-                                  scaler=self.scaler)
+        prepared = _StepOptimizer(optimizer, self._finish_gradients, self._step_done,
+                                  device_placement=device_placement, scaler=self.scaler)
         self._optimizers.append(prepared)
         return prepared
 
     def prepare_scheduler(self, scheduler):
-        """Accelerate's scheduler wrapper, stepping once per dp replica (not per process)."""
+        """Accelerate's scheduler wrapper, stepping `num_processes` (dp replica) times per
+        optimizer step."""
         if getattr(scheduler, "_is_accelerate_prepared", False):
             return super().prepare_scheduler(scheduler)
         optimizer = next((o for o in self._optimizers if getattr(scheduler, "optimizer", None) is o.optimizer),
                          self._optimizers)
         prepared = _ReplicaScheduler(scheduler, optimizer, step_with_optimizer=self.step_scheduler_with_optimizer,
-                                     split_batches=self.split_batches, replicas=self.parallel_dims.dp)
+                                     split_batches=self.split_batches, replicas=self.num_processes)
         self._schedulers.append(prepared)
         return prepared
 
@@ -272,7 +322,7 @@ class Accelerator(_AccelerateAccelerator):
 
         if getattr(model, "taco", None) is None:
             parallelize(model, tp=self.emulated_tp, compression=self.compression,
-                        sequence_parallel=self.sequence_parallel, emulate=True)
+                        sequence_parallel=self.sequence_parallel, emulate=True, logits=self.logits or "full")
 
     def _fsdp_param_dtype(self):
         fsdp = self.parallel_dims.dp_mode == "fsdp" and self.parallel_dims.dp > 1
@@ -280,12 +330,12 @@ class Accelerator(_AccelerateAccelerator):
 
     def _lay_out(self, model: nn.Module, **pipeline) -> ModelParts:
         """`distribute` ``model`` over the mesh (emulated TP in one process), keeping its parts and
-        which parameters it replaced; ``pipeline``: `distribute`'s pipeline arguments."""
+        which parameters it replaced; ``pipeline``: `distribute`'s pipeline and evaluation arguments."""
         if self.emulated_tp > 1:
             self._emulate(model)
         before = {id(p): p for p in model.parameters()}
         parts = distribute(model, self._taco_mesh, self.parallel_dims, compression=self.compression,
-                           sequence_parallel=self.sequence_parallel,
+                           sequence_parallel=self.sequence_parallel, logits=self.logits,
                            device=self.device if self.device_placement or pipeline else None,
                            param_dtype=self._fsdp_param_dtype(), **pipeline)
         now = {id(p) for p in model.parameters()}
@@ -298,8 +348,15 @@ class Accelerator(_AccelerateAccelerator):
         return next((parts for m, parts in self._parts if m is model), None)
 
     def _finish_gradients(self) -> None:
+        """Reduce the step's gradients (once; `ModelParts.finish_gradients`), unless inside an
+        accumulation that has not reached its optimizer step."""
+        if self.sync_gradients:
+            for _, parts in self._parts:
+                parts.finish_gradients()
+
+    def _step_done(self) -> None:
         for _, parts in self._parts:
-            parts.finish_gradients()
+            parts.step_done()
 
     # -- gradients --------------------------------------------------------------------------
     def no_sync(self, model):
@@ -323,7 +380,9 @@ class Accelerator(_AccelerateAccelerator):
                 f"clip_grad_norm_ got {len(stray)} parameter(s) of no model prepared by this accelerator; pass "
                 "model.parameters() of the prepared model"
             )
-        return clip_grad_norm_(owners, params, max_norm).float()  # the norm in fp32, as Accelerate returns it
+        # inside an accumulation (sync_gradients False): the local gradients as they are, as
+        # Accelerate's DDP under no_sync; the reduction waits for the step
+        return clip_grad_norm_(owners, params, max_norm, finish=self.sync_gradients).float()  # fp32, as Accelerate
 
     # -- evaluation -------------------------------------------------------------------------
     def gather(self, tensor):
@@ -480,25 +539,42 @@ class Accelerator(_AccelerateAccelerator):
 
 
 class _StepOptimizer(AcceleratedOptimizer):
-    """Accelerate's optimizer wrapper whose real steps first reduce the step's gradients."""
+    """Accelerate's optimizer wrapper whose real steps first reduce the step's gradients (if
+    clipping has not) and then open the next step (``done``)."""
 
-    def __init__(self, optimizer, finish, **kwargs):
+    def __init__(self, optimizer, finish, done, **kwargs):
         super().__init__(optimizer, **kwargs)
-        self._finish = finish
+        self._finish, self._done = finish, done
 
     def step(self, closure=None):
+        if not self.gradient_state.sync_gradients:
+            return super().step(closure)
+        self._finish()
+        try:
+            return super().step(closure)
+        finally:
+            self._done()
+
+    def zero_grad(self, set_to_none=None):
         if self.gradient_state.sync_gradients:
-            self._finish()
-        return super().step(closure)
+            self._done()
+        return super().zero_grad(set_to_none)
 
 
 class _ReplicaScheduler(AcceleratedScheduler):
-    """Accelerate's scheduler wrapper, stepping ``replicas`` times per optimizer step (the
-    DataLoader shrank by the number of dp replicas, not of processes)."""
+    """Accelerate's scheduler wrapper, stepping ``replicas`` (``accelerator.num_processes``, the
+    dp replicas) times per optimizer step, as Accelerate steps it once per process.
+
+    Warns once (main process) when a schedule of known length (``OneCycleLR``'s ``total_steps``,
+    the ``num_training_steps`` of transformers' ``get_scheduler``) is already more than
+    ``max(replicas, length // 10)`` scheduler steps past its end: sizing from ``len(dataloader)``
+    rounds each epoch up by less than ``replicas`` steps, while a schedule sized for the wrong
+    number of processes ends a whole fraction of the run early.
+    """
 
     def __init__(self, *args, replicas: int, **kwargs):
         super().__init__(*args, **kwargs)
-        self.replicas = replicas
+        self.replicas, self._warned = replicas, False
 
     def step(self, *args, **kwargs):
         if not self.step_with_optimizer or self.split_batches:
@@ -514,6 +590,34 @@ class _ReplicaScheduler(AcceleratedScheduler):
                     self.scheduler._step_count > self.scheduler.total_steps:
                 break
             self.scheduler.step(*args, **kwargs)
+        self._check_length()
+
+    def _check_length(self) -> None:
+        length = _schedule_length(self.scheduler)
+        if self._warned or length is None or self.scheduler.last_epoch - length <= max(self.replicas, length // 10):
+            return
+        self._warned = True
+        if dist.get_rank() == 0:
+            logger.warning(
+                "the learning-rate schedule is %d scheduler steps past its end (%d steps) and the optimizer still "
+                "steps: it was sized for fewer steps than this run takes. A prepared scheduler steps "
+                "accelerator.num_processes = %d times per optimizer step (the data-parallel replicas; the tensor- and "
+                "pipeline-parallel ranks of a replica count once): size warm-up and length by "
+                "accelerator.num_processes (not num_processes // tp_size)",
+                self.scheduler.last_epoch - length, length, self.replicas)
+
+
+def _schedule_length(scheduler) -> int | None:
+    """The number of scheduler steps a schedule is built for, where it says: ``OneCycleLR``'s
+    ``total_steps``, the ``num_training_steps`` of transformers' ``get_scheduler`` lambdas."""
+    total = getattr(scheduler, "total_steps", None)
+    if total is not None:
+        return int(total)
+    for fn in getattr(scheduler, "lr_lambdas", ()):
+        steps = getattr(fn, "keywords", {}).get("num_training_steps")
+        if isinstance(steps, int):
+            return steps
+    return None
 
 
 class _FsdpNoSync:
@@ -556,7 +660,14 @@ def _launch_asks_for_parallelism() -> bool:
 
 
 def _dims_from_config(config, pp: int | None, world: int) -> ParallelDims:
-    """Mesh sizes from Accelerate's ``ParallelismConfig`` (or none: data parallelism over all)."""
+    """Mesh sizes from Accelerate's ``ParallelismConfig`` (or none: data parallelism over all).
+
+    As Accelerate's ``ParallelismConfig._validate_accelerator``: all sizes 1 means data
+    parallelism over every process; otherwise the sizes must multiply to the number of
+    processes (a ValueError naming them), unless pipeline stages are asked for (``pp`` or
+    ``TACO_PP_SIZE``), which then take the remaining factor. One process with ``tp_size > 1``
+    is left to emulation.
+    """
     if config is None:
         return ParallelDims.from_env(world, pp=pp, tp=1)
     if config.cp_size > 1 or config.sp_size > 1:
@@ -572,4 +683,16 @@ def _dims_from_config(config, pp: int | None, world: int) -> ParallelDims:
     dp, mode = shard * replicate, "fsdp" if shard > 1 else "ddp"
     if world == 1:
         return ParallelDims(pp=pp or 1, dp=dp, tp=config.tp_size, dp_mode=mode)
+    total = dp * config.tp_size
+    if total == 1:  # Accelerate: replicas over every process (over those of a stage with pipelining)
+        stages = pp or int(os.environ.get(PP_ENV, "1"))
+        return ParallelDims.from_env(world, pp=stages, dp=max(world // stages, 1), tp=1, dp_mode=mode)
+    if pp is None and PP_ENV not in os.environ:
+        if total != world:
+            raise ValueError(
+                f"ParallelismConfig total_size ({total}) does not match num_processes ({world}) (dp_replicate_size="
+                f"{replicate} x dp_shard_size={shard} x tp_size={config.tp_size}). Please adjust dp_replicate_size/"
+                f"dp_shard_size/tp_size to multiply to {world}, or ask for pipeline stages with "
+                f"Accelerator(pp_size=...) or {PP_ENV}"
+            )
     return ParallelDims.from_env(world, pp=pp, dp=dp, tp=config.tp_size, dp_mode=mode)

@@ -185,6 +185,7 @@ class Finetuner(TrainingLoop):
             cpu=cfg.device == "cpu", project_dir=str(self.out), compression=cfg.compression,
             sequence_parallel=cfg.sequence_parallel, step_scheduler_with_optimizer=False,
             log_with=self.trackers or None, kwargs_handlers=[timeout_handler(cfg.timeout_s)],
+            logits="local",  # only the loss is used whole: no all-gather of the logits
         )
         if acc.emulated_tp > 1:
             raise ValueError(f"tp={acc.emulated_tp} on one process: fine-tuning reads real TP shards; launch "

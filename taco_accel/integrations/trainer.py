@@ -149,6 +149,7 @@ class Trainer(TrainingLoop):
             cpu=cfg.device == "cpu", project_dir=str(self.out), compression=cfg.compression,
             sequence_parallel=cfg.sequence_parallel, step_scheduler_with_optimizer=False,
             log_with=self.trackers or None, kwargs_handlers=[timeout_handler(cfg.timeout_s)],
+            logits="local",  # the pipeline's loss is vocab-parallel: no all-gather of the logits
         )
         self.dims, self.mesh, self.device = acc.parallel_dims, acc.torch_device_mesh, acc.device
         self.coords = {name: self.mesh[name].get_local_rank() for name in ("pp", "dp", "tp")}

@@ -18,10 +18,11 @@ class TPContext:
     """What `parallelize` did to a model, kept at ``model.taco``.
 
     ``sites``: the communication sites (print it; ``save`` / ``load`` their group sizes).
-    ``logits``: ``"auto"`` (default: the lm head returns this rank's vocabulary slice when
-    ``labels`` are given, the full logits otherwise), ``"full"`` or ``"local"``.
+    ``logits``: what ``outputs.logits`` holds (`taco_accel.models.loss`): ``"full"``
+    (default: the full vocabulary, with or without labels) or ``"local"`` (this rank's
+    vocabulary slice when ``labels`` are given); assignable.
     ``emulator``: the `EmulatedGroup` of an emulated model (``emulate=True``: ``group`` is
-    None, ``rank`` 0, the logits always full), None for real TP.
+    None, ``rank`` 0, the logits full in both modes), None for real TP.
     ``overlap``: whether the layers hide their communication behind compute (`tp.overlap`;
     ``model.taco.overlap.enabled = False`` turns it off).
     """
@@ -33,7 +34,7 @@ class TPContext:
     compression: Compression
     sites: SiteTable
     sequence: SequenceState
-    logits: str = "auto"
+    logits: str = "full"
     emulator: object = None
     grad_sum_params: list[str] = field(default_factory=list)
     overlap: OverlapState = field(default_factory=OverlapState)

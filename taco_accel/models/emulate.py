@@ -8,7 +8,8 @@ get the total head counts of the emulated layout (tp times the local counts: a r
 head counts once per rank), so that each rank's query heads use their own kv copy.
 
 The loss is the vocab-parallel cross-entropy of real TP, computed rank by rank from the full
-logits; the lm head always returns the full logits (``model.taco.logits`` is ``"full"``).
+logits; the lm head returns the full logits in both ``logits`` modes (one process holds every
+rank's slice: there is no local one to return).
 What real TP moves outside the site table, always uncompressed (the loss's all-gather of
 log-sum-exps, the gradient sums of replicated weights), the emulation computes in place,
 exactly, and records no statistics for.
@@ -48,7 +49,8 @@ from .rewrite import Rewrite, check_tp, install_loss
 logger = logging.getLogger(__name__)
 
 
-def emulate_tp(model: nn.Module, plan: TPPlan, tp, compression, sequence_parallel: bool, device_mesh) -> nn.Module:
+def emulate_tp(model: nn.Module, plan: TPPlan, tp, compression, sequence_parallel: bool, device_mesh,
+               logits: str = "full") -> nn.Module:
     """The ``emulate=True`` branch of `parallelize` (arguments as there, already resolved plan)."""
     if tp is None or isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"emulate=True needs the number of ranks to emulate: pass tp=<int >= 1>, got tp={tp!r}")
@@ -59,7 +61,7 @@ def emulate_tp(model: nn.Module, plan: TPPlan, tp, compression, sequence_paralle
     group = EmulatedGroup(tp)
     context = TPContext(
         plan, None, tp, 0, compression, SiteTable(None, compression, timed=False),
-        SequenceState(bool(sequence_parallel), tp), logits="full", emulator=group,
+        SequenceState(bool(sequence_parallel), tp), logits=logits, emulator=group,
     )
     head = EmulatedRewrite(model, plan, context).install()
     loss = EmulatedCausalLMLoss(head, Site("loss/lse", None, None), getattr(model, "_loss_function", None))
@@ -76,8 +78,8 @@ class EmulatedCausalLMLoss(CausalLMLoss):
     """`CausalLMLoss` of real TP on the full logits of an emulated model: the vocab-parallel
     cross-entropy, each virtual rank on its vocabulary slice (transformers' loss at tp=1)."""
 
-    def full_logits(self, logits, vocab_size: int) -> bool:
-        return self.lm_head.tp == 1
+    def loss_input(self, logits):
+        return logits  # (b, s, V): every virtual rank's slice
 
     def token_losses(self, logits, shift_labels, ignore_index: int):
         return emulated_vocab_parallel_cross_entropy(logits, shift_labels, self.lm_head.split, ignore_index)

@@ -18,7 +18,7 @@ from ..tp.sites import Compression, Site, SiteTable
 from .checks import check_call, install_input_checks, verify_same_model
 from .context import TPContext, context_of
 from .emulate import emulate_tp
-from .loss import CausalLMLoss, LogitsMode
+from .loss import CausalLMLoss, LogitsGather, LogitsMode, LogitsModeHook, check_logits_mode
 from .plan import Colwise, EnterRegion, Rowwise, TPPlan
 from .rewrite import Rewrite, check_tp, install_loss
 from .state import bind_save_pretrained
@@ -34,6 +34,7 @@ def parallelize(
     device_mesh=None,
     emulate: bool = False,
     verify: bool = True,
+    logits: LogitsMode = "full",
 ) -> nn.Module:
     """Make a transformers causal LM tensor parallel over ``tp`` ranks, in place; returns it.
 
@@ -70,6 +71,13 @@ def parallelize(
             8 ms to compute and 30 ms with the exchange on 2 gloo ranks), and that the first
             forward gives every TP rank the same ``input_ids`` (one all-gather of 5 numbers).
             False skips both (huge models, or a start-up that must not wait).
+        logits: what ``outputs.logits`` holds (`taco_accel.models.loss`; ``model.taco.logits``
+            changes it later). ``"full"`` (default): the full vocabulary, as transformers
+            returns it, with or without ``labels``, differentiable (a loss computed from the
+            logits trains right); the model's own loss is vocab-parallel either way.
+            ``"local"``: with ``labels``, this rank's vocabulary slice (b, s, V/tp), saving the
+            all-gather and the full tensor when only ``outputs.loss`` is used; without labels
+            the full logits.
 
     Refused with a ValueError: peft, quantized, DDP/FSDP-wrapped or DTensor-sharded models,
     ``nn.Linear`` / ``nn.Embedding`` subclasses where the plan swaps modules, argument values
@@ -82,8 +90,9 @@ def parallelize(
             "fresh transformers model, or use it as it is"
         )
     plan = check_call(model, tp, sequence_parallel, device_mesh, emulate, verify)  # before any collective
+    check_logits_mode(logits)
     if emulate:
-        return emulate_tp(model, plan, tp, compression, sequence_parallel, device_mesh)
+        return emulate_tp(model, plan, tp, compression, sequence_parallel, device_mesh, logits)
     if tp is not None:
         check_tp(model, plan, tp)  # before any collective: wrong numbers fail fast
     group, tp = _resolve_group(tp, device_mesh)
@@ -93,7 +102,7 @@ def parallelize(
     compression = Compression.resolve(compression)
     context = TPContext(
         plan, group, tp, group_rank(group), compression, SiteTable(group, compression),
-        SequenceState(bool(sequence_parallel), tp),
+        SequenceState(bool(sequence_parallel), tp), logits=logits,
     )
     _apply_plan(model, plan, context)
     install_input_checks(model, plan, group, same_batch=verify)
@@ -205,7 +214,8 @@ class TPRewrite(Rewrite):
             raise TypeError(f"unknown plan style {style!r} for {name}")
 
     def lm_head(self, embedding: VocabParallelEmbedding) -> ColumnParallelLinear:
-        """Split like the embedding (the same parameter when tied); full logits on request."""
+        """Split like the embedding (the same parameter when tied); its output is gathered into
+        the full logits by a `LogitsGather` hook at the plain site ``lm_head/logits``."""
         name, group = self.plan.lm_head, self.ctx.group
         head = self.model.get_submodule(name)
         tied = head.weight is self.model.get_submodule(self.plan.embedding).weight
@@ -225,8 +235,11 @@ def _apply_plan(model: nn.Module, plan: TPPlan, ctx: TPContext) -> None:
     head = TPRewrite(model, plan, ctx).install()
     ctx.grad_sum_params = _partial_grad_params(model, plan, ctx)
     ctx.install_grad_sums(model)
-    install_loss(model, CausalLMLoss(head, Site("loss/lse", ctx.group, None), getattr(model, "_loss_function", None)))
-    model.register_forward_pre_hook(LogitsMode(model, head, ctx), with_kwargs=True)
+    gather = LogitsGather(ctx)
+    head.register_forward_hook(gather)
+    fallback = getattr(model, "_loss_function", None)
+    install_loss(model, CausalLMLoss(head, Site("loss/lse", ctx.group, None), fallback, gather))
+    model.register_forward_pre_hook(LogitsModeHook(model, gather, ctx), with_kwargs=True)
 
 
 def _partial_grad_params(model: nn.Module, plan: TPPlan, ctx: TPContext) -> list[str]:

@@ -10,10 +10,10 @@
    DDP replicas average their gradients in `finish_gradients`).
 
 `ModelParts.finish_gradients` is what every training step runs after its last backward and
-before clipping, exactly once per step: the tp sums of replicated parameters FSDP2 hides from
-`parallelize`'s hooks, the dp average of DDP replicas, and the tied embedding's sum across
-pipeline stages. Backwards since the last finish are noticed through a hook on the outputs of
-the parts, so calling it twice (clipping, then the optimizer step) reduces once.
+before clipping, exactly once per optimizer step: the tp sums of replicated parameters FSDP2
+hides from `parallelize`'s hooks, the dp average of DDP replicas, and the tied embedding's sum
+across pipeline stages. Which backwards it must finish is learnt from the parameters
+themselves (`ModelParts.watch_gradients`), whatever tensor the loss was computed from.
 `clip_grad_norm_` clips by the norm of the whole unsharded model's gradient.
 """
 
@@ -55,8 +55,9 @@ class ModelParts:
     norm_shares: dict[int, float] = field(default_factory=dict)
     export_drop: set[str] = field(default_factory=set)
     finishers: list = field(default_factory=list)
-    _backwards: int = 0
-    _finished: int = 0
+    _dirty: bool = False  # a backward accumulated into a trainable parameter since the last finish
+    _reduced: bool = False  # finished, and the optimizer has not stepped (or zeroed) since
+    _handles: list = field(default_factory=list, repr=False)
 
     def named_parameters(self):
         for module in self.modules:
@@ -74,30 +75,45 @@ class ModelParts:
     def has_last_stage(self) -> bool:
         return self.num_stages - 1 in self.stage_ids
 
-    def watch_backward(self) -> None:
-        """Count backwards through the parts: a hook on every output that requires grad."""
-        def mark(_grad):
-            self._backwards += 1
+    def watch_gradients(self) -> None:
+        """Mark the gradients dirty whenever a backward accumulates into any parameter that is
+        trainable now (``register_post_accumulate_grad_hook``; FSDP2 calls these hooks after its
+        reduce-scatter).
 
-        def on_output(module, args, output):
-            if torch.is_grad_enabled():
-                for t in _tensors(output):
-                    if t.requires_grad:
-                        t.register_hook(mark)
-                        break  # one per output: a backward through any of them marks it
+        Why the parameters and not the outputs: a loss may come from any output tensor (the
+        logits, hidden states, a custom head), from several backwards per step, through
+        ``loss.backward()`` as well as ``accelerator.backward``; every one of them ends in the
+        parameters' ``.grad``. The reduction itself stays lazy, once per optimizer step
+        (`finish_gradients`, at the first of clipping or the step), so gradient accumulation
+        needs no communication and nothing runs inside the compiled forward or backward (the
+        hook only sets a flag). A parameter made trainable after this call is not watched.
+        """
+        for p in self.parameters():
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._mark))
 
-        for module in self.modules:
-            module.register_forward_hook(on_output)
+    def _mark(self, _param) -> None:
+        if self._reduced and self.finishers:
+            raise RuntimeError(
+                "a backward ran after this step's gradients were reduced over the data-parallel replicas "
+                "(clip_grad_norm_) and before optimizer.step(): the new gradients would never be averaged. Call "
+                "accelerator.clip_grad_norm_ after the last backward of the step, then optimizer.step()"
+            )
+        self._dirty = True
 
     def finish_gradients(self) -> bool:
-        """Reduce the gradients of the backwards since the last call (a collective); False when
-        there was none to finish."""
-        if self._backwards == self._finished:
+        """Reduce the gradients of the backwards since the last call (a collective on every rank
+        that ran them); False when there was none to finish."""
+        if not self._dirty:
             return False
         for finish in self.finishers:
             finish()
-        self._finished = self._backwards
+        self._dirty, self._reduced = False, True
         return True
+
+    def step_done(self) -> None:
+        """The optimizer stepped or zeroed the gradients: the next backward starts a new step."""
+        self._reduced = False
 
     def grad_norm_sq(self, params: list[nn.Parameter] | None = None) -> torch.Tensor:
         """This rank's share of the squared gradient norm (float64, on the gradients' device)."""
@@ -119,8 +135,10 @@ class ModelParts:
         return next(self.parameters()).device
 
 
-def clip_grad_norm_(parts: list[ModelParts], params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Finish the gradients of ``parts`` (`ModelParts.finish_gradients`), then clip ``params``
+def clip_grad_norm_(parts: list[ModelParts], params: list[nn.Parameter], max_norm: float,
+                    finish: bool = True) -> torch.Tensor:
+    """Finish the gradients of ``parts`` (`ModelParts.finish_gradients`; ``finish=False``: clip
+    them as they are, e.g. inside gradient accumulation), then clip ``params``
     (theirs, or a subset) by the norm of the whole unsharded model's gradient over the mesh,
     every tp shard, pipeline stage and FSDP shard counted once. A collective over all ranks;
     returns the norm before clipping, a float64 0-d tensor on the gradients' device, without a
@@ -129,7 +147,8 @@ def clip_grad_norm_(parts: list[ModelParts], params: list[nn.Parameter], max_nor
     device = params[0].device if params else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
     for part in parts:
-        part.finish_gradients()
+        if finish:
+            part.finish_gradients()
         total += part.grad_norm_sq(params).to(device)
     dist.all_reduce(total)  # the default group spans the mesh
     norm = total.sqrt()
@@ -141,17 +160,6 @@ def clip_grad_norm_(parts: list[ModelParts], params: list[nn.Parameter], max_nor
     return norm
 
 
-def _tensors(output):
-    if isinstance(output, torch.Tensor):
-        yield output
-    elif isinstance(output, dict):  # transformers' ModelOutput is a dict
-        for value in output.values():
-            yield from _tensors(value)
-    elif isinstance(output, (list, tuple)):
-        for value in output:
-            yield from _tensors(value)
-
-
 def distribute(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -159,18 +167,23 @@ def distribute(
     *,
     compression=None,
     sequence_parallel: bool = False,
+    logits: str | None = None,
     device: torch.device | None = None,
     param_dtype: torch.dtype | None = None,
     pipeline: bool = False,
     stages_per_rank: int = 1,
     seq_len: int = 2048,
+    evaluation: bool = False,
 ) -> ModelParts:
     """Lay ``model`` out on ``mesh`` (a collective on every rank); return this rank's parts.
 
-    ``compression`` / ``sequence_parallel`` go to `parallelize` when the model is not yet
-    tensor parallel (``compression=None``: plain TP). ``pipeline``: split into
+    ``compression`` / ``sequence_parallel`` / ``logits`` go to `parallelize` when the model is
+    not yet tensor parallel (``compression=None``: plain TP; ``logits=None``: ``"full"``); a
+    ``logits`` mode given for a parallel model replaces its own. ``pipeline``: split into
     ``pp * stages_per_rank`` `StageModule`s (``seq_len`` balances them); without it pp must be 1.
     ``param_dtype``: FSDP2's compute dtype (e.g. bf16 under mixed precision).
+    ``evaluation``: tensor parallel (and placed) only, as Accelerate's ``evaluation_mode``: no
+    FSDP2 sharding, no gradient reductions, nothing watched.
     """
     if not pipeline and dims.pp > 1:
         raise ValueError(
@@ -181,8 +194,10 @@ def distribute(
     if getattr(model, "taco", None) is not None:
         check_parallelized(model, mesh)
         replicas = _replicas_of(model, dims.tp)
+        if logits is not None:
+            model.taco.logits = logits
     else:
-        replicas = apply_tp(model, mesh, compression, sequence_parallel)
+        replicas = apply_tp(model, mesh, compression, sequence_parallel, logits or "full")
     tied = is_tied(model) if pipeline else False
     if pipeline:
         plan = apply_pp(model, mesh, stages_per_rank, seq_len=seq_len,
@@ -197,22 +212,29 @@ def distribute(
             module.to(device)
     split_tied = tied and num_stages > 1
     skip, tied_sync = _split_tied(parts) if split_tied else (set(), None)
-    fsdp = dims.dp_mode == "fsdp" and dims.dp > 1
-    if fsdp and dims.tp > 1:
-        replica_sum = ReplicaGradSum(modules, mesh)  # before FSDP2 replaces the parameter objects
-        if replica_sum:
-            parts.finishers.append(replica_sum)
-    parts.modules = [apply_dp(m, mesh, dims.dp_mode, param_dtype=param_dtype) for m in modules]
-    if dims.dp_mode == "ddp" and dims.dp > 1:
-        parts.finishers.append(DataParallelGradSync(parts.modules, mesh))
-    if tied_sync is not None:
-        parts.finishers.append(tied_sync)
-    dp_share = 1.0 / dims.dp if dims.dp_mode == "ddp" else 1.0
+    if not evaluation:
+        _apply_dp(parts, mesh, dims, param_dtype)
+        if tied_sync is not None:
+            parts.finishers.append(tied_sync)
+    dp_share = 1.0 / dims.dp if dims.dp_mode == "ddp" or evaluation else 1.0  # replicas hold it all
     for name, p in parts.named_parameters():
         key = name[len(prefix):] if name.startswith(prefix) else name
         parts.norm_shares[id(p)] = 0.0 if name in skip else dp_share / replicas.get(key, dims.tp)
-    parts.watch_backward()
+    if not evaluation:
+        parts.watch_gradients()
     return parts
+
+
+def _apply_dp(parts: ModelParts, mesh: DeviceMesh, dims: ParallelDims, param_dtype) -> None:
+    """Data parallelism over ``mesh["dp"]`` for every module of ``parts``, and the reductions
+    that finish its gradients."""
+    if dims.dp_mode == "fsdp" and dims.dp > 1 and dims.tp > 1:
+        replica_sum = ReplicaGradSum(parts.modules, mesh)  # before FSDP2 replaces the parameter objects
+        if replica_sum:
+            parts.finishers.append(replica_sum)
+    parts.modules = [apply_dp(m, mesh, dims.dp_mode, param_dtype=param_dtype) for m in parts.modules]
+    if dims.dp_mode == "ddp" and dims.dp > 1:
+        parts.finishers.append(DataParallelGradSync(parts.modules, mesh))
 
 
 def _replicas_of(model: nn.Module, tp: int) -> dict[str, int]:

@@ -14,13 +14,14 @@ logger = logging.getLogger(__name__)
 
 
 def apply_tp(model: nn.Module, mesh: DeviceMesh, compression: TacoConfig | None = None,
-             sequence_parallel: bool = False) -> dict[str, int]:
+             sequence_parallel: bool = False, logits: str = "full") -> dict[str, int]:
     """Rewrite ``model`` in place for TP over ``mesh["tp"]``; return ``{name: replicas}``: how
     many tp ranks hold each parameter's local values (tp for a replicated parameter, 1 for a
     plain shard, in between for e.g. kv heads replicated over fewer ranks than tp), measured
     from the sizes before and after. Norms over the mesh divide by it.
 
-    ``compression=None`` runs the TP collectives uncompressed. tp=1 leaves the model as is.
+    ``compression=None`` runs the TP collectives uncompressed; ``logits``: `parallelize`'s.
+    tp=1 leaves the model as is.
     """
     tp_mesh = mesh["tp"]
     tp = tp_mesh.size()
@@ -32,7 +33,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, compression: TacoConfig | None 
     except ImportError as e:  # pragma: no cover - only while taco_accel.models is missing
         raise RuntimeError(f"tp={tp_mesh.size()} needs taco_accel.models.parallelize ({e})") from e
     parallelize(model, tp=tp, compression=compression, sequence_parallel=sequence_parallel,
-                device_mesh=tp_mesh)
+                device_mesh=tp_mesh, logits=logits)
     replicas = tp_replicas(model, tp)
     logger.info(
         "applied tensor parallelism: tp=%d, %d of %d parameters sharded, compression %s",

@@ -80,9 +80,9 @@ class ColumnParallelLinear(_ParallelLinear):
     Megatron's column-parallel linear. ``entry`` enters the TP region (f, or the sequence
     all-gather: a `RegionEntry`, or an `overlap.ColumnRegion` holding this layer, which also
     computes its output and overlaps its backward); leave it ``None`` when the caller enters
-    once for several layers that read the same input (q/k/v). ``gather_output`` concatenates
-    the outputs of all ranks (the lm head when full logits are wanted) through the plain site
-    ``gather``. ``shard`` defaults
+    once for several layers that read the same input (q/k/v). `gather_outputs` concatenates
+    the outputs of all ranks (the lm head's full logits) through the plain site ``gather``.
+    ``shard`` defaults
     to an even split; pass `ShardSpec.heads` / `ShardSpec.concat` for attention projections.
     Blocks held by several ranks (replicated kv heads) get their gradients summed at ``replica_site``.
     """
@@ -96,7 +96,7 @@ class ColumnParallelLinear(_ParallelLinear):
         shard = shard.on_dim(1 if conv1d else 0)
         super().__init__(in_features, out_features, bias, group, shard, conv1d, device, dtype)
         self.shards = {"weight": shard, "bias": shard.on_dim(0)}
-        self.entry, self.gather, self.gather_output = entry, gather, False
+        self.entry, self.gather = entry, gather
         self.gather_sizes = [shard.size(r) for r in range(self.tp)]  # every rank's output width
         if shard.replicas > 1 and replica_site is None:
             raise ValueError("a shard with replicated blocks needs replica_site to sum their gradients")
@@ -119,9 +119,12 @@ class ColumnParallelLinear(_ParallelLinear):
             out = ready[1]  # computed by the region with its backward overlap (tp.overlap)
         else:
             out = self._local_linear(x, *self.region_params())  # (b, s, out/tp)
-        if self.gather_output:
-            out = gather_from_tp_region(out, self.gather, -1, self.gather_sizes)  # (b, s, out), rank order
         return out
+
+    def gather_outputs(self, out: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``out`` (b, s, out/tp) concatenated in rank order, (b, s, out), at the site
+        ``gather``; differentiable (backward: this rank's slice of the gradient)."""
+        return gather_from_tp_region(out, self.gather, -1, self.gather_sizes)
 
 
 class RowParallelLinear(_ParallelLinear):
