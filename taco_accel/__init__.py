@@ -22,7 +22,16 @@ from .models import (
 )
 from .tp import Compression
 from .parallel import ParallelDims, build_mesh
-from .integrations import Accelerator, TrainConfig, Trainer, export_merged, get_peft_model, load_adapter, save_adapter
+from .integrations import (
+    Accelerator,
+    TrainConfig,
+    Trainer,
+    export_merged,
+    get_peft_model,
+    load_adapter,
+    save_adapter,
+    taco_trainer,
+)
 
 __version__ = "0.1.0"
 
@@ -60,4 +69,5 @@ __all__ = [
     "save_adapter",
     "save_pretrained",
     "supported_model_types",
+    "taco_trainer",
 ]

@@ -152,6 +152,7 @@ class Accelerator(_AccelerateAccelerator):
                            "TACO-compressed TP, not its speed); launch %d processes for real TP",
                            self.emulated_tp, self.emulated_tp)
         self.parallel_dims = requested
+        self._accelerate_sizes = _parallelism_config_of(requested)
         self._taco_mesh = build_mesh(requested, self.device.type, timeout)
         self.compression, self.sequence_parallel, self.logits = compression, sequence_parallel, logits
         self._parts: list[tuple[nn.Module, ModelParts]] = []
@@ -169,6 +170,14 @@ class Accelerator(_AccelerateAccelerator):
     def torch_device_mesh(self):
         """The ``("pp", "dp", "tp")`` DeviceMesh of this run."""
         return self._taco_mesh
+
+    @property
+    def parallelism_config(self):
+        """Accelerate's ``ParallelismConfig`` describing this run's processes: ``tp_size`` and the
+        dp size (``dp_shard_size`` under FSDP2, else ``dp_replicate_size``); what transformers'
+        Trainer and TRL read for their tp arithmetic (one process, emulated TP included: tp=1).
+        A description only: Accelerate builds no mesh from it, and `prepare` hides it from Accelerate."""
+        return getattr(self, "_accelerate_sizes", None)  # None while Accelerate's own __init__ runs
 
     @property
     def tensor_parallel_rank(self) -> int:
@@ -231,7 +240,11 @@ class Accelerator(_AccelerateAccelerator):
             if isinstance(obj, torch.optim.Optimizer):
                 for group in obj.param_groups:
                     group["params"] = [moved.get(id(p), p) for p in group["params"]]
-        return super().prepare(*args, device_placement=device_placement)
+        sizes, self._accelerate_sizes = self._accelerate_sizes, None  # else Accelerate's own (DTensor) TP path runs
+        try:
+            return super().prepare(*args, device_placement=device_placement)
+        finally:
+            self._accelerate_sizes = sizes
 
     def prepare_model(self, model: nn.Module, device_placement=None, evaluation_mode: bool = False):
         """Lay ``model`` out on the mesh (if `prepare` has not), then Accelerate's mixed precision
@@ -657,6 +670,15 @@ def _with_timeout(kwargs: dict):
 
 def _launch_asks_for_parallelism() -> bool:
     return os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true"
+
+
+def _parallelism_config_of(dims: ParallelDims):
+    """The ``accelerate.ParallelismConfig`` of ``dims`` (every size explicit: no environment read)."""
+    from accelerate import ParallelismConfig
+
+    fsdp = dims.dp_mode == "fsdp"
+    return ParallelismConfig(dp_replicate_size=1 if fsdp else dims.dp, dp_shard_size=dims.dp if fsdp else 1,
+                             tp_size=dims.tp, cp_size=1, cp_backend="torch", sp_size=1, sp_backend="deepspeed")
 
 
 def _dims_from_config(config, pp: int | None, world: int) -> ParallelDims:

@@ -373,8 +373,8 @@ def _local(obj):
 
 
 def _copy_into(module: torch.nn.Module, values: dict, folder: Path) -> None:
-    own = dict(module.named_parameters())
-    own.update(dict(module.named_buffers()))
+    own = dict(module.named_parameters(remove_duplicate=False))  # tied weights: under every name state_dict has
+    own.update(dict(module.named_buffers(remove_duplicate=False)))
     for name, value in values.items():
         if name not in own:
             raise CheckpointError(f"{folder}: key {name!r} is not in this model; same model and mesh?")

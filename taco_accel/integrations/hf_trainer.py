@@ -1,0 +1,287 @@
+"""transformers' ``Trainer`` and its subclasses (TRL's ``SFTTrainer``, ...) with TACO tensor parallelism.
+
+Two changed lines in a user's script::
+
+    from taco_accel import taco_trainer                            # 1: the import
+    trainer = taco_trainer(SFTTrainer)(model=model, args=args, train_dataset=ds)  # 2: the class
+
+Launched as before (``accelerate launch --config_file recipes/configs/cpu_tp2.yaml train.py``,
+or ``--multi_gpu`` with ``TrainingArguments(parallelism_config=ParallelismConfig(tp_size=2))``):
+the sizes are Accelerate's, tp innermost, dp over the processes tp leaves. `taco_trainer` returns
+a subclass of the given class that changes the Trainer through its own extension points only:
+
+- ``create_accelerator_and_postprocess``: the Trainer builds `taco_accel.Accelerator` from every
+  argument it derives from ``TrainingArguments`` (it reads the class from its module's
+  ``Accelerator`` name, which is swapped for that one call). The accelerator's
+  ``parallelism_config`` gives the Trainer its tp and dp sizes (loss scale, total batch size);
+  ``prepare`` makes the model tensor parallel, the DataLoaders are sharded over dp only.
+- the token count that normalises the loss: the Trainer gathers it over all processes and divides
+  by tp; our ``gather`` spans the dp replicas (each token once), so that division is skipped.
+- checkpoints (``save_steps``, ``resume_from_checkpoint``): the model goes through ``save_model``
+  (the gathered, plain transformers checkpoint that ``from_pretrained`` loads on one process);
+  every rank's optimizer shard goes through ``Accelerator.save_state`` into ``taco_state/`` of
+  the checkpoint folder, the scheduler where the Trainer keeps it; resuming reads them back with
+  ``load_state``, and so does ``load_best_model_at_end``. Same mesh sizes to resume (the
+  checkpoint module's rule).
+- ``evaluate``: the model returns the full-vocabulary logits to the metrics
+  (``model.taco.logits = "full"`` during ``prediction_step``).
+- ``log``: ``accelerator.compression_stats()`` (bytes sent and saved by TACO since the last log)
+  joins every log line, so TensorBoard, W&B and ``state.log_history`` see them.
+- TRL: a fused LM head (``trl.trainer.utils.add_fused_lm_head``, which multiplies
+  ``lm_head.weight`` itself) gets the full head weight, gathered over the tp ranks per forward
+  (its gradient keeps this rank's rows); a model that peft wrapped with plain LoRA layers
+  (``SFTTrainer(peft_config=...)``, ``peft.get_peft_model``) gets the same adapter on tensor-
+  parallel LoRA layers (`taco_accel.get_peft_model`).
+
+Not supported (a ValueError says so): pipeline stages (the Trainer runs no pipeline schedule),
+sequence parallelism with TRL's fused head.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError
+from ..models import context_of, parallelize
+from ..tp import ColumnParallelLinear, Site, gather_from_tp_region
+from .accelerator import Accelerator
+
+logger = logging.getLogger(__name__)
+
+TACO_STATE = "taco_state"  # the sharded state's folder inside a Trainer checkpoint
+
+
+def taco_trainer(trainer_cls: type, *, compression="auto", sequence_parallel: bool = False) -> type:
+    """A subclass of ``trainer_cls`` (``transformers.Trainer`` or a subclass: TRL's ``SFTTrainer``,
+    your own) that trains with TACO tensor parallelism (see the module doc).
+
+    Args:
+        trainer_cls: the Trainer class to extend.
+        compression: `taco_accel.Accelerator`'s ``compression`` (``"auto"``, ``"on"``, ``"off"``,
+            a `TacoConfig`, a `Compression`).
+        sequence_parallel: Megatron sequence parallelism inside TP.
+    """
+    from transformers import Trainer
+
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
+        raise TypeError(f"taco_trainer takes transformers.Trainer or a subclass, got {trainer_cls!r}")
+    if issubclass(trainer_cls, _TacoTrainer):
+        raise ValueError(f"{trainer_cls.__name__} already trains with taco_accel; pass the original class")
+    options = {"compression": compression, "sequence_parallel": sequence_parallel}
+    return type(f"Taco{trainer_cls.__name__}", (_TacoTrainer, trainer_cls),
+                {"taco_options": options, "__module__": trainer_cls.__module__, "__doc__": trainer_cls.__doc__})
+
+
+class _TacoTrainer:
+    """The methods `taco_trainer` puts in front of a Trainer class (see the module doc)."""
+
+    taco_options: dict = {}
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.model is None:  # model_init: the model comes with train()
+            return
+        if self.accelerator.parallel_dims.world_size > 1:
+            self.model = self.model_wrapped = _tensor_parallel_lora(self.model, self.accelerator)
+        _gather_fused_head(self.model)
+        if hasattr(self, "_tp_size"):  # TRL: divides its dp-gathered token counts by it
+            self._tp_size = 1
+
+    # -- the accelerator ---------------------------------------------------------------------
+    def create_accelerator_and_postprocess(self) -> None:
+        import transformers.trainer as trainer_module
+
+        _processes_on_cpu(self.args)
+        built = trainer_module.Accelerator
+        trainer_module.Accelerator = functools.partial(Accelerator, **self.taco_options)
+        try:
+            super().create_accelerator_and_postprocess()
+        finally:
+            trainer_module.Accelerator = built
+        if self.accelerator.parallel_dims.pp > 1:
+            raise ValueError(
+                f"{self.accelerator.parallel_layout}: the Trainer runs no pipeline schedule; give sizes that cover "
+                "every process with tp and dp (parallelism_config tp_size x dp_replicate_size or dp_shard_size), "
+                "or train pipelines with taco_accel's own Trainer (recipes/)"
+            )
+
+    # The Trainer's batch arithmetic divides process counts and all-process gathers by the tp size.
+    # Our accelerator's num_processes and gather already span the dp replicas only (the tp ranks of
+    # a replica count once), so for that arithmetic the tp size is 1: the loss scale
+    # num_processes // tp is the dp size, a gathered token count is each token once.
+    def get_tp_size(self) -> int:
+        return 1
+
+    def get_total_train_batch_size(self, args) -> int:
+        return self._train_batch_size * args.gradient_accumulation_steps * self.accelerator.num_processes
+
+    # -- evaluation and logs -----------------------------------------------------------------
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        context = getattr(self.accelerator.unwrap_model(model), "taco", None)
+        if prediction_loss_only or context is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        mode, context.logits = context.logits, "full"  # the metrics see the whole vocabulary
+        try:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        finally:
+            context.logits = mode
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        logs.update(self.accelerator.compression_stats())  # a collective: every rank logs at the same points
+        super().log(logs, *args, **kwargs)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def _sharded(self, model: nn.Module | None = None) -> bool:
+        """Whether ``model`` (default: the Trainer's) is laid out over several processes."""
+        context = getattr(self.accelerator.unwrap_model(model or self.model), "taco", None)
+        return context is not None and not context.emulated and self.accelerator.parallel_dims.world_size > 1
+
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        if not self._sharded():
+            return super()._save(output_dir, state_dict)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        self.accelerator.save_model(self.model, output_dir)  # every rank gathers; rank 0 writes (peft: the adapter)
+        if not self.args.should_save:
+            return
+        tokenizer = self.processing_class or getattr(self.data_collator, "tokenizer", None)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self._sharded():
+            return super()._save_optimizer_and_scheduler(output_dir)
+        self.accelerator.save_state(Path(output_dir) / TACO_STATE)  # every rank's shard, atomic
+        if self.args.should_save:
+            with warnings.catch_warnings(record=True):
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        if not self._sharded(model):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        # already laid out: its shards come with the sharded state (_load_optimizer_and_scheduler)
+        if not (Path(resume_from_checkpoint) / TACO_STATE).is_dir():
+            raise CheckpointError(
+                f"{resume_from_checkpoint} has no {TACO_STATE}/ to restore a tensor-parallel model from; resume "
+                "from a checkpoint this Trainer wrote with save_only_model=False"
+            )
+
+    def _load_best_model(self) -> None:
+        if not self._sharded():
+            return super()._load_best_model()
+        folder = Path(self.state.best_model_checkpoint) / TACO_STATE
+        if not folder.is_dir():
+            raise CheckpointError(f"{folder} is missing: load_best_model_at_end restores a tensor-parallel model "
+                                  "from its sharded state; keep save_only_model=False")
+        logger.info("loading the best model from %s (score %s)", folder.parent, self.state.best_metric)
+        self.accelerator.load_state(folder)  # the model's shards, and that step's optimizer state and RNG
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not self._sharded():
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        folder = Path(checkpoint) / TACO_STATE
+        if not folder.is_dir():
+            if (Path(checkpoint) / "optimizer.pt").exists():
+                raise CheckpointError(
+                    f"{checkpoint} holds one process's optimizer state (optimizer.pt), not the tensor-parallel "
+                    f"shards ({TACO_STATE}/): it was not written by a taco_accel Trainer. Start from its weights "
+                    "(from_pretrained) without resume_from_checkpoint"
+                )
+            return  # save_only_model: nothing to restore, as the Trainer does
+        self.accelerator.load_state(folder)
+        schedule = Path(checkpoint) / "scheduler.pt"
+        if schedule.exists():
+            self.lr_scheduler.load_state_dict(torch.load(schedule, weights_only=True))
+
+
+def _processes_on_cpu(args) -> None:
+    """``TrainingArguments`` set Accelerate's process state up when they were built; without
+    ``use_cpu`` on a machine without GPUs, N launched processes became N one-process runs
+    (``DistributedType.NO``). Set it up again with ``use_cpu=True`` (gloo, MULTI_CPU)."""
+    if torch.cuda.is_available() or args.use_cpu or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    args.use_cpu = True
+    args.__dict__.pop("_setup_devices", None)  # a cached_property: computed again below
+    args._setup_devices  # noqa: B018 - resets Accelerate's state and builds it for the CPU processes
+
+
+# -- TRL's fused LM head ---------------------------------------------------------------------------
+def _gather_fused_head(model: nn.Module) -> None:
+    """Give a fused LM head that reads ``get_output_embeddings().weight`` (TRL's
+    ``add_fused_lm_head``, recognised by its ``fused_lm_head`` keyword) the full head weight when
+    the model is tensor parallel. Every tp rank then computes the same per-token results from the
+    same hidden states, so each keeps its rows of the head's gradient (`gather_from_tp_region`)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    forward = base.__dict__.get("forward")
+    code = getattr(getattr(forward, "__func__", forward), "__code__", None)
+    if code is None or "fused_lm_head" not in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
+        return
+
+    @functools.wraps(forward)
+    def tensor_parallel_forward(*args, fused_lm_head: bool = False, **kwargs):
+        context = getattr(base, "taco", None)
+        if not fused_lm_head or context is None or context.emulated or context.tp == 1:
+            return forward(*args, fused_lm_head=fused_lm_head, **kwargs)
+        if context.sequence_parallel:
+            raise ValueError("TRL's fused LM head reads the backbone's output, which sequence parallelism splits "
+                             "along the sequence; use sequence_parallel=False with this trainer")
+        with _full_output_embeddings(base):
+            return forward(*args, fused_lm_head=True, **kwargs)
+
+    base.forward = tensor_parallel_forward
+
+
+@contextlib.contextmanager
+def _full_output_embeddings(model: nn.Module):
+    """``model.get_output_embeddings()`` returns the head's full weight (and bias) inside."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, ColumnParallelLinear) or head.conv1d:
+        raise ValueError(f"the output embeddings are a {type(head).__name__}; a fused LM head needs the "
+                         "vocab-parallel lm_head taco_accel.parallelize makes (no LoRA on lm_head)")
+    site = Site("lm_head/weight", head.group, None)  # plain: parameters
+
+    def full_head():
+        gather = functools.partial(gather_from_tp_region, fwd=site, dim=0, sizes=head.gather_sizes)
+        return SimpleNamespace(weight=gather(head.weight), bias=None if head.bias is None else gather(head.bias))
+
+    model.get_output_embeddings = full_head
+    try:
+        yield
+    finally:
+        del model.get_output_embeddings
+
+
+# -- LoRA ------------------------------------------------------------------------------------------
+def _tensor_parallel_lora(model: nn.Module, accelerator: Accelerator) -> nn.Module:
+    """A peft model whose plain LoRA layers sit on an unparallelised base (peft's ``get_peft_model``,
+    ``SFTTrainer(peft_config=...)``) -> the same adapter values on tensor-parallel LoRA layers;
+    any other model is returned as it is. The global RNG is left as it was."""
+    from .lora import get_peft_model, load_adapter
+
+    try:
+        from peft import PeftModel, get_peft_model_state_dict
+    except ImportError:
+        return model
+    if not isinstance(model, PeftModel) or getattr(model.get_base_model(), "taco", None) is not None:
+        return model
+    if len(model.peft_config) != 1:
+        raise ValueError(f"the peft model has adapters {sorted(model.peft_config)}; taco_accel trains one")
+    (name, config), = model.peft_config.items()
+    adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model, adapter_name=name).items()}
+    base = model.unload()  # the transformers model, each LoRA layer back to its base layer
+    parallelize(base, device_mesh=accelerator.torch_device_mesh["tp"], compression=accelerator.compression,
+                sequence_parallel=accelerator.sequence_parallel)
+    with torch.random.fork_rng(devices=[]):  # the new adapter's draws are overwritten below
+        tp_model = get_peft_model(base, config, adapter_name=name)
+    load_adapter(tp_model, adapter, adapter_name=name, is_trainable=True)
+    logger.info("LoRA adapter %r moved onto the tensor-parallel layers (tp=%d)", name, context_of(base).tp)
+    return tp_model

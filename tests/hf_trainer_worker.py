@@ -1,0 +1,253 @@
+"""transformers' Trainer and TRL's SFTTrainer as a user runs them, with and without taco_accel.
+
+``accelerate launch ... hf_trainer_worker.py --out OUT --dir DIR`` trains with
+``taco_trainer(Trainer)`` / ``taco_trainer(SFTTrainer)`` (the two changed lines) on the launch's
+mesh; ``python hf_trainer_worker.py --reference --dp N ...`` runs the plain classes in one process
+on the same global batches (per-device batch x N). tests/test_hf_trainer.py starts both and
+compares what they wrote: per run, the logged losses, gradient norms, learning rates and
+evaluation metrics (rank 0's ``log_history``), and the saved model or adapter under DIR.
+Each run is guarded on its own: a failure is recorded under its name and the others go on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import traceback
+
+import torch
+
+BATCH, ACCUM, STEPS, SEQ = 2, 2, 4, 16
+# The Trainer normalises an evaluation batch's loss by the tokens of the global batch, padding
+# repeats included: the set divides into every global batch, so no batch is padded
+EVAL = 8
+VOCAB = 257  # the byte tokenizer's; uneven vocabulary slices over tp=2 (129 + 128)
+
+
+def tiny(seed: int = 0):
+    from taco_accel.models.tiny import tiny_model
+
+    return tiny_model("qwen2", seed=seed, vocab_size=VOCAB)  # tied embeddings, 2 kv heads
+
+
+def lm_rows(n: int, seed: int) -> list[dict]:
+    """Random token rows; the labels mask a random prefix, so micro-batches hold different token counts."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (SEQ,), generator=g)
+        labels = ids.clone()
+        labels[: int(torch.randint(0, SEQ // 2, (1,), generator=g))] = -100
+        rows.append({"input_ids": ids, "labels": labels})
+    return rows
+
+
+def texts(n: int, seed: int) -> list[dict]:
+    import random
+
+    r = random.Random(seed)
+    words = "tensor parallel training compresses every message to eight bits with a hadamard transform".split()
+    return [{"text": " ".join(r.choice(words) for _ in range(r.randint(3, 9)))} for _ in range(n)]
+
+
+def common(args, name: str, **extra) -> dict:
+    per_device = BATCH * (args.dp if args.reference else 1)  # one process: the global batches
+    sizes = {}
+    if args.sizes and not args.reference:  # the Trainer's own way to give them (torchrun: no launch config)
+        from accelerate import ParallelismConfig
+
+        sizes["parallelism_config"] = ParallelismConfig(**{f"{k}_size": int(v) for k, v in
+                                                           (kv.split("=") for kv in args.sizes.split(","))})
+    return {**dict(output_dir=os.path.join(args.dir, name), per_device_train_batch_size=per_device,
+                   per_device_eval_batch_size=per_device, gradient_accumulation_steps=ACCUM, max_steps=STEPS, learning_rate=3e-3,
+                   lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.1, max_grad_norm=0.5, logging_steps=1,
+                   report_to=[], seed=7, save_strategy="no", disable_tqdm=True, bf16=False), **sizes, **extra}
+
+
+def history(trainer) -> dict:
+    """The logged figures per optimizer step (rank 0's log_history) and the last evaluation."""
+    logs = trainer.state.log_history
+    steps = [h for h in logs if "loss" in h]
+    comm = [h for h in logs if "comm/bytes_sent" in h]
+    return {
+        "losses": [h["loss"] for h in steps], "grad_norms": [h["grad_norm"] for h in steps],
+        "lrs": [h["learning_rate"] for h in steps], "steps": [h["step"] for h in steps],
+        "token_accuracy": [h.get("mean_token_accuracy") for h in steps],
+        "num_tokens": [h.get("num_tokens") for h in steps],
+        "bytes_sent": sum(h["comm/bytes_sent"] for h in comm), "bytes_saved": sum(h["comm/bytes_saved"] for h in comm),
+        "comm_logged": len(comm), "evals": [h["eval_loss"] for h in logs if "eval_loss" in h],
+        "best": os.path.basename(trainer.state.best_model_checkpoint or ""),
+    }
+
+
+def trainer_class(args, cls, compression=None):
+    """The plain class (reference), or taco_trainer's: compression off unless asked (never
+    "auto", whose timing decision depends on the machine's load)."""
+    if args.reference:
+        return cls
+    import taco_accel
+
+    return taco_accel.taco_trainer(cls, compression=compression)
+
+
+def top1_and_logsumexp(logits, labels):
+    """What the metrics keep of the logits: the argmax, and the log-sum-exp over the vocabulary
+    (a vocabulary slice instead of the full logits changes both)."""
+    return logits.argmax(-1), logits.logsumexp(-1)
+
+
+def metrics(pred) -> dict:
+    top1, logsumexp = pred.predictions[0][:, :-1], pred.predictions[1][:, :-1]
+    labels = pred.label_ids[:, 1:]
+    mask = labels != -100
+    return {"accuracy": float((top1[mask] == labels[mask]).mean()), "logsumexp": float(logsumexp[mask].mean())}
+
+
+def run_trainer(args, name: str, compression=None, resume: str | None = None, seed: int = 0) -> dict:
+    from transformers import Trainer, TrainingArguments
+
+    save = {}
+    if resume is None and compression is None:  # checkpoints every 2 steps; the better of the two at the end
+        save = dict(save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2,
+                    load_best_model_at_end=True, metric_for_best_model="eval_loss")
+    cls = trainer_class(args, Trainer, compression=compression)
+    trainer = cls(model=tiny(seed), args=TrainingArguments(**common(args, name, **save)),
+                  train_dataset=lm_rows(STEPS * BATCH * ACCUM * args.dp, 1), eval_dataset=lm_rows(EVAL, 2),
+                  compute_metrics=metrics, preprocess_logits_for_metrics=top1_and_logsumexp)
+    trainer.train(resume_from_checkpoint=resume)
+    out = history(trainer)
+    if resume is None and compression is None:
+        out["eval"] = trainer.evaluate()
+        final = os.path.join(args.dir, name, "final")
+        trainer.save_model(final)
+        out["loaded_eval_loss"] = loaded_eval_loss(final) if int(os.environ.get("RANK", "0")) == 0 else None
+        pc = trainer.accelerator.parallelism_config
+        out["layout"] = {"tp_size": trainer.get_tp_size(), "total_batch": trainer.get_total_train_batch_size(trainer.args),
+                         "config": None if pc is None else [pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size]}
+    return out
+
+
+def loaded_eval_loss(folder: str) -> float:
+    """The evaluation loss of what save_model wrote, loaded by transformers on this one process."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    rows = lm_rows(EVAL, 2)
+    ids, labels = torch.stack([r["input_ids"] for r in rows]), torch.stack([r["labels"] for r in rows])
+    with torch.no_grad():
+        return model(input_ids=ids, labels=labels).loss.item()
+
+
+def run_plain_checkpoint(args) -> dict:
+    """Resume from a checkpoint as one process writes it (optimizer.pt, no sharded state): refused."""
+    import shutil
+
+    import torch.distributed as dist
+    from transformers import Trainer, TrainingArguments
+
+    folder = os.path.join(args.dir, "plain", "checkpoint-2")
+    if dist.get_rank() == 0:
+        shutil.copytree(os.path.join(args.dir, "trainer", "checkpoint-2"), folder)
+        shutil.rmtree(os.path.join(folder, "taco_state"))
+        torch.save({}, os.path.join(folder, "optimizer.pt"))
+    dist.barrier()
+    trainer = trainer_class(args, Trainer)(model=tiny(), args=TrainingArguments(**common(args, "plain")),
+                                           train_dataset=lm_rows(STEPS * BATCH * ACCUM * args.dp, 1))
+    try:
+        trainer.train(resume_from_checkpoint=folder)
+    except Exception as e:  # noqa: BLE001 - the message is what the test reads
+        return {"refused": f"{type(e).__name__}: {e}"}
+    return {"refused": None}
+
+
+def run_pipeline_sizes(args) -> dict:
+    """tp=2 on 4 processes leaves 2 pipeline stages, which the Trainer cannot run: refused."""
+    from accelerate import ParallelismConfig
+    from transformers import Trainer, TrainingArguments
+
+    config = TrainingArguments(**{**common(args, "pipeline"), "parallelism_config": ParallelismConfig(tp_size=2)})
+    try:
+        trainer_class(args, Trainer)(model=tiny(), args=config, train_dataset=lm_rows(8, 1))
+    except ValueError as e:
+        return {"refused": str(e)}
+    return {"refused": None}
+
+
+def run_sft(args, name: str, lora: bool = False) -> dict:
+    from trl import SFTConfig, SFTTrainer
+
+    from taco_accel.data.tokenizer import build_tokenizer
+
+    peft = {}
+    if lora:
+        from peft import LoraConfig
+
+        peft["peft_config"] = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                         target_modules=["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"])
+    config = SFTConfig(**common(args, name, max_length=48), eval_strategy="no", dataset_num_proc=None)
+    trainer = trainer_class(args, SFTTrainer)(
+        model=tiny(), args=config, processing_class=build_tokenizer("byte"),
+        train_dataset=_dataset(texts(STEPS * BATCH * ACCUM * args.dp, 3)), eval_dataset=_dataset(texts(EVAL, 4)), **peft)
+    trainer.train()
+    out = history(trainer)
+    out["eval"] = trainer.evaluate()
+    trainer.save_model(os.path.join(args.dir, name, "final"))
+    return out
+
+
+def _dataset(rows: list[dict]):
+    from datasets import Dataset
+
+    return Dataset.from_list(rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--dir", required=True)
+    p.add_argument("--runs", default="trainer,resume,compressed,sft,lora,plain_checkpoint")
+    p.add_argument("--sizes", default="", help="TrainingArguments.parallelism_config sizes, e.g. tp=2,dp_replicate=2")
+    p.add_argument("--reference", default="", help="the plain classes on one process, for these dp sizes (1,2)")
+    args = p.parse_args()
+    import taco_accel
+
+    runs = {
+        "trainer": lambda: run_trainer(args, "trainer"),
+        # other initial weights: what the resumed run trains comes from the checkpoint
+        "resume": lambda: run_trainer(args, "resume", resume=os.path.join(args.dir, "trainer", "checkpoint-2"), seed=1),
+        "compressed": lambda: run_trainer(args, "compressed", compression=taco_accel.TacoConfig(group_size=32,
+                                                                                               threshold_bytes=0)),
+        "sft": lambda: run_sft(args, "sft"),
+        "lora": lambda: run_sft(args, "lora", lora=True),
+        "plain_checkpoint": lambda: run_plain_checkpoint(args),
+        "pipeline_sizes": lambda: run_pipeline_sizes(args),
+    }
+    if args.reference:  # compressed and resumed runs compare with the reference "trainer" run
+        result, base = {}, args.dir
+        for dp in map(int, args.reference.split(",")):
+            args.dp, args.dir = dp, os.path.join(base, f"dp{dp}")
+            result[f"dp{dp}"] = guarded(runs, ["trainer", "sft"] + (["lora"] if dp == 1 else []))
+    else:
+        args.dp = int(os.environ["WORLD_SIZE"]) // 2  # tp=2 in every launch of the test
+        result = guarded(runs, args.runs.split(","))
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(args.out, "w") as f:
+            json.dump(result, f, default=str)
+
+
+def guarded(runs: dict, names: list[str]) -> dict:
+    """Each run's figures, or its traceback: one failing run does not hide the others."""
+    result = {}
+    for name in names:
+        start = time.perf_counter()
+        try:
+            result[name] = {**runs[name](), "seconds": time.perf_counter() - start}
+        except Exception:  # noqa: BLE001 - recorded for the test of this run
+            result[name] = {"error": traceback.format_exc()}
+    return result
+
+
+if __name__ == "__main__":
+    main()
