@@ -163,16 +163,24 @@ def run_plain_checkpoint(args) -> dict:
 
 
 def run_pipeline_sizes(args) -> dict:
-    """tp=2 on 4 processes leaves 2 pipeline stages, which the Trainer cannot run: refused."""
+    """tp=2 on 4 processes: sizes that leave processes over are refused (Accelerate's rule), and
+    pipeline stages asked for (TACO_PP_SIZE=2), which the Trainer cannot run, are refused too."""
     from accelerate import ParallelismConfig
-    from transformers import Trainer, TrainingArguments
+    from transformers import TrainingArguments, Trainer
 
-    config = TrainingArguments(**{**common(args, "pipeline"), "parallelism_config": ParallelismConfig(tp_size=2)})
-    try:
-        trainer_class(args, Trainer)(model=tiny(), args=config, train_dataset=lm_rows(8, 1))
-    except ValueError as e:
-        return {"refused": str(e)}
-    return {"refused": None}
+    def refusal(**env) -> str | None:
+        config = TrainingArguments(**{**common(args, "pipeline"), "parallelism_config": ParallelismConfig(tp_size=2)})
+        os.environ.update(env)
+        try:
+            trainer_class(args, Trainer)(model=tiny(), args=config, train_dataset=lm_rows(8, 1))
+        except ValueError as e:
+            return str(e)
+        finally:
+            for key in env:
+                os.environ.pop(key)
+        return None
+
+    return {"refused": refusal(), "refused_pp": refusal(TACO_PP_SIZE="2")}
 
 
 def run_sft(args, name: str, lora: bool = False) -> dict:
@@ -186,13 +194,20 @@ def run_sft(args, name: str, lora: bool = False) -> dict:
 
         peft["peft_config"] = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
                                          target_modules=["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"])
-    config = SFTConfig(**common(args, name, max_length=48), eval_strategy="no", dataset_num_proc=None)
+    # TRL's evaluation loss and entropy are each batch's own token means, averaged over batches: the
+    # reference evaluates the batches of one replica (BATCH rows), the sharded run's batches
+    config = SFTConfig(**common(args, name, max_length=48, per_device_eval_batch_size=BATCH), eval_strategy="no",
+                       dataset_num_proc=None)
     trainer = trainer_class(args, SFTTrainer)(
         model=tiny(), args=config, processing_class=build_tokenizer("byte"),
         train_dataset=_dataset(texts(STEPS * BATCH * ACCUM * args.dp, 3)), eval_dataset=_dataset(texts(EVAL, 4)), **peft)
     trainer.train()
     out = history(trainer)
     out["eval"] = trainer.evaluate()
+    if args.reference and args.dp > 1:  # its token accuracy is one ratio per step over the gathered
+        # batches of every replica: on one process, that is the global batch of BATCH * dp rows
+        trainer.args.per_device_eval_batch_size = BATCH * args.dp
+        out["eval"]["eval_mean_token_accuracy"] = trainer.evaluate()["eval_mean_token_accuracy"]
     trainer.save_model(os.path.join(args.dir, name, "final"))
     return out
 

@@ -195,5 +195,7 @@ def test_resume_from_a_one_process_checkpoint_is_refused(results):
 
 
 def test_pipeline_sizes_are_refused(results):
-    message = refusal(results, "dp2_tp2", "pipeline_sizes")
-    assert "pipeline" in message and "pp=2" in message and "tp_size" in message
+    message = refusal(results, "dp2_tp2", "pipeline_sizes")  # tp=2 alone on 4 processes
+    assert "does not match num_processes (4)" in message and "tp_size" in message
+    message = results[0]["dp2_tp2"]["pipeline_sizes"]["refused_pp"]  # pipeline stages asked for
+    assert message and "pipeline" in message and "pp=2" in message and "tp_size" in message
