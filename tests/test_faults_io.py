@@ -314,12 +314,14 @@ def test_hooks_on_a_swapped_linear_are_refused(kind):
     taco_accel.parallelize(model, compression=None)
 
 
-def test_a_model_on_the_meta_device_says_to_load_weights():
+def test_a_model_on_the_meta_device_says_to_load_weights(tmp_path):
     with torch.device("meta"):
         model = tiny_model("qwen2")
     taco_accel.parallelize(model, compression=None)
     with pytest.raises(ValueError, match=r"parameters are on the meta device.*taco_accel.from_pretrained"):
         model(torch.tensor([[1, 2, 3]]))
+    with pytest.raises(ValueError, match=r"model.embed_tokens.weight is on the meta device .* load or initialise"):
+        taco_accel.save_pretrained(model, tmp_path)
 
 
 @pytest.mark.parametrize("max_norm,kind", [(float("nan"), ValueError), (-1.0, ValueError), ("1.0", TypeError),

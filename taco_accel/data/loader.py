@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import DataError
+from ..errors import CheckpointError, DataError
 
 logger = logging.getLogger(__name__)
 
@@ -344,9 +344,14 @@ class PackedBatches:
         return {"step": self.step, "seed": self.seed, "global_batch": self.global_batch, "seq_len": self.seq_len}
 
     def load_state_dict(self, state: dict) -> None:
+        """The position of a checkpoint; its seed, global batch and window length must be this
+        run's (a `CheckpointError` names the one that differs): the position counts global
+        batches, so a run resumed on another mesh keeps micro-batch size x micro-batches x dp."""
         for key in ("seed", "global_batch", "seq_len"):
             if state[key] != getattr(self, key):
-                raise ValueError(f"the checkpoint's data {key}={state[key]} differs from this run's {getattr(self, key)}")
+                raise CheckpointError(
+                    f"the checkpoint's data {key}={state[key]} differs from this run's {getattr(self, key)}: resume "
+                    "with the same --seed, --seq-len and global batch (micro-batch size x micro-batches x dp)")
         self.step = state["step"]
 
 

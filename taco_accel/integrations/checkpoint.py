@@ -125,6 +125,9 @@ def save(folder: str | os.PathLike, state: TrainingState, mesh, dims: ParallelDi
     for k, values in enumerate(weights):
         layout = layouts[owner.get(id(values), k)]
         for key, value in values.items():
+            if value.is_meta:
+                raise CheckpointError(f"{key} is on the meta device (a shape without values): load or initialise "
+                                      "the weights before saving (taco_accel.from_pretrained reads them)")
             entries[f"model.{k}.{key}"] = _blocks(value, *layout.get(key, (None, 0)))
     names = _parameter_names(state.parts)
     for j, opt in enumerate(state.optimizers):
@@ -545,7 +548,7 @@ class _HashingFile:
 
     def write(self, data) -> int:
         self.digest.update(data)
-        self.size += len(memoryview(data).cast("B"))
+        self.size += memoryview(data).nbytes
         return self.f.write(data)
 
     def __getattr__(self, name: str):  # tell, flush, fileno, ...

@@ -148,13 +148,17 @@ class ParallelDims:
         if pp is None:
             pp, rest = divmod(world_size, dp * tp)
             if rest or pp < 1:
-                raise ValueError(f"dp={dp} x tp={tp} does not divide the world size {world_size}")
+                raise ConfigError(f"dp={dp} x tp={tp} does not divide the world size {world_size}: choose sizes whose "
+                                  "product divides the number of processes (--tp/--dp/--pp, or the launch config's "
+                                  "parallelism_config)")
             if pp > 1:
                 logger.info("the parallelism config covers %d of %d processes: pp=%d takes the rest", dp * tp, world_size, pp)
         if dp is None:
             dp, rest = divmod(world_size, pp * tp)
             if rest or dp < 1:
-                raise ValueError(f"pp={pp} x tp={tp} does not divide the world size {world_size}")
+                raise ConfigError(f"pp={pp} x tp={tp} does not divide the world size {world_size}: choose sizes whose "
+                                  "product divides the number of processes (--tp/--dp/--pp, or the launch config's "
+                                  "parallelism_config)")
         dims = cls(pp=pp, dp=dp, tp=tp, dp_mode=dp_mode or "ddp")
         if dims.world_size != world_size:
             raise ValueError(
