@@ -15,7 +15,6 @@ import io
 import json
 import os
 import pickle
-import time
 from pathlib import Path
 
 import pytest
@@ -116,13 +115,37 @@ def test_a_damaged_latest_is_skipped_for_the_one_before(tmp_path, caplog, damage
     elif damage == "symlink":
         (tmp_path / "elsewhere.bin").write_bytes(bytes(data))  # the right bytes, outside the folder
         shard.symlink_to(tmp_path / "elsewhere.bin")
-    start = time.monotonic()
     with caplog.at_level("WARNING"):
-        assert ckpt.latest(tmp_path) == tmp_path / "step_1"
-    assert time.monotonic() - start < 30  # bounded: nothing waited on the FIFO or read /dev/zero
+        assert _returns(lambda: ckpt.latest(tmp_path)) == tmp_path / "step_1"
     assert "step_2" in caplog.text and shard.name in caplog.text  # the warning names the file
     with pytest.raises(CheckpointError, match=rf"{shard.name}: "):
         ckpt.verify(tmp_path / "step_2")
+
+
+def _bounded(call, limit_s: float = FAST_S) -> dict:
+    """`_outcome` of ``call()``, run in a daemon thread: a call that blocks (a FIFO opened, a
+    device read) fails the test instead of hanging it."""
+    import threading
+
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(outcome=_outcome(call)), daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    assert not thread.is_alive(), "blocked (a FIFO opened, or a device read)"
+    return box["outcome"]
+
+
+def _returns(call):
+    outcome = _bounded(call)
+    assert outcome["type"] is None, outcome
+    return outcome["value"]
+
+
+def _raises(call, kind: str, pattern: str) -> None:
+    import re
+
+    outcome = _bounded(call)
+    assert outcome["type"] == kind and re.search(pattern, outcome["message"]), outcome
 
 
 def _edit_record(folder: Path, **changes) -> None:
@@ -194,7 +217,7 @@ def test_dcp_metadata_pointing_outside_the_record_is_refused(tmp_path):
     ("fifo", r"not a regular file"),
     ("missing", r"holds no complete checkpoint \(no taco_checkpoint.json\)"),
     ("old_format", r"written by an older taco_accel \(checkpoint format 1\)"),
-])
+], ids=["truncate", "nested", "fifo", "missing", "old_format"])
 def test_a_bad_commit_record_is_a_clear_error(tmp_path, damage, message):
     _save(tmp_path, 1.0)
     path = tmp_path / ckpt.COMMIT
@@ -208,8 +231,7 @@ def test_a_bad_commit_record_is_a_clear_error(tmp_path, damage, message):
         os.mkfifo(path)
     elif damage == "old_format":
         (tmp_path / "meta.json").write_text(json.dumps({"format": "taco_accel-checkpoint", "version": 1}))
-    with pytest.raises(CheckpointError, match=message):
-        ckpt.verify(tmp_path)
+    _raises(lambda: ckpt.verify(tmp_path), "CheckpointError", message)
 
 
 # -- data files and caches -----------------------------------------------------------------------
@@ -221,7 +243,7 @@ def test_a_bad_commit_record_is_a_clear_error(tmp_path, damage, message):
     ("corrupt.parquet", r"corrupt.parquet: not a readable parquet file"),
     ("nested.json", r"nested.json: JSON nested too deeply"),
     ("nested.jsonl", r"nested.jsonl:2: JSON nested too deeply"),
-])
+], ids=["binary", "latin1", "folder_with_weights", "corrupt_parquet", "nested_json", "nested_jsonl"])
 def test_unreadable_data_files_name_the_file(tmp_path, case, message):
     from taco_accel.data import load_texts
 
@@ -284,8 +306,7 @@ def test_from_pretrained_reads_only_its_folder(tmp_path, case):
         target.unlink()
         os.mkfifo(target)
         message = r"is not a regular file \(a FIFO"
-    with pytest.raises(CheckpointError, match=message):
-        taco_accel.from_pretrained(folder, compression=None)
+    _raises(lambda: taco_accel.from_pretrained(folder, compression=None), "CheckpointError", message)
 
 
 # -- what parallelize and the step take ----------------------------------------------------------
@@ -549,7 +570,7 @@ def test_save_state_keeps_the_users_files_and_runs_accelerates_hooks(ranks):
     ("cli_tp", "tp=3 does not divide the world size 2"),
     ("cli_compression", "argument --compression: 'maybe': use auto, on, off or a JSON settings file"),
     ("cli_data", "missing.jsonl': no such file or folder"),
-])
+], ids=["tp_3_on_2", "compression_maybe", "missing_data"])
 def test_a_command_line_error_is_one_line_once_with_status_2(ranks, case, message):
     first, other = ranks[0][case], ranks[1][case]
     assert first["code"] == 2 and other["code"] == 2
