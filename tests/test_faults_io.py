@@ -424,6 +424,12 @@ def _ranks(root: str, data: str) -> dict:
         out["enospc"] = _outcome(lambda: _save(root_path / "run0", 5.0))
     finally:
         torch.save = real_save
+    real_replace = os.replace  # the commit record's rename, on rank 0: the disk fills up at the last moment
+    os.replace = (lambda *a, **k: full_disk()) if rank == 0 else real_replace
+    try:
+        out["enospc_commit"] = _outcome(lambda: _save(root_path / "run0", 6.0))
+    finally:
+        os.replace = real_replace
     out["enospc_after"] = _outcome(lambda: (_values(root_path / "run0"),
                                             sorted(p.name for p in (root_path / "run0").iterdir())))
     # the same model built on every rank from a config that save_pretrained marked on rank 0 only
@@ -532,6 +538,7 @@ def test_ranks_that_name_different_checkpoints_raise_on_every_rank(ranks):
 
 def test_a_full_disk_on_one_rank_fails_the_save_everywhere_and_keeps_the_old_one(ranks):
     _every_rank(ranks, "enospc", "CheckpointError", "rank 1: no space left on the device", "is unchanged")
+    _every_rank(ranks, "enospc_commit", "CheckpointError", "committing the checkpoint", "no space left on the device")
     value, files = _every_rank(ranks, "enospc_after", None)[0]
     assert value == 0.0 and len([f for f in files if f.startswith("taco_state-")]) == 1  # no leftover
 

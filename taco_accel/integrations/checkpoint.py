@@ -156,15 +156,7 @@ def write(folder: str | os.PathLike, entries: dict[str, object], record: dict | 
     data = folder / f"taco_state-{token}"
     lock = None
     try:
-        if _rank() == 0:
-            try:
-                lock = _start(folder, data)
-                problem = None
-            except Exception as e:  # every rank must hear of it, or the others wait in the save
-                problem = f"cannot write a checkpoint into {folder}: {e}"
-        problem = _broadcast(problem if _rank() == 0 else None)
-        if problem:
-            raise CheckpointError(problem)
+        lock = _on_rank0(lambda: _start(folder, data), f"cannot write a checkpoint into {folder}")
         writer = _Writer(data)
         try:
             with _single_process_quiet():
@@ -173,21 +165,35 @@ def write(folder: str | os.PathLike, entries: dict[str, object], record: dict | 
             raise CheckpointError(f"saving the checkpoint {folder} failed ({_cause(e)}); the checkpoint that was "
                                   "there (if any) is unchanged") from e
         reports = _all_gather({f"{data.name}/{name}": entry for name, entry in writer.fs.written.items()})
-        if _rank() == 0:
-            files = {name: entry for report in reports for name, entry in report.items()}
-            _commit(folder, data, {"format": FORMAT, "version": VERSION, "save": token, **(record or {}),
-                                   "data": data.name, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                                   "files": dict(sorted(files.items()))})
-            logger.info("saved checkpoint %s", folder)
+        files = {name: entry for report in reports for name, entry in report.items()}
+        commit = {"format": FORMAT, "version": VERSION, "save": token, **(record or {}), "data": data.name,
+                  "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": dict(sorted(files.items()))}
+        _on_rank0(lambda: _commit(folder, data, commit), f"committing the checkpoint {folder} failed")
     except BaseException:
-        if lock is not None:
+        if lock is not None and _referenced(folder) != data.name:
             shutil.rmtree(data, ignore_errors=True)  # our own temporary, never another writer's
         raise
     finally:
         if lock is not None:
             lock.close()  # releases the flock
-    _barrier()
+    if _rank() == 0:
+        logger.info("saved checkpoint %s", folder)
     return folder
+
+
+def _on_rank0(fn, what: str):
+    """``fn()`` on rank 0 (its value there, None elsewhere); if it fails, a `CheckpointError` on
+    every rank (the others would otherwise wait in the next collective)."""
+    value, problem = None, None
+    if _rank() == 0:
+        try:
+            value = fn()
+        except Exception as e:  # noqa: BLE001 - told to every rank
+            problem = f"{what}: {_cause(e)}"
+    problem = _broadcast(problem)
+    if problem:
+        raise CheckpointError(problem)
+    return value
 
 
 def _start(folder: Path, data: Path):
@@ -195,9 +201,13 @@ def _start(folder: Path, data: Path):
     delete data folders that killed saves left (unreferenced, lock free). Rank 0."""
     folder.mkdir(parents=True, exist_ok=True)
     data.mkdir()
-    lock = open(data / LOCK, "w")
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    _delete_stale(folder, keep=data.name)
+    try:
+        lock = open(data / LOCK, "w")
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _delete_stale(folder, keep=data.name)
+    except BaseException:
+        shutil.rmtree(data, ignore_errors=True)
+        raise
     return lock
 
 
@@ -927,11 +937,6 @@ def _all_gather(value) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _fsync_dir(path: Path) -> None:
