@@ -467,8 +467,10 @@ class Accelerator(_AccelerateAccelerator):
         complete checkpoint (a damaged one is skipped with a warning). Hooks of
         `register_load_state_pre_hook` run first, as in Accelerate: ``hook(models, input_dir)``;
         models the hook removes from the list are not loaded (it restored them itself).
-        ``load_kwargs`` and ``map_location`` are accepted as in Accelerate: every value goes to
-        the device of what it restores. A collective; every rank must name the same checkpoint."""
+        ``strict=False`` (as Accelerate passes it to ``load_state_dict``) leaves the model
+        entries the checkpoint lacks as they are; ``map_location`` and ``load_kwargs`` (torch.load's)
+        are accepted: every value goes to the device of what it restores, read with
+        ``weights_only=True``. A collective; every rank must name the same checkpoint."""
         if input_dir is None:
             if not self.project_configuration.automatic_checkpoint_naming:
                 raise ValueError("load_state(None) needs ProjectConfiguration(automatic_checkpoint_naming=True); "
@@ -477,6 +479,7 @@ class Accelerator(_AccelerateAccelerator):
             if input_dir is None:
                 raise ValueError(f"no complete checkpoint under {Path(self.project_dir) / 'checkpoints'}")
         input_dir = Path(os.path.expanduser(input_dir))
+        strict = load_model_func_kwargs.pop("strict", True)
         unused = sorted(set(load_model_func_kwargs) - {"map_location"})
         if unused and self.is_main_process:
             logger.warning("load_state ignores %s: Accelerate passes them to DeepSpeed's load_checkpoint, which "
@@ -485,7 +488,8 @@ class Accelerator(_AccelerateAccelerator):
         for hook in self._load_model_state_pre_hook.values():
             hook(models, str(input_dir))
         keep = [i for i, (model, _) in enumerate(self._parts) if any(model is m for m in models)]
-        record = ckpt.load(input_dir, ckpt.TrainingState.of(self), self._taco_mesh, self.parallel_dims, models=keep)
+        record = ckpt.load(input_dir, ckpt.TrainingState.of(self), self._taco_mesh, self.parallel_dims, models=keep,
+                           strict=strict)
         self._taco_run = record.get("run") or getattr(self, "_taco_run", None)
 
     def _run_identity(self) -> str:

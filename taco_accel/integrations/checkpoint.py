@@ -273,10 +273,11 @@ def model_weights(parts: ModelParts) -> dict[str, torch.Tensor]:
 
 # -- loading ------------------------------------------------------------------------------------
 def load(folder: str | os.PathLike, state: TrainingState, mesh, dims: ParallelDims,
-         models: list[int] | None = None) -> dict:
+         models: list[int] | None = None, strict: bool = True) -> dict:
     """Restore ``state`` from ``folder`` (a collective); returns its commit record.
     ``models``: the indices of the models to restore, the k-th from ``model.<k>`` (default: all;
-    a load hook may have restored some itself)."""
+    a load hook may have restored some itself). ``strict=False``: model entries the checkpoint
+    lacks keep their values (a shape that differs still raises)."""
     folder = Path(folder)
     record, reader, known = open_checkpoint(folder)
     names = _parameter_names(state.parts)
@@ -288,6 +289,8 @@ def load(folder: str | os.PathLike, state: TrainingState, mesh, dims: ParallelDi
         extra: dict[str, object] = {}  # where the non-tensor values go
         for k, i in enumerate(models):
             for key, value in model_weights(state.parts[i]).items():
+                if not strict and f"model.{k}.{key}" not in known:
+                    continue
                 _expect(known, f"model.{k}.{key}", value, layouts[i].get(key), folder)
                 entries[f"model.{k}.{key}"] = _blocks(value, *layouts[i].get(key, (None, 0)))
         for j, opt in enumerate(state.optimizers):
