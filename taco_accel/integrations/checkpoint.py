@@ -386,8 +386,7 @@ def read_record(folder: Path) -> dict:
     try:
         text = _read_regular(path, MAX_RECORD_BYTES)
     except FileNotFoundError:
-        old = folder / "meta.json"
-        if old.is_file() and not old.is_symlink() and '"taco_accel-checkpoint"' in old.read_text(errors="replace")[:4096]:
+        if '"taco_accel-checkpoint"' in _head(folder / "meta.json"):
             raise CheckpointError(f"{folder} was written by an older taco_accel (checkpoint format 1), which this "
                                   "version does not read: resume it with the version that wrote it, or start anew") from None
         raise CheckpointError(f"{folder} holds no complete checkpoint (no {COMMIT}): not a checkpoint folder, or its "
@@ -848,29 +847,47 @@ def _check(path: Path, expected: dict, hash_it: bool = True) -> str | None:
         return "not a regular file (a symlink, FIFO, device or folder); a checkpoint holds plain files only"
     if st.st_size != expected["bytes"]:
         return f"{st.st_size} bytes, {COMMIT} says {expected['bytes']} (truncated or replaced)"
-    if hash_it and _sha256(path, expected["bytes"]) != expected["sha256"]:
-        return "checksum mismatch (the file changed after it was written)"
+    try:
+        if hash_it and _sha256(path, expected["bytes"]) != expected["sha256"]:
+            return "checksum mismatch (the file changed after it was written)"
+    except OSError as e:  # replaced since the stat
+        return str(e.strerror or e)
     return None
 
 
-def _read_regular(path: Path, limit: int) -> str:
-    """The text of a regular file of at most ``limit`` bytes (never opens a FIFO or device)."""
-    st = os.lstat(path)
-    if not stat.S_ISREG(st.st_mode):
+def _open_regular(path: Path):
+    """``path`` opened for reading if it is a regular file (not a symlink, FIFO, device or
+    folder: opening a FIFO would wait for a writer, a device never end), else an OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # O_NOFOLLOW: a symlink fails here
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
         raise OSError(errno.EINVAL, "not a regular file (a symlink, FIFO, device or folder)", str(path))
-    if st.st_size > limit:
-        raise OSError(errno.EFBIG, f"{st.st_size} bytes, more than a record's {limit}", str(path))
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as f:
+    return f
+
+
+def _read_regular(path: Path, limit: int) -> str:
+    """The text of a regular file of at most ``limit`` bytes."""
+    with _open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise OSError(errno.EFBIG, f"{size} bytes, more than a record's {limit}", str(path))
         return f.read(limit + 1).decode("utf-8", errors="replace")
 
 
+def _head(path: Path, size: int = 4096) -> str:
+    """The first ``size`` bytes of a regular file as text ("" for anything else)."""
+    try:
+        with _open_regular(path) as f:
+            return f.read(size).decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
 def _sha256(path: Path, size: int) -> str:
+    """The sha256 of a regular file's first ``size + 1`` bytes (the listed size and one more)."""
     digest = hashlib.sha256()
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            return "not a regular file"
+    with _open_regular(path) as f:
         left = size + 1
         for block in iter(lambda: f.read(min(1 << 24, left)), b""):
             digest.update(block)

@@ -358,7 +358,8 @@ class InputIdsCheck:
         size = self._size()
         if size == 1 or ids.device.type == "meta" or torch.compiler.is_compiling():
             return
-        mine = torch.tensor(list(ids.shape[:2]) + [1] * (2 - min(ids.dim(), 2)), device=ids.device)
+        mine = torch.empty(2, dtype=torch.long, device=ids.device)
+        mine[0], mine[1] = list(ids.shape[:2]) + [1] * (2 - min(ids.dim(), 2))  # fills: no copy, no host sync
         every = [torch.empty_like(mine) for _ in range(size)]
         dist.all_gather(every, mine, group=self.group)
         if ids.device.type != "cpu":
