@@ -35,8 +35,8 @@ What differs from ``accelerate.Accelerator``, and why:
   or the step (as Accelerate's XLA path does), so ``accumulate`` / ``no_sync`` need no
   communication; ``clip_grad_norm_`` returns the norm of the whole model over every shard.
 - ``gather`` / ``gather_for_metrics`` / ``reduce`` run over the dp ranks; ``save_state`` /
-  ``load_state`` write and read taco_accel's sharded checkpoint (every rank's shard, atomic,
-  checksummed); ``save_model`` / ``get_state_dict`` gather the full model: a plain
+  ``load_state`` write and read taco_accel's checkpoint (every rank's shards, atomic,
+  checksummed, resumable on another mesh; the folder's other files untouched); ``save_model`` / ``get_state_dict`` gather the full model: a plain
   transformers checkpoint. ``compression_stats()`` gives the TACO byte counts for ``log``.
 - A step scheduler prepared here steps once per dp replica (Accelerate steps it once per
   process: the DataLoader is dp, not world, times shorter).
