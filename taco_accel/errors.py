@@ -37,3 +37,17 @@ class CollectiveTimeout(TacoError, RuntimeError):
 
 class CheckpointError(TacoError, ValueError):
     """A checkpoint folder is incomplete, damaged, or does not fit this run."""
+
+
+class ConfigError(TacoError, ValueError):
+    """A setting (an argument, an environment variable, a launch config entry) holds a value
+    the library cannot use; the message quotes it and names the valid ones."""
+
+
+class DataError(TacoError, ValueError):
+    """A data file cannot be read as training data (binary, not UTF-8, malformed, corrupt); the
+    message names the file (and line) and what to pass instead."""
+
+
+class OutputExistsError(TacoError, FileExistsError):
+    """A new run would overwrite what a previous run left in its output folder."""

@@ -100,7 +100,7 @@ def test_save_state_resume_repeats_the_losses(run):
         pytest.skip(f"{name} runs parity only")
     r = result["resume"]
     assert r["resumed"] == r["straight"][3:]  # steps 4-6, bit for bit
-    assert "meta.json" in r["files"] and "state.pt" in r["files"]
+    assert "taco_checkpoint.json" in r["files"]
 
 
 def test_gather_for_metrics_covers_the_set_once(run):

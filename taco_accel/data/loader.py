@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import CheckpointError, DataError
+
 logger = logging.getLogger(__name__)
 
 
@@ -71,19 +73,27 @@ def where(records: list, index: int) -> str:
     return records.where(index) if isinstance(records, Records) else f"record {index}"
 
 
+def _json(text: str, path: str, line: int | None = None):
+    """``json.loads(text)`` (a whole file, or its ``line``), or a DataError naming the file, the
+    line and the problem."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise DataError(f"{path}:{line or error.lineno}: not valid JSON ({error.msg}, column {error.colno})") from None
+    except RecursionError:
+        raise DataError(f"{path}{f':{line}' if line else ''}: JSON nested too deeply to be a record") from None
+
+
 def _read_jsonl(path: str) -> Records:
     rows, lines = [], array("q")
     with open(path, encoding="utf-8-sig") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{number}: not valid JSON ({error.msg}, column {error.colno})") from None
+            row = _json(line, path, number)
             if not isinstance(row, dict):
-                raise ValueError(f"{path}:{number}: expected a JSON object {{...}} per line, "
-                                 f"got a {type(row).__name__}")
+                raise DataError(f"{path}:{number}: expected a JSON object {{...}} per line, "
+                                f"got a {type(row).__name__}")
             rows.append(row)
             lines.append(number)
     return Records(rows, (path, "line"), lines)
@@ -91,39 +101,66 @@ def _read_jsonl(path: str) -> Records:
 
 def read_records(path: str, columns: list[str] | None = None) -> Records:
     """The records of one local file: .jsonl / .json (a list or one object) / .parquet (only
-    ``columns`` if given); any other file is one ``{"text": contents}`` record. Malformed
-    files raise a ValueError that names the file and the line."""
+    ``columns`` if given); any other file is one ``{"text": contents}`` record, and must be
+    UTF-8 text. Malformed, binary or corrupt files raise a `DataError` that names the file
+    (and the line)."""
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: not a regular file (a FIFO, device or folder); pass data files")
     try:
         if path.endswith(".jsonl"):
             return _read_jsonl(path)
         if path.endswith(".json"):
             with open(path, encoding="utf-8-sig") as f:
-                try:
-                    rows = json.load(f)
-                except json.JSONDecodeError as error:
-                    at = f"{path}:{error.lineno}"
-                    raise ValueError(f"{at}: not valid JSON ({error.msg}, column {error.colno})") from None
+                rows = _json(f.read(), path)
             rows = rows if isinstance(rows, list) else [rows]
             bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
             if bad is not None:
-                raise ValueError(f"{path} (item {bad}): expected a JSON object {{...}}, "
-                                 f"got a {type(rows[bad]).__name__}")
+                raise DataError(f"{path} (item {bad}): expected a JSON object {{...}}, "
+                                f"got a {type(rows[bad]).__name__}")
             return Records(rows, (path, "item"))
     except UnicodeDecodeError as error:
-        raise ValueError(f"{path}: not UTF-8 text (byte {error.start}: {error.reason})") from None
+        raise DataError(f"{path}: not UTF-8 text (byte {error.start}: {error.reason})") from None
     if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
+        return _read_parquet(path, columns)
+    return Records([{"text": _read_text(path)}], (path, "file"))
 
+
+def _read_parquet(path: str, columns: list[str] | None) -> Records:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
         names = pq.read_schema(path).names
         missing = [c for c in columns or () if c not in names]
         if missing:
-            raise ValueError(f"{path}: no column {missing} in a file with columns {names}")
+            raise DataError(f"{path}: no column {missing} in a file with columns {names}")
         return Records(pq.read_table(path, columns=columns).to_pylist(), (path, "row"))
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return Records([{"text": f.read()}], (path, "file"))
+    except (pa.ArrowException, OSError) as error:
+        raise DataError(f"{path}: not a readable parquet file ({error}); replace it or leave it out") from None
+
+
+def _read_text(path: str) -> str:
+    """A plain-text file's contents: UTF-8 (a BOM is dropped), no NUL bytes, else a DataError."""
+    with open(path, "rb") as f:
+        data = f.read()
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        raise DataError(f"{path}: a binary file (NUL byte at {nul}), not text; pass only the data files (e.g. a "
+                        "glob like folder/*.txt)")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise DataError(f"{path}: not UTF-8 text (byte {error.start}: {error.reason}); convert it to UTF-8 or "
+                        "leave it out") from None
 
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
+
+
+def looks_local(source: str) -> bool:
+    """Whether ``source`` names a local path (a data suffix, or a leading ``.``, ``/`` or ``~``)
+    rather than a datasets name."""
+    return source.endswith(DATA_SUFFIXES) or source.startswith((".", "/", "~")) or os.path.isdir(source)
 
 
 def load_records(source: str, *, split: str = "train", columns: list[str] | None = None) -> Records:
@@ -131,14 +168,14 @@ def load_records(source: str, *, split: str = "train", columns: list[str] | None
     text) or a datasets name ``"name"`` / ``"name:config"`` (from the local datasets cache)."""
     source = os.path.expanduser(source)
     files = sorted(glob.glob(os.path.join(source, "*"))) if os.path.isdir(source) else sorted(glob.glob(source))
+    files = [f for f in files if not os.path.basename(f).startswith(".") and not os.path.isdir(f)]
     if files:
         records = Records()
         for f in files:
-            if os.path.isfile(f):
-                records.extend_from(read_records(f, columns))
+            records.extend_from(read_records(f, columns))
         return records
-    if os.path.isdir(source) or source.endswith(DATA_SUFFIXES) or source.startswith((".", "/", "~")):
-        raise ValueError(f"data source {source!r}: no such file (or an empty folder / a glob that matches nothing)")
+    if looks_local(source):
+        raise DataError(f"data source {source!r}: no such file (or an empty folder / a glob that matches nothing)")
     try:
         import datasets
     except ImportError:
@@ -194,14 +231,17 @@ def tokenize(docs: list[str], tokenizer, cache_dir: str | os.PathLike | None = N
     if eos is None:
         raise ValueError("the tokenizer has no EOS token (eos_token_id is None): documents are joined with EOS; "
                          "set tokenizer.eos_token")
-    digest = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode() if hasattr(tokenizer, "backend_tokenizer") else repr(tokenizer).encode())
+    from .tokenizer import tokenizer_digest
+
+    digest = hashlib.sha256(tokenizer_digest(tokenizer).encode())
     for d in docs:  # each length first: ["ab", "c"] and ["a", "bc"] have other EOS positions
         text = d.encode("utf-8", "replace")
         digest.update(len(text).to_bytes(8, "little"))
         digest.update(text)
     path = Path(cache_dir) / f"tokens-{digest.hexdigest()[:16]}.pt" if cache_dir else None
-    if path is not None and path.exists():
-        return torch.load(path)
+    cached = _read_token_cache(path) if path is not None else None
+    if cached is not None:
+        return cached
     ids: list[int] = []
     for enc in tokenizer(docs, add_special_tokens=False)["input_ids"]:
         ids.extend(enc)
@@ -212,6 +252,23 @@ def tokenize(docs: list[str], tokenizer, cache_dir: str | os.PathLike | None = N
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         torch.save(tokens, tmp)
         os.replace(tmp, path)
+    return tokens
+
+
+def _read_token_cache(path: Path) -> torch.Tensor | None:
+    """The cached token stream at ``path`` (read without running pickled code), or None when
+    there is none or it is damaged (then it is made again, with a warning)."""
+    if not path.is_file():
+        return None
+    try:
+        tokens = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # truncated, or not a file this code wrote
+        logger.warning("the token cache %s is damaged (%s); tokenizing the text again", path,
+                       str(error).splitlines()[0] if str(error) else type(error).__name__)
+        return None
+    if not (isinstance(tokens, torch.Tensor) and tokens.dtype == torch.int32 and tokens.dim() == 1):
+        logger.warning("the token cache %s holds no token stream; tokenizing the text again", path)
+        return None
     return tokens
 
 
@@ -287,9 +344,14 @@ class PackedBatches:
         return {"step": self.step, "seed": self.seed, "global_batch": self.global_batch, "seq_len": self.seq_len}
 
     def load_state_dict(self, state: dict) -> None:
+        """The position of a checkpoint; its seed, global batch and window length must be this
+        run's (a `CheckpointError` names the one that differs): the position counts global
+        batches, so a run resumed on another mesh keeps micro-batch size x micro-batches x dp."""
         for key in ("seed", "global_batch", "seq_len"):
             if state[key] != getattr(self, key):
-                raise ValueError(f"the checkpoint's data {key}={state[key]} differs from this run's {getattr(self, key)}")
+                raise CheckpointError(
+                    f"the checkpoint's data {key}={state[key]} differs from this run's {getattr(self, key)}: resume "
+                    "with the same --seed, --seq-len and global batch (micro-batch size x micro-batches x dp)")
         self.step = state["step"]
 
 

@@ -20,6 +20,14 @@ logger = logging.getLogger(__name__)
 EOS = "<|endoftext|>"
 
 
+def tokenizer_digest(tokenizer) -> str:
+    """A sha256 of what decides the token ids: the backend tokenizer's whole serialisation
+    (vocabulary, merges, normalisation, special tokens) for a fast tokenizer, else its repr."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else repr(tokenizer)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("TACO_CACHE", Path.home() / ".cache" / "taco_accel"))
 
@@ -64,8 +72,11 @@ def build_tokenizer(spec: str, texts: Iterable[str] | None = None, cache_dir: st
         path = Path(cache_dir or default_cache_dir()) / f"bpe{vocab_size}-{digest.hexdigest()[:16]}.json"
         from tokenizers import Tokenizer
 
-        if path.exists():
-            return _wrap(Tokenizer.from_file(str(path)))
+        if path.is_file():
+            try:
+                return _wrap(Tokenizer.from_file(str(path)))
+            except Exception as error:  # a truncated or foreign file: a cache, made again
+                logger.warning("the tokenizer cache %s is damaged (%s); training it again", path, error)
         tok = _train_bpe(texts, vocab_size)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")

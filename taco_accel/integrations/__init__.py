@@ -2,7 +2,7 @@
 
 The only layer that knows Accelerate and peft: `Accelerator` (``accelerate.Accelerator`` for
 TACO tensor-parallel models: the mesh, ``prepare``, gradient reduction and clipping over the
-mesh, sharded ``save_state`` / ``load_state``), the pretraining `Trainer` / `TrainConfig` and
+mesh, reshardable ``save_state`` / ``load_state``), the pretraining `Trainer` / `TrainConfig` and
 the fine-tuning `Finetuner` / `FinetuneConfig` built on it, the final transformers export;
 peft LoRA on the parallel layers (`get_peft_model`, `save_adapter`, `load_adapter`,
 `export_merged`); `taco_trainer`, transformers' ``Trainer`` (and TRL's trainers) on `Accelerator`.

@@ -35,8 +35,8 @@ What differs from ``accelerate.Accelerator``, and why:
   or the step (as Accelerate's XLA path does), so ``accumulate`` / ``no_sync`` need no
   communication; ``clip_grad_norm_`` returns the norm of the whole model over every shard.
 - ``gather`` / ``gather_for_metrics`` / ``reduce`` run over the dp ranks; ``save_state`` /
-  ``load_state`` write and read taco_accel's sharded checkpoint (every rank's shard, atomic,
-  checksummed); ``save_model`` / ``get_state_dict`` gather the full model: a plain
+  ``load_state`` write and read taco_accel's checkpoint (every rank's shards, atomic,
+  checksummed, resumable on another mesh; the folder's other files untouched); ``save_model`` / ``get_state_dict`` gather the full model: a plain
   transformers checkpoint. ``compression_stats()`` gives the TACO byte counts for ``log``.
 - **num_processes** is the number of data-parallel replicas and ``process_index`` this
   process's replica (the tensor- and pipeline-parallel ranks of a replica count once):
@@ -504,30 +504,45 @@ class Accelerator(_AccelerateAccelerator):
 
         save_pretrained(target, save_directory, max_shard_size=max_shard_size)
 
-    def register_save_state_pre_hook(self, hook):
-        raise NotImplementedError("taco_accel.Accelerator writes sharded checkpoints itself; save extra state with "
-                                  "register_for_checkpointing(obj) (an object with state_dict / load_state_dict)")
-
-    def register_load_state_pre_hook(self, hook):
-        raise NotImplementedError("taco_accel.Accelerator reads sharded checkpoints itself; restore extra state "
-                                  "with register_for_checkpointing(obj)")
-
     def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True,
-                   **kwargs) -> Path:
+                   **save_model_func_kwargs) -> Path:
         """Every rank's shard of the models, optimizers, schedulers, the gradient scaler, DataLoader
-        positions, RNG states and registered objects, written atomically into ``output_dir``
-        (see `checkpoint`); with ``ProjectConfiguration(automatic_checkpoint_naming=True)``,
-        ``project_dir/checkpoints/checkpoint_<i>``. A collective."""
+        positions, RNG states and registered objects, written atomically into ``output_dir`` as
+        one reshardable checkpoint (see `checkpoint`: it resumes on another mesh too); other files
+        in the folder stay as they are. With ``ProjectConfiguration(automatic_checkpoint_naming=True)``:
+        ``project_dir/checkpoints/checkpoint_<i>``. Hooks of `register_save_state_pre_hook` run
+        first, as in Accelerate: ``hook(models, weights, output_dir)``, where ``weights[i]`` is
+        this rank's state dict of model i (its shards); entries or whole models the hook removes
+        are not saved. ``safe_serialization``: accepted as in Accelerate; the checkpoint is read
+        back without running pickled code either way (the full model as safetensors is
+        `save_model`). ``save_model_func_kwargs`` are DeepSpeed's in Accelerate: none applies
+        here (a warning names them). A collective; returns the folder."""
+        if not isinstance(safe_serialization, bool):
+            raise TypeError(f"safe_serialization={safe_serialization!r}: pass True or False")
+        if save_model_func_kwargs and self.is_main_process:
+            logger.warning("save_state ignores %s: Accelerate passes them to DeepSpeed's save_checkpoint, which "
+                           "taco_accel does not use", sorted(save_model_func_kwargs))
         output_dir = self._save_dir(output_dir)
         state = ckpt.TrainingState.of(self)
-        folder = ckpt.save(output_dir, state, self._taco_mesh, self.parallel_dims)
+        weights = [ckpt.model_weights(parts) for parts in state.parts]
+        for hook in self._save_model_state_pre_hook.values():
+            hook([model for model, _ in self._parts], weights, str(output_dir))
+        folder = ckpt.save(output_dir, state, self._taco_mesh, self.parallel_dims, run=self._run_identity(),
+                           weights=weights)
         self.project_configuration.iteration += 1
         return folder
 
-    def load_state(self, input_dir: str | os.PathLike | None = None, **kwargs) -> None:
-        """Restore what `save_state` wrote. ``input_dir=None`` with automatic checkpoint naming:
-        the newest complete checkpoint (a corrupt newest one is skipped with a warning). A
-        collective."""
+    def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None,
+                   **load_model_func_kwargs) -> None:
+        """Restore what `save_state` wrote, from any mesh: the models' shards are read from the
+        blocks that cover them. ``input_dir=None`` with automatic checkpoint naming: the newest
+        complete checkpoint (a damaged one is skipped with a warning). Hooks of
+        `register_load_state_pre_hook` run first, as in Accelerate: ``hook(models, input_dir)``;
+        models the hook removes from the list are not loaded (it restored them itself).
+        ``strict=False`` (as Accelerate passes it to ``load_state_dict``) leaves the model
+        entries the checkpoint lacks as they are; ``map_location`` and ``load_kwargs`` (torch.load's)
+        are accepted: every value goes to the device of what it restores, read with
+        ``weights_only=True``. A collective; every rank must name the same checkpoint."""
         if input_dir is None:
             if not self.project_configuration.automatic_checkpoint_naming:
                 raise ValueError("load_state(None) needs ProjectConfiguration(automatic_checkpoint_naming=True); "
@@ -535,7 +550,25 @@ class Accelerator(_AccelerateAccelerator):
             input_dir = ckpt.latest(Path(self.project_dir) / "checkpoints", self._taco_mesh)
             if input_dir is None:
                 raise ValueError(f"no complete checkpoint under {Path(self.project_dir) / 'checkpoints'}")
-        ckpt.load(input_dir, ckpt.TrainingState.of(self), self._taco_mesh, self.parallel_dims)
+        input_dir = Path(os.path.expanduser(input_dir))
+        strict = load_model_func_kwargs.pop("strict", True)
+        unused = sorted(set(load_model_func_kwargs) - {"map_location"})
+        if unused and self.is_main_process:
+            logger.warning("load_state ignores %s: Accelerate passes them to DeepSpeed's load_checkpoint, which "
+                           "taco_accel does not use", unused)
+        models = [model for model, _ in self._parts]
+        for hook in self._load_model_state_pre_hook.values():
+            hook(models, str(input_dir))
+        keep = [i for i, (model, _) in enumerate(self._parts) if any(model is m for m in models)]
+        record = ckpt.load(input_dir, ckpt.TrainingState.of(self), self._taco_mesh, self.parallel_dims, models=keep,
+                           strict=strict)
+        self._taco_run = record.get("run") or getattr(self, "_taco_run", None)
+
+    def _run_identity(self) -> str:
+        """This run's identity, kept by its checkpoints (and taken over from the one it resumed)."""
+        if getattr(self, "_taco_run", None) is None:
+            self._taco_run = ckpt.new_run_identity()
+        return self._taco_run
 
     def _save_dir(self, output_dir) -> Path:
         config = self.project_configuration
@@ -669,6 +702,9 @@ def _with_timeout(kwargs: dict):
 
 
 def _launch_asks_for_parallelism() -> bool:
+    from ..parallel.mesh import check_size_env
+
+    check_size_env()  # Accelerate's ParallelismConfig reads them with a bare int()
     return os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true"
 
 

@@ -1,14 +1,24 @@
-"""The command line shared by the recipes: argparse -> `TrainConfig` -> `Trainer`."""
+"""The command line shared by the recipes: argparse -> `TrainConfig` -> `Trainer`.
+
+Every rank of a launch parses the same command line. A mistake in it (a bad flag value, a
+mesh the processes do not fit, a missing data file or checkpoint, a previous run in the output
+folder) is one argparse-style line, printed once (global rank 0) and left for the launcher's
+failure summary, and every rank exits with status 2 (`ArgumentParser`, `usage_errors`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import sys
 
 from ..codec import TacoConfig
+from ..errors import TacoError
 from ..parallel import SCHEDULES
+from .launch import global_rank, record_failure
 from .presets import FAMILY_PRESETS
 from .trainer import MIXED_PRECISION, TrainConfig, Trainer
 
@@ -25,36 +35,99 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for a command that every rank of a launch runs: an error is printed once, on
+    global rank 0 (usage, then ``prog: error: message`` as the last line), recorded for the
+    launcher's failure summary (`record_failure`), and every rank exits with status 2."""
+
+    def error(self, message: str):
+        if global_rank() == 0:
+            self.print_usage(sys.stderr)
+            sys.stderr.write(f"{self.prog}: error: {message}\n")
+            sys.stderr.flush()
+            record_failure(f"{self.prog}: error: {message}")
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.exit(2)
+
+
+@contextlib.contextmanager
+def usage_errors(parser: argparse.ArgumentParser):
+    """Turn what a run's settings make the library refuse while the run is built (bad values,
+    files that are missing or unreadable, a mesh the processes do not fit) into
+    ``parser.error``: one line, once, exit status 2. Errors of the training itself keep their
+    tracebacks."""
+    try:
+        yield
+    except (TacoError, ValueError, TypeError, OSError) as e:
+        logger.debug("the run's settings were refused", exc_info=True)
+        parser.error(" ".join(str(e).split()) or type(e).__name__)
+
+
 def positive_int(text: str) -> int:
-    value = int(text)
+    value = _int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not an integer >= 1")
     return value
 
 
 def non_negative_int(text: str) -> int:
-    value = int(text)
+    value = _int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} is not an integer >= 0")
     return value
 
 
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+def compression_mode(text: str) -> str:
+    """``auto``, ``on``, ``off``, or an existing JSON settings file."""
+    if text in ("auto", "on", "off") or os.path.isfile(text):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: use auto, on, off or a JSON settings file (no such file)")
+
+
+def data_source(text: str) -> str:
+    """A local path (which must exist), a glob, ``stdlib``, or a datasets name."""
+    from ..data.loader import looks_local
+
+    path = os.path.expanduser(text)
+    if looks_local(path) and not (os.path.exists(path) or any(c in path for c in "*?[")):
+        raise argparse.ArgumentTypeError(f"{text!r}: no such file or folder (a local .txt/.jsonl/.json/.parquet "
+                                         "file, a folder or glob of them, or a datasets name)")
+    return text
+
+
 def positive_float(text: str) -> float:
-    value = float(text)
+    value = _float(text)
     if not value > 0:  # also NaN
         raise argparse.ArgumentTypeError(f"{value} is not a number > 0")
     return value
 
 
 def non_negative_float(text: str) -> float:
-    value = float(text)
+    value = _float(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"{value} is not a number >= 0")
     return value
 
 
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
 def build_parser(family: str, description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+    p = ArgumentParser(description=description, formatter_class=HelpFormatter)
     m = p.add_argument_group("model")
     m.add_argument("--preset", default="tiny", choices=list(FAMILY_PRESETS[family]), help="model size")
     par = p.add_argument_group("parallelism (unset sizes: from accelerate launch's parallelism_config, TACO_PP_SIZE "
@@ -72,8 +145,8 @@ def build_parser(family: str, description: str) -> argparse.ArgumentParser:
     par.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism in TP")
     add_compression_args(p, small="nano/tiny")
     d = p.add_argument_group("data")
-    d.add_argument("--data", help="datasets name[:config], or local .txt/.jsonl/.parquet files (default: the "
-                   "shipped stdlib corpus)")
+    d.add_argument("--data", type=data_source, help="datasets name[:config], or local .txt/.jsonl/.parquet files "
+                   "(default: the shipped stdlib corpus)")
     d.add_argument("--text-field", default="text", help="record field holding the text")
     d.add_argument("--tokenizer", default="byte", help="byte, bpe:N (trained and cached), or a local tokenizer folder")
     d.add_argument("--seq-len", type=positive_int, default=128, help="tokens per training window")
@@ -108,7 +181,7 @@ def add_compression_args(p: argparse.ArgumentParser, small: str) -> None:
     """--compression, --group-size, --compression-threshold (``small``: the models that compress
     every message by default, for the help text)."""
     c = p.add_argument_group("TACO compression of the TP collectives")
-    c.add_argument("--compression", help=f"auto (each communication site compressed where timing on the real group "
+    c.add_argument("--compression", type=compression_mode, help=f"auto (each communication site compressed where timing on the real group "
                    "says it pays), on (every message), off, or a JSON settings file (TacoConfig fields, or "
                    "{'forward': {...}|null, 'backward': {...}|null, 'sites': {pattern: {...}|null}, 'auto': bool}) "
                    f"(default: auto; on for {small}, which exist to show TACO's numerics)")
@@ -176,8 +249,14 @@ def compression_from_args(args, hidden_size: int, small: bool | None = None):
         return {"forward": TacoConfig(**overrides), "backward": TacoConfig(**overrides), "auto": True}
     if not os.path.isfile(mode):
         raise ValueError(f"--compression {mode!r}: use auto, on, off or a JSON settings file")
-    with open(mode) as f:
-        values = json.load(f)
+    try:
+        with open(mode) as f:
+            values = json.load(f)
+    except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
+        raise ValueError(f"--compression {mode}: not a JSON settings file ({e})") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"--compression {mode}: expected a JSON object of TacoConfig fields, got a "
+                         f"{type(values).__name__}")
     if set(values) <= {"forward", "backward", "sites", "auto"}:
         def conf(v):
             return None if v is None else TacoConfig.from_dict({**overrides, **v})
@@ -219,13 +298,16 @@ def config_from_args(family: str, args) -> TrainConfig:
 
 def main(family: str, description: str, argv=None) -> list[dict]:
     """Parse the command line, train, return the history (on every rank)."""
-    args = build_parser(family, description).parse_args(argv)
+    parser = build_parser(family, description)
+    args = parser.parse_args(argv)
     setup_logging()
     if args.compression is None and args.preset in SMALL_PRESETS:
         logger.info("the %s preset compresses every TP message (--compression on): it exists to show TACO's "
                     "numerics; its messages are far too small for the codec to pay (--compression auto lets "
                     "timing decide)", args.preset)
-    trainer = Trainer(config_from_args(family, args))
+    with usage_errors(parser):
+        trainer = Trainer(config_from_args(family, args))
+        trainer.check_output_folder()
     history = trainer.train()
     import torch.distributed as dist
 

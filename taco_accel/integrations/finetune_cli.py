@@ -5,14 +5,15 @@ from __future__ import annotations
 import argparse
 
 from .cli import (
-    HelpFormatter, add_compression_args, add_optimisation_args, add_timeout_arg, compression_from_args,
-    mixed_precision_from_args, non_negative_int, positive_int, setup_logging, trackers_from_args,
+    ArgumentParser, HelpFormatter, add_compression_args, add_optimisation_args, add_timeout_arg, compression_from_args,
+    data_source, mixed_precision_from_args, non_negative_int, positive_int, setup_logging, trackers_from_args,
+    usage_errors,
 )
 from .finetune import DTYPES, METHODS, TINY, FinetuneConfig, Finetuner
 
 
 def build_parser(family: str, description: str, default_data: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
+    p = ArgumentParser(description=description, formatter_class=HelpFormatter)
     m = p.add_argument_group("model")
     m.add_argument("--model", default=TINY, help=f"a hub name or a local checkpoint folder; '{TINY}': a random tiny "
                    f"{family} with a byte tokenizer, written to OUTPUT_DIR/base (no network)")
@@ -31,8 +32,9 @@ def build_parser(family: str, description: str, default_data: str | None = None)
     par.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism in TP")
     add_compression_args(p, small="the tiny model")
     d = p.add_argument_group("data")
-    d.add_argument("--data", default=default_data, help="a datasets name[:config], or local .jsonl/.json/.txt/.parquet")
-    d.add_argument("--eval-data", help="held-out data (default: every 1/EVAL_FRACTION-th example of --data)")
+    d.add_argument("--data", type=data_source, default=default_data, help="a datasets name[:config], or local "
+                   ".jsonl/.json/.txt/.parquet")
+    d.add_argument("--eval-data", type=data_source, help="held-out data (default: every 1/EVAL_FRACTION-th example of --data)")
     d.add_argument("--split", default="train", help="datasets split of --data")
     d.add_argument("--eval-split", help="datasets split of the held-out data, e.g. test")
     d.add_argument("--format", default="auto", choices=("auto", "chat", "plain"),
@@ -108,9 +110,13 @@ def config_from_args(family: str, args) -> FinetuneConfig:
 
 def main(family: str, description: str, argv=None, default_data: str | None = None) -> list[dict]:
     """Parse the command line, fine-tune, export; returns the history (on every rank)."""
-    args = build_parser(family, description, default_data).parse_args(argv)
+    parser = build_parser(family, description, default_data)
+    args = parser.parse_args(argv)
     setup_logging()
-    history = Finetuner(config_from_args(family, args)).train()
+    with usage_errors(parser):
+        finetuner = Finetuner(config_from_args(family, args))
+        finetuner.check_output_folder()
+    history = finetuner.train()
     import torch.distributed as dist
 
     if dist.is_initialized():

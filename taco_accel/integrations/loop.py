@@ -14,6 +14,11 @@ the end of a run writes (``finish``). The loop owns the order::
         if should_stop(row): return         # a time budget, a diverged loss: as if preempted
     history.jsonl, compression.json; finish()  # only when the last step ran (not a preempted stop)
 
+A run that starts at step 0 refuses an output folder that holds a previous run's
+``history.jsonl`` or checkpoints (`check_output_folder`): continue that run with
+``--resume latest``, or choose another folder. A checkpoint holds the run's tokenizer identity
+too: resuming with another tokenizer (even one of the same vocabulary size) is refused.
+
 A subclass sets ``cfg`` (``steps``, ``eval_every``, ``log_every``, ``save_every``, ``progress``,
 ``output_dir`` and the `HPARAMS`), ``accelerator``, ``out``, ``trackers``, ``is_main``, ``step``,
 ``history``, ``optimizer`` and ``scheduler``, and registers itself with
@@ -32,6 +37,9 @@ import logging
 import math
 from pathlib import Path
 
+import torch.distributed as dist
+
+from ..errors import CheckpointError, OutputExistsError
 from . import checkpoint
 from .metrics import write_history, write_json
 
@@ -70,11 +78,19 @@ class TrainingLoop:
     def state_dict(self) -> dict:
         cfg = self.cfg
         return {"step": self.step, "history": self.history, "hparams": {k: getattr(cfg, k) for k in HPARAMS},
-                **self.extra_state()}
+                "tokenizer": self.tokenizer_identity(), **self.extra_state()}
 
     def load_state_dict(self, state: dict) -> None:
         """Step and history from the checkpoint; changed hyper-parameters win, with a warning
-        (`apply_hparams`)."""
+        (`apply_hparams`); another tokenizer than the checkpoint's raises a `CheckpointError`."""
+        saved, mine = state.get("tokenizer"), self.tokenizer_identity()
+        if saved is not None and mine is not None and saved["digest"] != mine["digest"]:
+            raise CheckpointError(
+                f"the checkpoint was trained with the tokenizer {saved['name']!r} ({saved['size']} tokens, "
+                f"fingerprint {saved['digest'][:12]}), this run has {mine['name']!r} ({mine['size']} tokens, "
+                f"{mine['digest'][:12]}): the token ids would mean other text. Resume with --tokenizer "
+                f"{saved['name']}, or start a new run in another --output-dir"
+            )
         self.step, self.history = state["step"], state["history"]
         self.load_extra_state(state)
         changed = {k: (v, getattr(self.cfg, k)) for k, v in state["hparams"].items() if getattr(self.cfg, k) != v}
@@ -86,6 +102,37 @@ class TrainingLoop:
 
     def extra_state(self) -> dict:
         return {}
+
+    def tokenizer_identity(self) -> dict | None:
+        """``{"name", "size", "digest"}`` of the run's tokenizer (``self.tokenizer``), or None."""
+        tokenizer = getattr(self, "tokenizer", None)
+        if tokenizer is None:
+            return None
+        from ..data.tokenizer import tokenizer_digest
+
+        name = getattr(self.cfg, "tokenizer", None) or getattr(tokenizer, "name_or_path", "") or "?"
+        return {"name": str(name), "size": len(tokenizer), "digest": tokenizer_digest(tokenizer)}
+
+    def check_output_folder(self) -> None:
+        """An `OutputExistsError` on every rank if this run starts at step 0 in an output folder
+        that holds a previous run's ``history.jsonl`` or checkpoints (it would overwrite them, or
+        a later ``--resume latest`` would mix the two runs)."""
+        if self.out is None or self.step != 0:
+            return
+        problem = None
+        if self.is_main:
+            found = [str(p) for p in (self.out / "history.jsonl",) if p.exists()]
+            if checkpoint.exists(self.out / "checkpoints"):
+                found.append(str(self.out / "checkpoints"))
+            if found:
+                problem = (f"the output folder {self.out} holds a previous run ({', '.join(found)}): continue it "
+                           "with --resume latest, or start this one in another --output-dir (or delete those)")
+        if dist.is_initialized():
+            box = [problem]
+            dist.broadcast_object_list(box, src=0)
+            problem = box[0]
+        if problem:
+            raise OutputExistsError(problem)
 
     def load_extra_state(self, state: dict) -> None:
         """Hook: the subclass's part of `state_dict`."""
@@ -111,6 +158,7 @@ class TrainingLoop:
         (0: never in between) and after the last step."""
         cfg, acc = self.cfg, self.accelerator  # acc None: no trackers, no checkpoints (a bench's runs)
         until = cfg.steps if until is None else min(until, cfg.steps)
+        self.check_output_folder()
         if self.is_main and self.out is not None:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "run_config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=str))

@@ -10,7 +10,9 @@
 - Inputs of every forward (`InputIdsCheck`, `check_labels`): token ids and labels outside
   the vocabulary raise, as in plain transformers (a vocab-parallel embedding would look an
   id up as zeros, and the vocab-parallel loss would score a label against no logit). The
-  first forward also checks that every TP rank got the same ``input_ids``.
+  first forward also checks that every TP rank got the same ``input_ids``, and every later
+  one that they got batches of one shape (their collectives would otherwise disagree in size,
+  which gloo answers by aborting the process).
 
 A check whose outcome could differ between ranks (the model, the first batch) decides after
 one collective that every rank of the group takes part in, so that all of them raise the same
@@ -27,10 +29,13 @@ from torch import nn
 from .plan import Colwise, Rowwise, TPPlan
 
 QUANTIZER_PACKAGES = ("bitsandbytes", "optimum.quanto", "quanto", "torchao", "auto_gptq", "gptqmodel", "awq", "hqq")
-# config entries that say how a process runs the model, not which model it is
+# config entries that say how a process runs the model or where it came from, not what it
+# computes (transformers' save_pretrained sets ``architectures`` and ``dtype`` on the writing
+# rank only; parameter dtypes are compared directly)
 CONFIG_NOT_COMPARED = frozenset({
     "_name_or_path", "_commit_hash", "transformers_version", "use_cache", "return_dict",
-    "output_hidden_states", "output_attentions",
+    "output_hidden_states", "output_attentions", "architectures", "dtype", "torch_dtype", "id2label", "label2id",
+    "problem_type", "finetuning_task", "tokenizer_class", "prefix", "task_specific_params",
 })
 SAMPLE = 4096  # values per parameter in the fingerprint's checksum
 
@@ -108,6 +113,13 @@ def check_modules(model: nn.Module, plan: TPPlan) -> None:
     for name, base in swapped:
         module = model.get_submodule(name)
         cls = type(module)
+        hooks = _hooks(module)
+        if hooks:
+            raise ValueError(
+                f"{name} has {', '.join(hooks)}; parallelize replaces this module by a parallel layer and would drop "
+                "them. Register them after parallelize, on the new module (it holds and computes this rank's "
+                "shard), or remove them"
+            )
         if cls is base or (cls.__name__ == "Conv1D" and _from_package(cls, "transformers")):
             continue
         if not isinstance(module, base):
@@ -124,6 +136,17 @@ def check_modules(model: nn.Module, plan: TPPlan) -> None:
                 f"parallelize does not know: it would become a plain parallel layer and lose {what}. "
                 f"Use {base.__name__} there (apply the change after parallelize, e.g. as a forward hook)"
             )
+
+
+def _hooks(module: nn.Module) -> list[str]:
+    """The hooks and instance-level forward of ``module`` that replacing it would lose, in words."""
+    kinds = {"_forward_pre_hooks": "forward pre-hooks", "_forward_hooks": "forward hooks",
+             "_backward_pre_hooks": "backward pre-hooks", "_backward_hooks": "backward hooks"}
+    found = [f"{what} ({', '.join(getattr(h, '__name__', type(h).__name__) for h in getattr(module, attr).values())})"
+             for attr, what in kinds.items() if getattr(module, attr, None)]
+    if "forward" in vars(module):
+        found.append("a forward of its own (e.g. an accelerate hook)")
+    return found
 
 
 def check_arguments(model: nn.Module, plan: TPPlan, tp, sequence_parallel, device_mesh, emulate, verify) -> None:
@@ -292,31 +315,67 @@ def check_labels(labels: torch.Tensor, logits: torch.Tensor, vocab_size: int, ig
 
 class InputIdsCheck:
     """Forward pre-hook on the vocab-parallel embedding: ids outside the vocabulary raise an
-    IndexError (as ``nn.Embedding`` does) instead of being looked up as zeros, and the first
+    IndexError (as ``nn.Embedding`` does) instead of being looked up as zeros; the first
     ``same_batch_checks`` calls check that every TP rank got the same ids (one all-gather of
     five numbers; ranks with different batches, e.g. a data loader sharded over the tp ranks,
-    would mix the embeddings of different tokens).
+    would mix the embeddings of different tokens), and every later call (``same_shape``) that
+    they got ids of the same shape (one all-gather of two numbers: a rank with a batch of
+    another size would send collectives of another size, which gloo answers by aborting the
+    process and NCCL by hanging).
 
     Every TP rank sees the same ids, so a local range check makes them all raise. The range
     check costs one min/max pass over the ids (see `_out_of_range`): no host sync on an
-    accelerator, two scalars read on the CPU.
+    accelerator, two scalars read on the CPU; so does the shape check.
     """
 
-    def __init__(self, num_embeddings: int, group, same_batch_checks: int = 1) -> None:
+    def __init__(self, num_embeddings: int, group, same_batch_checks: int = 1, same_shape: bool = True) -> None:
         self.num_embeddings, self.group, self.same_batch_checks = num_embeddings, group, same_batch_checks
+        self.same_shape = same_shape
 
     def __call__(self, module: nn.Module, args, kwargs) -> None:
         ids = args[0] if args else kwargs.get("input_ids", kwargs.get("input"))
         if not torch.is_tensor(ids):
             return
+        weight = getattr(module, "weight", None)
+        if weight is not None and weight.is_meta and ids.device.type != "meta":  # meta ids: tracing shapes
+            raise ValueError(
+                "the model's parameters are on the meta device: they have shapes but no values (a model built "
+                "under init_empty_weights or torch.device('meta')). Load the weights first: "
+                "taco_accel.from_pretrained(path, tp=...) reads them straight into the shards"
+            )
         check_not_under_ddp(self.group)  # before any collective: every rank raises alone
         if self.same_batch_checks > 0:
             self.same_batch_checks -= 1
             self.check_same_batch(ids)  # first: a collective every rank reaches
+        elif self.same_shape:
+            self.check_same_shape(ids)
         _out_of_range(ids, self.num_embeddings, "input id")
 
+    def _size(self) -> int:
+        return dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
+
+    def check_same_shape(self, ids: torch.Tensor) -> None:
+        size = self._size()
+        if size == 1 or ids.device.type == "meta" or torch.compiler.is_compiling():
+            return
+        mine = torch.empty(2, dtype=torch.long, device=ids.device)
+        mine[0], mine[1] = list(ids.shape[:2]) + [1] * (2 - min(ids.dim(), 2))  # fills: no copy, no host sync
+        every = [torch.empty_like(mine) for _ in range(size)]
+        dist.all_gather(every, mine, group=self.group)
+        if ids.device.type != "cpu":
+            torch._assert_async(torch.stack(every).eq(mine).all(), "the TP ranks got input_ids of different shapes")
+            return
+        shapes = [t.tolist() for t in every]
+        if any(s != shapes[0] for s in shapes):
+            raise ValueError(
+                f"the TP ranks got input_ids of different shapes ({shapes}, by rank of the tp group). Every rank of "
+                "a TP group must get the same batch: shard the data over the data-parallel ranks only (with "
+                "Accelerate: `from taco_accel import Accelerator`), and give every rank the same batch size and "
+                "sequence length (drop or pad an uneven last batch on all ranks alike)"
+            )
+
     def check_same_batch(self, ids: torch.Tensor) -> None:
-        size = dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
+        size = self._size()
         if size == 1 or ids.device.type == "meta" or torch.compiler.is_compiling():
             return
         flat = ids.reshape(-1).long()
@@ -362,7 +421,7 @@ def check_not_under_ddp(group) -> None:
 
 def install_input_checks(model: nn.Module, plan: TPPlan, group, same_batch: bool) -> None:
     """Hook `InputIdsCheck` on the parallel embedding of ``model`` (``same_batch``: also
-    compare the first batch over the group)."""
+    compare the first batch, and the shape of every later one, over the group)."""
     embedding = model.get_submodule(plan.embedding)
-    hook = InputIdsCheck(embedding.num_embeddings, group, int(same_batch))
+    hook = InputIdsCheck(embedding.num_embeddings, group, int(same_batch), same_shape=same_batch)
     embedding.register_forward_pre_hook(hook, with_kwargs=True)

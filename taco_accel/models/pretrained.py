@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 from contextlib import ExitStack, contextmanager
 
 import torch
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..codec import TacoConfig
+from ..errors import CheckpointError
 from ..tp.shards import ShardSpec
 from .context import context_of
 from .parallelize import parallelize
@@ -54,20 +56,51 @@ def _checkpoint_dir(name_or_path: str | os.PathLike) -> str:
 
 
 def _weight_files(path: str) -> dict[str, str]:
-    """``{tensor name: safetensors file}`` of a checkpoint folder."""
+    """``{tensor name: safetensors file}`` of a checkpoint folder. The index may name files of
+    the folder only (no absolute path, no ``..``), each a regular file (a symlink to one, as in
+    the hub cache, is fine; a FIFO or device is not)."""
     index = os.path.join(path, SAFE_INDEX)
-    if os.path.exists(index):
-        with open(index) as f:
-            return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+    if os.path.lexists(index):
+        try:
+            with open(_regular(index), encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError(f"weight_map is a {type(weight_map).__name__}")
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
+            raise CheckpointError(f"{index} is not a safetensors index ({type(e).__name__}: {e}); re-save the "
+                                  "checkpoint") from None
+        files = {}
+        for name, file in weight_map.items():
+            parts = str(file).replace("\\", "/").split("/")
+            if not isinstance(file, str) or os.path.isabs(file) or ".." in parts or not file:
+                raise CheckpointError(f"{index} maps {name!r} to {file!r}, outside {path}: an index names files of "
+                                      "its own folder only (planted or edited index)")
+            files[name] = os.path.join(path, file)
+        for file in set(files.values()):
+            _regular(file)
+        return files
     single = os.path.join(path, SAFE_WEIGHTS)
-    if not os.path.exists(single):
+    if not os.path.lexists(single):
         raise ValueError(
             f"{path} holds no {SAFE_WEIGHTS} or {SAFE_INDEX}; taco_accel.from_pretrained reads safetensors only"
         )
     from safetensors import safe_open
 
-    with safe_open(single, framework="pt") as f:
+    with safe_open(_regular(single), framework="pt") as f:
         return {k: single for k in f.keys()}
+
+
+def _regular(path: str) -> str:
+    """``path`` if it is (or links to) a regular file, else a CheckpointError: opening a FIFO
+    would block, a device never end."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete") from None
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"{path} is not a regular file (a FIFO, device or folder); a checkpoint holds plain "
+                              "files")
+    return path
 
 
 def _default_device(group) -> torch.device:
@@ -99,6 +132,7 @@ def from_pretrained(
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     path = _checkpoint_dir(name_or_path)
+    _regular(os.path.join(path, "config.json"))
     config = AutoConfig.from_pretrained(path, **config_kwargs)
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -113,7 +147,8 @@ def from_pretrained(
         _materialise(model, files, handles, ctx.rank, dtype, device)
     model.to(device)  # the buffers
     ctx.install_grad_sums(model)  # the parameter objects are new
-    if os.path.exists(os.path.join(path, "generation_config.json")):
+    if os.path.lexists(os.path.join(path, "generation_config.json")):
+        _regular(os.path.join(path, "generation_config.json"))
         model.generation_config = GenerationConfig.from_pretrained(path)
     model.eval()
     logger.info("loaded %s with tp=%d (rank %d reads its slices only)", path, ctx.tp, ctx.rank)

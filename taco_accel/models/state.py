@@ -66,6 +66,9 @@ def gather_state_dict(
         if keys is not None and not keys(name):
             continue
         if id(tensor) not in done:
+            if tensor.is_meta:
+                raise ValueError(f"{name} is on the meta device (a shape without values): load or initialise the "
+                                 "weights before gathering or saving them (taco_accel.from_pretrained reads them)")
             value = tensor.detach()
             if hasattr(value, "full_tensor"):  # an FSDP2 shard over dp: a collective over dp first
                 value = value.full_tensor()

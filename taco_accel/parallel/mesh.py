@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ..errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 MESH_DIMS = ("pp", "dp", "tp")
@@ -40,6 +42,30 @@ def collective_timeout(seconds: float | None = None) -> timedelta:
     if not seconds > 0:
         raise ValueError(f"collective timeout {seconds!r} s must be > 0 (set {TIMEOUT_ENV} or --timeout)")
     return timedelta(seconds=seconds)
+
+
+SIZE_ENV = (PP_ENV, "PARALLELISM_CONFIG_TP_SIZE", "PARALLELISM_CONFIG_DP_SHARD_SIZE",
+            "PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "PARALLELISM_CONFIG_CP_SIZE", "PARALLELISM_CONFIG_SP_SIZE")
+
+
+def env_size(name: str, default: int | None = None) -> int | None:
+    """The mesh size in environment variable ``name`` (``default`` when unset), or a
+    `ConfigError` quoting it: a whole number >= 1."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    value = text.strip()
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"{name}={text!r} is not a whole number >= 1: set it to a size such as {name}=2, or unset "
+                          "it (in the accelerate config: parallelism_config's sizes)")
+    return int(value)
+
+
+def check_size_env() -> None:
+    """A `ConfigError` for any mesh size in the environment that is not a whole number >= 1
+    (before Accelerate's ``ParallelismConfig`` reads them with a bare ``int``)."""
+    for name in SIZE_ENV:
+        env_size(name)
 
 
 def _positive_int(name: str, value) -> int:
@@ -98,14 +124,15 @@ class ParallelDims:
         world_size = world_size or (dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1")))
         env = os.environ
         uses_accelerate = env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true"
-        if tp is None and "PARALLELISM_CONFIG_TP_SIZE" in env:
-            tp = int(env["PARALLELISM_CONFIG_TP_SIZE"])
-        if pp is None and PP_ENV in env:
-            pp = int(env[PP_ENV])
+        check_size_env()
+        if tp is None:
+            tp = env_size("PARALLELISM_CONFIG_TP_SIZE")
+        if pp is None:
+            pp = env_size(PP_ENV)
         if dp_mode is None:
             dp_mode = env.get(DP_MODE_ENV)
-        shard = int(env.get("PARALLELISM_CONFIG_DP_SHARD_SIZE", "1"))
-        replicate = int(env.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1"))
+        shard = env_size("PARALLELISM_CONFIG_DP_SHARD_SIZE", 1)
+        replicate = env_size("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", 1)
         if shard > 1 and replicate > 1:
             raise ValueError(
                 f"PARALLELISM_CONFIG_DP_SHARD_SIZE={shard} with DP_REPLICATE_SIZE={replicate} (HSDP) is not "
@@ -121,13 +148,17 @@ class ParallelDims:
         if pp is None:
             pp, rest = divmod(world_size, dp * tp)
             if rest or pp < 1:
-                raise ValueError(f"dp={dp} x tp={tp} does not divide the world size {world_size}")
+                raise ConfigError(f"dp={dp} x tp={tp} does not divide the world size {world_size}: choose sizes whose "
+                                  "product divides the number of processes (--tp/--dp/--pp, or the launch config's "
+                                  "parallelism_config)")
             if pp > 1:
                 logger.info("the parallelism config covers %d of %d processes: pp=%d takes the rest", dp * tp, world_size, pp)
         if dp is None:
             dp, rest = divmod(world_size, pp * tp)
             if rest or dp < 1:
-                raise ValueError(f"pp={pp} x tp={tp} does not divide the world size {world_size}")
+                raise ConfigError(f"pp={pp} x tp={tp} does not divide the world size {world_size}: choose sizes whose "
+                                  "product divides the number of processes (--tp/--dp/--pp, or the launch config's "
+                                  "parallelism_config)")
         dims = cls(pp=pp, dp=dp, tp=tp, dp_mode=dp_mode or "ddp")
         if dims.world_size != world_size:
             raise ValueError(

@@ -142,8 +142,16 @@ def clip_grad_norm_(parts: list[ModelParts], params: list[nn.Parameter], max_nor
     (theirs, or a subset) by the norm of the whole unsharded model's gradient over the mesh,
     every tp shard, pipeline stage and FSDP shard counted once. A collective over all ranks;
     returns the norm before clipping, a float64 0-d tensor on the gradients' device, without a
-    host sync (the factor is 1 where the norm is within ``max_norm``). ``max_norm <= 0`` only
-    measures."""
+    host sync (the factor is 1 where the norm is within ``max_norm``). ``max_norm``: a number
+    >= 0 (``0`` only measures, ``inf`` never clips); NaN or a negative value raises a
+    ValueError (torch's own clip would turn every gradient into NaN or flip its sign)."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) and not (
+            torch.is_tensor(max_norm) and max_norm.numel() == 1):
+        raise TypeError(f"max_norm={max_norm!r}: pass a number (the largest gradient norm, e.g. 1.0)")
+    if not float(max_norm) >= 0:
+        raise ValueError(f"max_norm={max_norm!r}: pass a number >= 0 (e.g. 1.0; 0 measures without clipping, "
+                         "inf never clips)")
+    max_norm = float(max_norm)
     device = params[0].device if params else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
     for part in parts:
