@@ -335,6 +335,28 @@ def test_hooks_on_a_swapped_linear_are_refused(kind):
     taco_accel.parallelize(model, compression=None)
 
 
+def test_forward_hooks_of_the_token_embedding_move_to_its_parallel_layer():
+    """The embedding's replacement returns the same full embedding, so its forward hooks (peft's
+    and transformers' enable_input_require_grads among them) keep working and keep their handles."""
+    ref, model = tiny_model("llama"), tiny_model("llama")
+    model.load_state_dict(ref.state_dict())
+    seen = []
+    handle = model.model.embed_tokens.register_forward_hook(lambda module, args, output: seen.append(output.shape))
+    model.enable_input_require_grads()  # transformers' own forward hook on the input embeddings
+    taco_accel.parallelize(model, tp=2, compression=None, emulate=True)
+    ids = torch.randint(0, ref.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref_logits = ref(ids).logits
+    model.requires_grad_(False)  # frozen, as under LoRA: only the hook makes the output need grad
+    out = model(ids)
+    assert seen == [torch.Size([2, 8, ref.config.hidden_size])]  # the full embedding, as before
+    assert out.logits.requires_grad  # the require-grads hook fired on the new layer
+    torch.testing.assert_close(out.logits, ref_logits, rtol=0, atol=1e-5)  # fp32 rounding of tp=2 sums
+    handle.remove()
+    model(ids)
+    assert len(seen) == 1  # the handle removed the hook from the new layer
+
+
 def test_a_model_on_the_meta_device_says_to_load_weights(tmp_path):
     with torch.device("meta"):
         model = tiny_model("qwen2")

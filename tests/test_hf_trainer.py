@@ -135,7 +135,7 @@ def test_resume_from_checkpoint_repeats_the_uninterrupted_run(results):
     for key in ("losses", "grad_norms", "lrs"):  # steps 3-4 trained again, bit for bit
         assert resumed[key][2:] == straight[key][2:], key
     checkpoint = Path(results[0][launch]["dir"]) / "trainer" / "checkpoint-2"
-    assert (checkpoint / "taco_state" / "meta.json").exists() and (checkpoint / "model.safetensors").exists()
+    assert (checkpoint / "taco_state" / "taco_checkpoint.json").exists() and (checkpoint / "model.safetensors").exists()
     assert not (checkpoint / "optimizer.pt").exists()  # the optimizer's tp shards live in taco_state/
 
 

@@ -113,7 +113,7 @@ def check_modules(model: nn.Module, plan: TPPlan) -> None:
     for name, base in swapped:
         module = model.get_submodule(name)
         cls = type(module)
-        hooks = _hooks(module)
+        hooks = _hooks(module, keep_forward_hooks=name == plan.embedding)  # rewrite.carry_forward_hooks
         if hooks:
             raise ValueError(
                 f"{name} has {', '.join(hooks)}; parallelize replaces this module by a parallel layer and would drop "
@@ -138,10 +138,12 @@ def check_modules(model: nn.Module, plan: TPPlan) -> None:
             )
 
 
-def _hooks(module: nn.Module) -> list[str]:
-    """The hooks and instance-level forward of ``module`` that replacing it would lose, in words."""
-    kinds = {"_forward_pre_hooks": "forward pre-hooks", "_forward_hooks": "forward hooks",
-             "_backward_pre_hooks": "backward pre-hooks", "_backward_hooks": "backward hooks"}
+def _hooks(module: nn.Module, keep_forward_hooks: bool = False) -> list[str]:
+    """The hooks and instance-level forward of ``module`` that replacing it would lose, in words
+    (its forward hooks not, with ``keep_forward_hooks``: the replacement takes them over)."""
+    kinds = {"_backward_pre_hooks": "backward pre-hooks", "_backward_hooks": "backward hooks"}
+    if not keep_forward_hooks:
+        kinds = {"_forward_pre_hooks": "forward pre-hooks", "_forward_hooks": "forward hooks", **kinds}
     found = [f"{what} ({', '.join(getattr(h, '__name__', type(h).__name__) for h in getattr(module, attr).values())})"
              for attr, what in kinds.items() if getattr(module, attr, None)]
     if "forward" in vars(module):

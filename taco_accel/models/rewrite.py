@@ -111,6 +111,8 @@ class Rewrite:
     def apply(self) -> None:
         for name, new in self.swaps:
             parent, _, attr = name.rpartition(".")
+            if name == self.plan.embedding:
+                carry_forward_hooks(self.model.get_submodule(name), new)
             setattr(self.model.get_submodule(parent) if parent else self.model, attr, new)
         for module, hook in self.pre_hooks:
             module.register_forward_pre_hook(hook, with_kwargs=True)
@@ -138,3 +140,22 @@ class Rewrite:
     def sequence_gather(self, fwd: Site):
         """The forward hook of the final norm that gathers the sequence for the lm head."""
         raise NotImplementedError
+
+
+# The bookkeeping dicts of nn.Module's forward hooks (with_kwargs / always_call / prepend flags).
+FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                      "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def carry_forward_hooks(old: nn.Module, new: nn.Module) -> None:
+    """Move ``old``'s forward (pre-)hooks onto ``new``, which replaces it with the same inputs
+    and outputs: the token embedding, whose parallel layer returns the full embedding (sequence
+    parallelism splits later, before the first layer). transformers' and peft's
+    ``enable_input_require_grads`` hook lives there. The dicts themselves move, so the handles
+    their owners hold still remove them. `checks.check_modules` refuses hooks on the swapped
+    linears, whose outputs or inputs become this rank's shard."""
+    for attr in FORWARD_HOOK_DICTS:
+        carried = getattr(old, attr)
+        if carried:
+            assert not getattr(new, attr), f"{type(new).__name__} has {attr} of its own"
+            setattr(new, attr, carried)
