@@ -35,5 +35,13 @@ class CollectiveTimeout(TacoError, RuntimeError):
     """A collective waited longer than the group's timeout for a peer."""
 
 
+class ConfigTypeError(TacoError, TypeError):
+    """A setting of the wrong type: a format name or a dict where a `TacoConfig` is needed."""
+
+
+class EnvironmentSettingError(TacoError, ValueError):
+    """A ``TACO_*`` environment variable holds a value that the library cannot use."""
+
+
 class CheckpointError(TacoError, ValueError):
     """A checkpoint folder is incomplete, damaged, or does not fit this run."""

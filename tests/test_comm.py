@@ -15,7 +15,7 @@ import torch.distributed as dist
 from harness import run_ranks
 from taco_accel import comm
 from taco_accel.codec import NonFiniteError, TacoConfig, WireLayout
-from taco_accel.comm import EmulatedGroup, compressed, dist_ops
+from taco_accel.comm import EmulatedGroup, dist_ops
 from taco_accel.comm.pieces import piece_bounds, piece_length, run_pipelined
 
 CFG = TacoConfig(threshold_bytes=0)  # compress even tiny messages
@@ -127,19 +127,19 @@ def _threshold() -> dict:
 
 def _count_pieces(op: str, x: torch.Tensor, cfg: TacoConfig):
     """Run ``op`` and count the collectives its pieces issued (first exchange of each piece)."""
-    name = "all_gather_into" if op == "all_gather" else "all_to_all"
-    original = getattr(compressed, name)
+    name = "all_gather" if op == "all_gather" else "all_to_all"
+    original = getattr(dist_ops.Link, name)
     calls = []
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    setattr(compressed, name, counting)
+    setattr(dist_ops.Link, name, counting)
     try:
         out = getattr(comm, op)(x, None, cfg)
     finally:
-        setattr(compressed, name, original)
+        setattr(dist_ops.Link, name, original)
     return out, len(calls)
 
 
@@ -317,12 +317,12 @@ def _chunked() -> list[dict]:
     for label, cfg in (("plain", None), ("compressed", CFG.replace(piece_bytes=1024))):
         for dtype in (torch.float32, torch.bfloat16):
             x = _input(99, rank, (2, 3, 70), dtype)  # a (b, s/P, h) shard; 420 values: not whole groups
-            gathered = GatherChunks(x, None, cfg, site="g")
+            gathered = GatherChunks(x, comm.Site("g", None, cfg))
             order = [r for r, _ in gathered]
-            parts = gathered.finish()
+            parts = gathered.finish()  # (P, *x.shape): part r at [r]
             one_shot = comm.all_gather(x.unsqueeze(0), None, cfg)  # (P, 2, 3, 70)
             partials = [_input(100 + r, rank, (2, 3, 70), dtype) for r in range(world)]  # rank r's rows
-            sums = ScatterChunks(None, cfg, site="s")
+            sums = ScatterChunks(comm.Site("s", None, cfg), x.shape, dtype, x.device)
             for r, part in enumerate(partials):
                 sums.submit(r, part)
             mine = sums.wait()
@@ -335,7 +335,7 @@ def _chunked() -> list[dict]:
                 scatter_ulps=float((mine.float() - expect.float()).abs().max() / expect.float().abs().max())
                 / torch.finfo(dtype).eps,
                 compressed=(figures["g"].compressed_calls, figures["s"].compressed_calls),
-                digest=_digest(torch.stack(parts)),
+                digest=_digest(parts),
             ))
     return records
 

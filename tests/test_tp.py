@@ -26,10 +26,10 @@ from taco_accel.tp import (
     Site,
     SiteTable,
     VocabParallelEmbedding,
+    gather_from_sp_region,
     scatter_to_sp_region,
     vocab_parallel_cross_entropy,
 )
-from taco_accel.tp.mappings import gather_from_tp_region
 
 WORLD = 3
 
@@ -96,17 +96,17 @@ def test_auto_sites_decide_once_and_record():
     off, bwd = table.site("b/fwd"), table.site("a/bwd")
     assert "3 decided by timing in the first steps (auto), 1 plain" in table.summary()
     assert small.decision is None and table.decisions()["a/fwd"]["compressed"] is None
-    assert small.call_config("all_reduce", torch.ones(100)).threshold_bytes == 2**62  # 400 B: plain
-    assert big.call_config("all_reduce", torch.ones(1000)).threshold_bytes == 1000  # 4000 B: compressed
+    assert not small.compresses("all_reduce", torch.ones(100))  # 400 B: plain
+    assert big.compresses("all_reduce", torch.ones(1000))  # 4000 B: compressed
     assert small.decision.rule == "size" and not small.decision.compress and big.decision.compress
-    assert small.call_config("all_reduce", torch.ones(800)).threshold_bytes == 1000  # over 2x: decided again
-    assert off.call_config("all_reduce", torch.ones(1000)) is None and off.mode == "off"
+    assert small.compresses("all_reduce", torch.ones(800)) and small.decision.compress  # over 2x: decided again
+    assert not off.compresses("all_reduce", torch.ones(1000)) and off.mode == "off" and off.codec is None
     record = table.decisions()
     assert record["a/fwd"]["compressed"] and record["b/fwd"] == {"mode": "off", "config": None, "compressed": False}
     assert record["a/bwd"]["compressed"] is None and bwd.mode == "auto"  # never called
     assert "auto: compressed (size rule" in str(table) and "auto: undecided" in str(table)
     table.set_group_sizes({"c/fwd": 32})  # calibration keeps the decision
-    assert big.call_config("all_reduce", torch.ones(1000)).group_size == 32
+    assert big.compresses("all_reduce", torch.ones(1000)) and big.codec.group_size == 32
 
 
 def test_site_table_print_and_sizes(tmp_path):
@@ -168,7 +168,7 @@ def _mlp(sequence: SequenceState | None, conv1d: bool) -> dict:
         h = scatter_to_sp_region(xp, _site("split/bwd"))  # (2, 2, 12)
     out = row(F.gelu(col(h)))
     if sequence is not None:
-        out = gather_from_tp_region(out, _site("gather/fwd"), dim=1)
+        out = gather_from_sp_region(out, _site("gather/fwd"))  # blocks -> (2, 6, 12), backward: own block
     out.square().sum().backward()
     w1 = fc1.weight.grad.t() if conv1d else fc1.weight.grad
     w2 = fc2.weight.grad.t() if conv1d else fc2.weight.grad
@@ -245,7 +245,7 @@ def _compressed_site() -> dict:
 
 def _auto_sites() -> dict:
     """Auto sites timed on the real group: one decision for all ranks, stats that follow it."""
-    from taco_accel.tp.auto import AutoDecider
+    from taco_accel.comm.autotune import AutoDecider
 
     torch.manual_seed(dist.get_rank())
     decider = AutoDecider(None)

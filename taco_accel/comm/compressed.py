@@ -1,8 +1,11 @@
-"""The compressed collectives of TACO_SPEC.md, one piece at a time.
+"""The compressed collectives of TACO, one piece at a time: the one implementation that real
+groups and emulated ones (`emulated`) both run.
 
-Each function here is a generator over one piece of a message (see `pieces`): codec work,
-then an asynchronous collective, ``yield``, wait, and so on. Notation: P ranks, G values per
-group, ``cb`` bytes per chunk (`WireLayout.chunk_bytes`).
+Each function here is a generator over one piece of a message for one rank (see `pieces`):
+codec work, then an asynchronous collective on ``link``, ``yield``, wait, and so on. ``link``
+is a `dist_ops.Link` (a real process group) or one virtual rank of an `emulated.EmulatedGroup`;
+both offer ``world``, ``all_to_all(out, x)`` and ``all_gather(out, x)``. Notation: P ranks, G
+values per group, ``cb`` bytes per chunk (`WireLayout.chunk_bytes`).
 
 - all_reduce (two-shot): compress as P chunks, all-to-all (rank r receives chunk r of every
   peer), `sum_packed` (dequantise, fp32 sum, requantise in the transformed domain),
@@ -14,28 +17,28 @@ group, ``cb`` bytes per chunk (`WireLayout.chunk_bytes`).
 - all_gather: compress, all-gather the buffers, decode all of them as one P-chunk buffer.
 
 Group boundaries depend only on the position inside a piece, and pieces are cut at multiples
-of P*G (all_reduce) or G (per block), so a piece boundary is always a group boundary.
+of P*G (all_reduce) or G (per block), so a piece boundary is always a group boundary. The
+send, receive, sum and staging buffers come from a `Workspace` and are reused from call to call;
+``out=None`` skips the decode (an emulated rank whose result another rank already decodes).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 
-from ..codec import Packed, TacoConfig, WireLayout, compress, decompress, sum_packed
-from .dist_ops import all_gather_into, all_to_all
+from ..codec import CodecConfig, Packed, WireLayout, compress, decompress, sum_packed
 from .pieces import piece_bounds, piece_length
 
 
-@dataclass
 class Tally:
     """What the pieces of one call report: bytes sent, and (if asked) non-finite flags."""
 
-    check_nonfinite: bool = False
-    sent: int = 0
-    flags: list = field(default_factory=list)  # 0-d bool tensors, one per checked buffer
+    __slots__ = ("check_nonfinite", "sent", "flags")
+
+    def __init__(self, check_nonfinite: bool = False) -> None:
+        self.check_nonfinite, self.sent, self.flags = check_nonfinite, 0, []
 
     def note(self, layout: WireLayout, buffer: torch.Tensor) -> None:
         """Remember whether the scales of ``buffer`` hold a NaN (a non-finite group) when checking is on."""
@@ -48,7 +51,10 @@ class Tally:
 
 
 class Workspace:
-    """Receive buffers reused from call to call instead of fresh allocations (two per piece).
+    """Buffers reused from call to call instead of fresh allocations: per piece a send buffer,
+    a receive buffer (which the all-gather of the all-reduce then fills again: its chunks were
+    summed by then), a sum buffer and, where a piece is not a contiguous run of whole groups, a
+    staging buffer.
 
     One per device, shared by every call site: collectives of a model run one after another,
     and a call holds the workspace from its start to its result (`acquire` / `release`; a
@@ -66,14 +72,23 @@ class Workspace:
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
 
     def buffer(self, role: str, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
+        """``nbytes`` uint8 of the buffer ``role`` in ``slot`` (grown if needed)."""
         key = (role, slot % self.SLOTS)
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < nbytes:
-            buf = self._buffers[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            buf = self._buffers[key] = torch.empty(max(nbytes, 16), dtype=torch.uint8, device=device)
         return buf[:nbytes]
 
+    def typed(self, role: str, slot: int, shape: tuple[int, ...], dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+        """A contiguous tensor of ``shape`` and ``dtype`` in the buffer ``role`` of ``slot``."""
+        numel = 1
+        for n in shape:
+            numel *= n
+        return self.buffer(role, slot, numel * dtype.itemsize, device).view(dtype).view(shape)
 
-class FreshBuffers:
+
+class FreshBuffers(Workspace):
     """`Workspace`'s interface, allocating every time."""
 
     def buffer(self, role: str, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -83,7 +98,7 @@ class FreshBuffers:
 _workspaces: dict[torch.device, Workspace] = {}
 
 
-def acquire(device: torch.device) -> Workspace | FreshBuffers:
+def acquire(device: torch.device) -> Workspace:
     """The device's workspace if it is free (and no CUDA graph is being captured), else fresh buffers."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return FreshBuffers()  # a captured graph must own its buffers (the graph's memory pool)
@@ -96,9 +111,8 @@ def acquire(device: torch.device) -> Workspace | FreshBuffers:
     return workspace
 
 
-def release(buffers: Workspace | FreshBuffers) -> None:
-    if isinstance(buffers, Workspace):
-        buffers.busy = False
+def release(buffers: Workspace) -> None:
+    buffers.busy = False
 
 
 def release_workspaces() -> None:
@@ -106,99 +120,116 @@ def release_workspaces() -> None:
     _workspaces.clear()
 
 
-def pad_to_groups(blocks: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[P, c] -> [P, ceil(c/G)*G], zero-padded on the right (no copy when c is a multiple of G)."""
-    world, cols = blocks.shape
-    width = -(-cols // group_size) * group_size
-    if width == cols:
-        return blocks
-    padded = blocks.new_zeros(world, width)
-    padded[:, :cols] = blocks
-    return padded
-
-
-def all_reduce_piece(
-    src: torch.Tensor, out: torch.Tensor, cfg: TacoConfig, group, world: int, tally: Tally, buffers, slot: int
-) -> Iterator:
+def all_reduce_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
+                     buffers: Workspace, slot: int) -> Iterator:
     """out [n] <- compressed two-shot sum over the ranks of src [n] (both flat, contiguous)."""
-    packed = compress(src, cfg, chunks=world)
-    layout = packed.layout
-    recv = buffers.buffer("recv", slot, packed.nbytes, src.device)  # [P * cb]: chunk `rank` of every peer
-    work = all_to_all(recv, packed.buffer, group)
+    world, device = link.world, src.device
+    layout = WireLayout.for_tensor(src.numel(), codec, world)
+    send = buffers.buffer("send", slot, layout.total_bytes, device)  # [P * cb]: chunk p for rank p
+    compress(src, codec, chunks=world, out=send)
+    recv = buffers.buffer("recv", slot, layout.total_bytes, device)  # [P * cb]: chunk `rank` of every peer
+    work = link.all_to_all(recv, send)
     yield
     work.wait()
-    mine = sum_packed(recv.view(world, layout.chunk_bytes), layout.chunk_layout(), cfg)  # [cb]
-    full = buffers.buffer("full", slot, packed.nbytes, src.device)  # [P * cb]: every reduced chunk, rank order
-    work = all_gather_into(full, mine, group)
+    mine = buffers.buffer("sum", slot, layout.chunk_bytes, device)  # [cb]
+    sum_packed(recv.view(world, layout.chunk_bytes), layout.chunk_layout(), codec, out=mine)
+    full = recv  # [P * cb]: every reduced chunk, rank order (the received chunks are summed by now)
+    work = link.all_gather(full, mine)
     yield
     work.wait()
     tally.sent += 2 * (world - 1) * layout.chunk_bytes
     tally.note(layout, full)
-    decompress(Packed(full, src.shape, src.dtype, cfg, layout), out=out)
+    if out is not None:
+        decompress(Packed(full, src.shape, src.dtype, codec, layout), out=out)
 
 
-def reduce_scatter_piece(
-    blocks: torch.Tensor, out: torch.Tensor, cfg: TacoConfig, group, world: int, tally: Tally, buffers, slot: int
-) -> Iterator:
+def reduce_scatter_piece(blocks: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
+                         buffers: Workspace, slot: int) -> Iterator:
     """out [c] <- this rank's row of the compressed sum over ranks of blocks [P, c]."""
-    packed = compress(pad_to_groups(blocks, cfg.group_size), cfg, chunks=world)  # chunk r = block r
-    layout = packed.layout
-    recv = buffers.buffer("recv", slot, packed.nbytes, blocks.device)  # [P * cb]
-    work = all_to_all(recv, packed.buffer, group)
+    world, device = link.world, blocks.device
+    cols = blocks.shape[1]
+    width = -(-cols // codec.group_size) * codec.group_size
+    if width != cols or not blocks.is_contiguous():  # each block padded with zeros to whole groups
+        staged = buffers.typed("stage", slot, (world, width), blocks.dtype, device)
+        staged[:, cols:].zero_()
+        staged[:, :cols].copy_(blocks)
+        blocks = staged
+    layout = WireLayout.for_tensor(world * width, codec, world)  # chunk r = block r
+    send = buffers.buffer("send", slot, layout.total_bytes, device)
+    compress(blocks, codec, chunks=world, out=send)
+    recv = buffers.buffer("recv", slot, layout.total_bytes, device)  # [P * cb]
+    work = link.all_to_all(recv, send)
     yield
     work.wait()
-    mine = sum_packed(recv.view(world, layout.chunk_bytes), layout.chunk_layout(), cfg)  # [cb]
-    own = WireLayout.for_tensor(out.numel(), cfg)
+    mine = buffers.buffer("sum", slot, layout.chunk_bytes, device)  # [cb]
+    sum_packed(recv.view(world, layout.chunk_bytes), layout.chunk_layout(), codec, out=mine)
+    own = WireLayout.for_tensor(cols, codec)
     assert own.total_bytes == mine.numel(), (own, mine.numel())
     tally.sent += (world - 1) * layout.chunk_bytes
     tally.note(own, mine)
-    decompress(Packed(mine, out.shape, out.dtype, cfg, own), out=out)
+    if out is not None:
+        decompress(Packed(mine, out.shape, out.dtype, codec, own), out=out)
 
 
-def all_gather_piece(
-    src: torch.Tensor, out: torch.Tensor, cfg: TacoConfig, group, world: int, tally: Tally, buffers, slot: int
-) -> Iterator:
+def all_gather_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
+                     buffers: Workspace, slot: int) -> Iterator:
     """out [P, c] (may be a strided view) <- every rank's src [c] decoded, in rank order."""
-    packed = compress(src, cfg)  # one chunk of gpc = ceil(c/G) groups
-    full = buffers.buffer("full", slot, world * packed.nbytes, src.device)  # [P * cb]
-    work = all_gather_into(full, packed.buffer, group)
+    world, device, cols = link.world, src.device, src.numel()
+    layout = WireLayout.for_tensor(cols, codec)  # one chunk of gpc = ceil(c/G) groups
+    send = buffers.buffer("send", slot, layout.total_bytes, device)
+    compress(src, codec, out=send)
+    full = buffers.buffer("recv", slot, world * layout.total_bytes, device)  # [P * cb]
+    work = link.all_gather(full, send)
     yield
     work.wait()
-    width = packed.layout.padded_numel  # gpc * G
-    layout = WireLayout.for_tensor(world * width, cfg, chunks=world)  # chunk p = rank p's buffer
-    assert layout.total_bytes == full.numel(), (layout, full.numel())
-    tally.sent += (world - 1) * packed.nbytes
-    tally.note(layout, full)
-    if width == src.numel() and out.is_contiguous():
-        decompress(Packed(full, out.shape, out.dtype, cfg, layout), out=out)
+    width = layout.padded_numel  # gpc * G
+    whole = WireLayout.for_tensor(world * width, codec, chunks=world)  # chunk p = rank p's buffer
+    assert whole.total_bytes == full.numel(), (whole, full.numel())
+    tally.sent += (world - 1) * layout.total_bytes
+    tally.note(whole, full)
+    if out is None:
+        return
+    if width == cols and out.is_contiguous():
+        decompress(Packed(full, out.shape, out.dtype, codec, whole), out=out)
     else:
-        decoded = decompress(Packed(full, torch.Size((world, width)), out.dtype, cfg, layout))
-        out.copy_(decoded[:, : src.numel()])
+        decoded = buffers.typed("stage", slot, (world, width), out.dtype, device)
+        decompress(Packed(full, decoded.shape, decoded.dtype, codec, whole), out=decoded)
+        out.copy_(decoded[:, :cols])
 
 
 # --- one call as pieces: views of the input and output, cut at group boundaries --------------
 
 
-def all_reduce_pieces(x: torch.Tensor, out: torch.Tensor, cfg: TacoConfig, group, world: int, tally: Tally, buffers):
+def all_reduce_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
+                      buffers: Workspace, piece_bytes: int):
     """The pieces of a compressed all_reduce of x into out (same shape, both contiguous)."""
-    src, dst = x.view(-1), out.view(-1)  # [n]
-    step = piece_length(cfg.piece_bytes, x.element_size(), world * cfg.group_size)
+    src, dst = x.view(-1), None if out is None else out.view(-1)  # [n]
+    step = piece_length(piece_bytes, x.element_size(), link.world * codec.group_size)
     for slot, (a, b) in enumerate(piece_bounds(src.numel(), step)):
-        yield all_reduce_piece(src[a:b], dst[a:b], cfg, group, world, tally, buffers, slot)
+        yield all_reduce_piece(src[a:b], None if dst is None else dst[a:b], codec, link, tally, buffers, slot)
 
 
-def reduce_scatter_pieces(x: torch.Tensor, out: torch.Tensor, cfg: TacoConfig, group, world: int, tally: Tally,
-                          buffers):
+def reduce_scatter_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
+                          buffers: Workspace, piece_bytes: int):
     """The pieces of a compressed reduce_scatter of x [P*m, ...] into out [m, ...] (contiguous)."""
-    blocks, dst = x.view(world, -1), out.view(-1)  # [P, k] (row r: the rows of rank r), [k]
-    step = piece_length(cfg.piece_bytes, world * x.element_size(), cfg.group_size)
-    for slot, (a, b) in enumerate(piece_bounds(dst.numel(), step)):
-        yield reduce_scatter_piece(blocks[:, a:b], dst[a:b], cfg, group, world, tally, buffers, slot)
+    world = link.world
+    blocks = x.view(world, -1)  # [P, k] (row r: the rows of rank r)
+    dst = None if out is None else out.view(-1)  # [k]
+    step = piece_length(piece_bytes, world * x.element_size(), codec.group_size)
+    for slot, (a, b) in enumerate(piece_bounds(blocks.shape[1], step)):
+        yield reduce_scatter_piece(blocks[:, a:b], None if dst is None else dst[a:b], codec, link, tally, buffers,
+                                   slot)
 
 
-def all_gather_pieces(x: torch.Tensor, out: torch.Tensor, cfg: TacoConfig, group, world: int, tally: Tally, buffers):
+def all_gather_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
+                      buffers: Workspace, piece_bytes: int):
     """The pieces of a compressed all_gather of x [m, ...] into out [P*m, ...] (contiguous)."""
-    src, blocks = x.view(-1), out.view(world, -1)  # [k], [P, k] (row p: rank p's x)
-    step = piece_length(cfg.piece_bytes, x.element_size(), cfg.group_size)
+    src = x.view(-1)  # [k]
+    blocks = None if out is None else out.view(link.world, -1)  # [P, k] (row p: rank p's x)
+    step = piece_length(piece_bytes, x.element_size(), codec.group_size)
     for slot, (a, b) in enumerate(piece_bounds(src.numel(), step)):
-        yield all_gather_piece(src[a:b], blocks[:, a:b], cfg, group, world, tally, buffers, slot)
+        yield all_gather_piece(src[a:b], None if blocks is None else blocks[:, a:b], codec, link, tally, buffers,
+                               slot)
+
+
+PIECES = {"all_reduce": all_reduce_pieces, "reduce_scatter": reduce_scatter_pieces, "all_gather": all_gather_pieces}

@@ -21,18 +21,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from ..codec import TacoConfig
+from ..codec.config import PIECE_BYTES
 
-PIECE_BYTES = TacoConfig.piece_bytes
-"""Default piece size (bytes of input) of the compressed collectives, chosen with
-`taco_accel.bench.projection` (``--pieces``): its replay of this schedule with the measured H200
-stage costs (kernel fixed costs 1.7-5 us, codec at 0.95-1.0 of copy bandwidth), over messages
-of 8-128 MiB, NVSwitch / PCIe / 2-node links, 3-20 us per collective and 3-15 us of host work
-per operation, puts 32 MiB within 1% of the best piece size on average (worst 1.16x); 16 MiB
-averages 1.05x (worst 1.8x), 4 MiB 1.7x, one piece 1.03x (worst 1.24x). The codec runs at
-about ten times the link's bandwidth, so there is little to overlap, and every piece pays two
-collective latencies and five host launches. Messages up to 32 MiB go whole; larger ones
-pipeline. The value lives in `TacoConfig.piece_bytes`, the one default."""
+__all__ = ["PIECE_BYTES", "Pipeline", "piece_bounds", "piece_length", "run_pipelined"]
+
+# PIECE_BYTES (32 MiB, the default of `TacoConfig.piece_bytes`) was chosen with
+# `taco_accel.bench.projection` (``--pieces``), a replay of this schedule with measured codec
+# stage costs over message sizes, links, collective latencies and host costs (the table and its
+# command are in benchmarks/results/collectives_cpu.md). The codec runs at about ten times the
+# link's bandwidth, so there is little to overlap, and every piece pays two collective latencies
+# and its host launches: messages up to 32 MiB go whole; larger ones pipeline.
 
 
 def piece_bounds(n: int, piece: int) -> list[tuple[int, int]]:
