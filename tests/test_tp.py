@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from harness import run_ranks
 from torch import nn
 
+import taco_accel
 from taco_accel import TacoConfig, comm
 from taco_accel.comm.pieces import PIECE_BYTES
 from taco_accel.tp import (
@@ -27,6 +28,7 @@ from taco_accel.tp import (
     SiteTable,
     VocabParallelEmbedding,
     gather_from_sp_region,
+    reduce_from_tp_region,
     scatter_to_sp_region,
     vocab_parallel_cross_entropy,
 )
@@ -119,6 +121,29 @@ def test_site_table_print_and_sizes(tmp_path):
     assert table["layers.0.mlp.down_proj/fwd"].samples[0].shape == (2, 32)  # evenly spaced rows
     assert table.calibrate(candidates=(32,)) == {"layers.0.mlp.down_proj/fwd": 32}
     assert table["layers.0.mlp.down_proj/fwd"].samples is None
+
+
+def test_two_models_keep_separate_counts():
+    """Each parallelised model's sites record into its own ledger; `pop_comm_stats` adds them up."""
+    from taco_accel.models.tiny import tiny_model
+
+    on = TacoConfig(threshold_bytes=0)
+    first, second = (taco_accel.parallelize(tiny_model("qwen2"), tp=2, compression=on, emulate=True) for _ in range(2))
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    comm.pop_comm_stats()
+    with torch.no_grad():
+        for model in (first, first, second):
+            model(ids)
+    a, b = first.taco.sites.pop_stats(), second.taco.sites.pop_stats()
+    assert a and a.keys() == b.keys() and set(a) <= set(first.taco.sites)
+    for name in a:
+        assert (a[name].calls, a[name].bytes_sent) == (2 * b[name].calls, 2 * b[name].bytes_sent), name
+        assert a[name].compressed_calls == a[name].calls > 0
+    with torch.no_grad():
+        first(ids), second(ids)
+    every = comm.pop_comm_stats()  # both models, added up where the names meet
+    assert all(every[name].calls == 2 * b[name].calls for name in a)
+    assert first.taco.sites.pop_stats() == {} and second.taco.sites.pop_stats() == {}
 
 
 def test_one_rank_layers_are_plain_layers():
@@ -261,8 +286,28 @@ def _auto_sites() -> dict:
     }
 
 
+def _in_place_and_blocks() -> dict:
+    """g reduces the partial product in place; SP blocks are views, gathered back whole."""
+    rank = dist.get_rank()
+    inputs = [torch.randn(2, 6, 12, generator=torch.Generator().manual_seed(r)) for r in range(WORLD)]
+    x = inputs[rank].clone().requires_grad_()
+    partial = x * 2  # a computed tensor of its own, as a row layer's partial product is
+    y = reduce_from_tp_region(partial, _site("g/fwd"))
+    in_place = y.data_ptr() == partial.data_ptr()
+    y.sum().backward()
+    full = torch.arange(2 * 6 * 12, dtype=torch.float32).view(2, 6, 12)  # (b, s, h), the same on every rank
+    block = scatter_to_sp_region(full, _site("split/bwd"))  # (2, 2, 12): this rank's third of the token rows
+    return {
+        "in_place": in_place, "sum": _diff(y, sum(t * 2 for t in inputs)), "grad": _diff(x.grad, torch.full_like(x, 2)),
+        "block_is_view": block.untyped_storage().data_ptr() == full.untyped_storage().data_ptr(),
+        "block": torch.equal(block, full.view(WORLD, -1)[rank].view(2, 2, 12)),
+        "whole": torch.equal(gather_from_sp_region(block, _site("gather/fwd")), full),
+    }
+
+
 def _worker() -> dict:
     return {
+        "in_place": _in_place_and_blocks(),
         "auto": _auto_sites(),
         "mlp": _mlp(None, conv1d=False),
         "mlp_conv1d": _mlp(None, conv1d=True),
@@ -282,6 +327,13 @@ def measured():
 def test_column_row_pair_matches_dense(measured, case):
     for result in measured:
         assert max(result[case].values()) < 1e-5, result[case]
+
+
+def test_g_reduces_in_place_and_sp_blocks_are_views(measured):
+    for result in measured:
+        r = result["in_place"]
+        assert r["in_place"] and r["block_is_view"] and r["block"] and r["whole"], r
+        assert r["sum"] < 1e-5 and r["grad"] == 0, r  # 3 fp32 sums of |x| < 20: a few ulps at most
 
 
 def test_vocab_parallel_embedding_and_cross_entropy(measured):

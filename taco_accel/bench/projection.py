@@ -159,12 +159,6 @@ def simulate_all_reduce(n: int, p: int, link: Link, codec: Codec, piece_bytes: i
     return {"total": max(max(d) for d in done), "codec": sum(s for stages in plan for st, s in stages if st == "gpu")}
 
 
-def best_piece(n: int, p: int, link: Link, codec: Codec, pieces_mib=(1, 2, 4, 8, 16, 32, 64), **kw) -> float:
-    """The piece size (MiB, 0: whole message) with the shortest simulated all-reduce."""
-    times = {mib: simulate_all_reduce(n, p, link, codec, int(mib * MiB), **kw)["total"] for mib in (0, *pieces_mib)}
-    return min(times, key=times.get)
-
-
 # --- one training step ------------------------------------------------------------------------
 
 

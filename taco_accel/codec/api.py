@@ -165,10 +165,7 @@ def compress(x: torch.Tensor, config: CodecConfig | None = None, *, chunks: int 
         out = torch.empty(layout.total_bytes, dtype=torch.uint8, device=x.device)
     else:
         _check_out(out, layout.total_bytes, x.device, "compress")
-    if layout.numel:
-        dispatch.compress_into(x.reshape(-1), out, layout, config, tuning or DEFAULT_TUNING)
-        if config.nonfinite == "raise":
-            _raise_if_nonfinite(x, out, layout)
+    encode_into(x if x.is_contiguous() else x.contiguous(), out, layout, config, tuning)
     return Packed(out, x.shape, x.dtype, config, layout)
 
 
@@ -185,9 +182,7 @@ def decompress(packed: Packed, out: torch.Tensor | None = None, *, tuning: Tunin
         out = torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)
     elif out.numel() != packed.layout.numel or not out.is_contiguous() or out.device != packed.device:
         raise ValueError(f"out must be a contiguous tensor of {packed.layout.numel} elements on {packed.device}")
-    if packed.layout.numel:
-        _check_wire_where_cheap(packed.buffer, packed.layout, packed.config)
-        dispatch.decompress_into(packed.buffer, packed.layout, packed.config, out.view(-1), tuning or DEFAULT_TUNING)
+    decode_into(packed.buffer, packed.layout, packed.config, out, tuning)
     return out
 
 
@@ -209,10 +204,39 @@ def sum_packed(stacked: torch.Tensor, layout: WireLayout, config: CodecConfig, *
         out = torch.empty(layout.total_bytes, dtype=torch.uint8, device=stacked.device)
     else:
         _check_out(out, layout.total_bytes, stacked.device, "sum_packed")
+    sum_packed_into(stacked, layout, config, out, tuning)
+    return out
+
+
+# --- the same steps into buffers the caller owns, without the argument checks -----------------
+# (`comm` computes the layouts and keeps the buffers; the wire headers are still checked)
+
+
+def encode_into(x: torch.Tensor, out: torch.Tensor, layout: WireLayout, config: CodecConfig,
+                tuning: Tuning | None = None) -> None:
+    """`compress` of the contiguous ``x`` (``layout.numel`` values) into ``out`` (the layout's
+    uint8 buffer)."""
+    if layout.numel:
+        dispatch.compress_into(x if x.dim() == 1 else x.view(-1), out, layout, config, tuning or DEFAULT_TUNING)
+        if config.nonfinite == "raise":
+            _raise_if_nonfinite(x, out, layout)
+
+
+def decode_into(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig, out: torch.Tensor,
+                tuning: Tuning | None = None) -> None:
+    """`decompress` of ``buffer`` (one buffer of ``layout``) into the contiguous ``out``."""
+    if layout.numel:
+        _check_wire_where_cheap(buffer, layout, config)
+        dispatch.decompress_into(buffer, layout, config, out if out.dim() == 1 else out.view(-1),
+                                 tuning or DEFAULT_TUNING)
+
+
+def sum_packed_into(stacked: torch.Tensor, layout: WireLayout, config: CodecConfig, out: torch.Tensor,
+                    tuning: Tuning | None = None) -> None:
+    """`sum_packed` of ``stacked`` [P, layout.total_bytes] into ``out`` (the layout's uint8 buffer)."""
     if layout.numel:
         _check_wire_where_cheap(stacked, layout, config)
         dispatch.sum_into(stacked, layout, config, out, tuning or DEFAULT_TUNING)
-    return out
 
 
 _DEFAULT = CodecConfig()

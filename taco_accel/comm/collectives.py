@@ -177,7 +177,7 @@ class Pending:
                 self._pipeline.tick()  # the first piece encoded and on the wire
             else:
                 self._work = _plain(kind, x, out, link, codec)
-        except RuntimeError as error:
+        except Exception as error:
             self._fail(error)
 
     def progress(self) -> None:
@@ -185,7 +185,7 @@ class Pending:
         if self.compressed and not self._done:
             try:
                 self._done = not self._pipeline.tick()
-            except RuntimeError as error:
+            except Exception as error:
                 self._fail(error)
 
     def result(self) -> tuple[torch.Tensor, int, bool]:
@@ -196,7 +196,7 @@ class Pending:
                 release(self._buffers)
             else:
                 self._work.wait()
-        except RuntimeError as error:
+        except Exception as error:
             self._fail(error)
         out, world = self.out, self.link.world
         raising = self.codec is not None and self.codec.nonfinite == "raise" and out.is_floating_point()
@@ -221,11 +221,12 @@ class Pending:
                 record.errors.append(relative_error(out, exact))
         return out
 
-    def _fail(self, error: RuntimeError):
+    def _fail(self, error: Exception):
         """Give the workspace back; raise ``error``, named after the site if it is a timeout."""
-        if self.compressed:
+        if self.compressed and hasattr(self, "_buffers"):
             release(self._buffers)
-        named = agreement.timeout_error(error, self.site, self.kind, self.link.group)
+        named = agreement.timeout_error(error, self.site, self.kind, self.link.group) \
+            if isinstance(error, RuntimeError) else error
         if named is error:
             raise error
         raise named from error
@@ -254,11 +255,15 @@ def _plain(kind: str, x: torch.Tensor, out: torch.Tensor, link, codec: CodecConf
     return link.all_gather(out, x)
 
 
-@functools.lru_cache(maxsize=64)
 def wire_codec(codec: CodecConfig) -> CodecConfig:
     """The codec's settings on the wire: under "raise" the codec propagates and we raise after
     the transfer (on a flag every rank agrees on)."""
-    return codec.replace(nonfinite="propagate") if codec.nonfinite == "raise" else codec
+    return codec if codec.nonfinite != "raise" else _propagating(codec)
+
+
+@functools.lru_cache(maxsize=64)
+def _propagating(codec: CodecConfig) -> CodecConfig:
+    return codec.replace(nonfinite="propagate")
 
 
 def raise_if_flag(flag: torch.Tensor, link, site: str, *, agree: bool) -> None:

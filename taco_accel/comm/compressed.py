@@ -28,7 +28,8 @@ from collections.abc import Iterator
 
 import torch
 
-from ..codec import CodecConfig, Packed, WireLayout, compress, decompress, sum_packed
+from ..codec import CodecConfig, WireLayout
+from ..codec.api import decode_into, encode_into, sum_packed_into
 from .pieces import piece_bounds, piece_length
 
 
@@ -58,7 +59,7 @@ class Workspace:
 
     One per device, shared by every call site: collectives of a model run one after another,
     and a call holds the workspace from its start to its result (`acquire` / `release`; a
-    second call in flight meanwhile, or a CUDA graph capture, gets fresh buffers instead). A
+    second call in flight meanwhile, or a CUDA graph capture, gets a workspace of its own). A
     piece uses slot ``index % 3``: at most three pieces are in flight (`pieces`). Each buffer
     grows to the largest message seen and stays; `release_workspaces` frees them. Reuse is safe
     on NCCL: a collective's stream waits for the work queued before it, which includes the
@@ -70,43 +71,53 @@ class Workspace:
     def __init__(self) -> None:
         self.busy = False
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
+        self._views: dict[tuple, torch.Tensor] = {}  # views handed out before, reused (a view costs host time)
 
-    def buffer(self, role: str, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
-        """``nbytes`` uint8 of the buffer ``role`` in ``slot`` (grown if needed)."""
-        key = (role, slot % self.SLOTS)
-        buf = self._buffers.get(key)
-        if buf is None or buf.numel() < nbytes:
-            buf = self._buffers[key] = torch.empty(max(nbytes, 16), dtype=torch.uint8, device=device)
-        return buf[:nbytes]
+    def buffer(self, role: str, slot: int, nbytes: int, device: torch.device, shape=None) -> torch.Tensor:
+        """``nbytes`` uint8 of the buffer ``role`` in ``slot`` (grown if needed), viewed as
+        ``shape`` if given."""
+        key = (role, slot % self.SLOTS, nbytes, shape)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = self._grown(role, slot % self.SLOTS, nbytes, device)[:nbytes].view(shape or -1)
+        return view
 
     def typed(self, role: str, slot: int, shape: tuple[int, ...], dtype: torch.dtype,
               device: torch.device) -> torch.Tensor:
         """A contiguous tensor of ``shape`` and ``dtype`` in the buffer ``role`` of ``slot``."""
-        numel = 1
-        for n in shape:
-            numel *= n
-        return self.buffer(role, slot, numel * dtype.itemsize, device).view(dtype).view(shape)
+        key = (role, slot % self.SLOTS, shape, dtype)
+        view = self._views.get(key)
+        if view is None:
+            numel = 1
+            for n in shape:
+                numel *= n
+            raw = self._grown(role, slot % self.SLOTS, numel * dtype.itemsize, device)
+            view = self._views[key] = raw[: numel * dtype.itemsize].view(dtype).view(shape)
+        return view
 
-
-class FreshBuffers(Workspace):
-    """`Workspace`'s interface, allocating every time."""
-
-    def buffer(self, role: str, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    def _grown(self, role: str, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
+        buf = self._buffers.get((role, slot))
+        if buf is None or buf.numel() < nbytes:
+            buf = self._buffers[role, slot] = torch.empty(max(nbytes, 16), dtype=torch.uint8, device=device)
+            self._views = {k: v for k, v in self._views.items() if k[:2] != (role, slot)}  # of the old buffer
+        if len(self._views) > 256:  # many message sizes: start over rather than grow
+            self._views.clear()
+        return buf
 
 
 _workspaces: dict[torch.device, Workspace] = {}
 
 
 def acquire(device: torch.device) -> Workspace:
-    """The device's workspace if it is free (and no CUDA graph is being captured), else fresh buffers."""
+    """The device's workspace if it is free (and no CUDA graph is being captured), else a
+    workspace of this call's own (fresh buffers)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return FreshBuffers()  # a captured graph must own its buffers (the graph's memory pool)
+        return Workspace()  # a captured graph must own its buffers (the graph's memory pool)
     workspace = _workspaces.get(device)
     if workspace is None:
         workspace = _workspaces[device] = Workspace()
     if workspace.busy:
-        return FreshBuffers()
+        return Workspace()
     workspace.busy = True
     return workspace
 
@@ -122,17 +133,18 @@ def release_workspaces() -> None:
 
 def all_reduce_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
                      buffers: Workspace, slot: int) -> Iterator:
-    """out [n] <- compressed two-shot sum over the ranks of src [n] (both flat, contiguous)."""
+    """out <- compressed two-shot sum over the ranks of src (same numel, both contiguous)."""
     world, device = link.world, src.device
     layout = WireLayout.for_tensor(src.numel(), codec, world)
-    send = buffers.buffer("send", slot, layout.total_bytes, device)  # [P * cb]: chunk p for rank p
-    compress(src, codec, chunks=world, out=send)
-    recv = buffers.buffer("recv", slot, layout.total_bytes, device)  # [P * cb]: chunk `rank` of every peer
+    total, cb = layout.total_bytes, layout.chunk_bytes
+    send = buffers.buffer("send", slot, total, device)  # [P * cb]: chunk p for rank p
+    encode_into(src, send, layout, codec)
+    recv = buffers.buffer("recv", slot, total, device)  # [P * cb]: chunk `rank` of every peer
     work = link.all_to_all(recv, send)
     yield
     work.wait()
-    mine = buffers.buffer("sum", slot, layout.chunk_bytes, device)  # [cb]
-    sum_packed(recv.view(world, layout.chunk_bytes), layout.chunk_layout(), codec, out=mine)
+    mine = buffers.buffer("sum", slot, cb, device)  # [cb]
+    sum_packed_into(buffers.buffer("recv", slot, total, device, (world, cb)), layout.chunk_layout(), codec, mine)
     full = recv  # [P * cb]: every reduced chunk, rank order (the received chunks are summed by now)
     work = link.all_gather(full, mine)
     yield
@@ -140,44 +152,47 @@ def all_reduce_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecCo
     tally.sent += 2 * (world - 1) * layout.chunk_bytes
     tally.note(layout, full)
     if out is not None:
-        decompress(Packed(full, src.shape, src.dtype, codec, layout), out=out)
+        decode_into(full, layout, codec, out)
 
 
 def reduce_scatter_piece(blocks: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
                          buffers: Workspace, slot: int) -> Iterator:
-    """out [c] <- this rank's row of the compressed sum over ranks of blocks [P, c]."""
+    """out [c] <- this rank's row of the compressed sum over ranks of blocks [P, c] (or any
+    contiguous tensor of P*c values, row r of which is rank r's)."""
     world, device = link.world, blocks.device
-    cols = blocks.shape[1]
+    cols = blocks.numel() // world
     width = -(-cols // codec.group_size) * codec.group_size
     if width != cols or not blocks.is_contiguous():  # each block padded with zeros to whole groups
         staged = buffers.typed("stage", slot, (world, width), blocks.dtype, device)
         staged[:, cols:].zero_()
-        staged[:, :cols].copy_(blocks)
+        staged[:, :cols].copy_(blocks.reshape(world, cols))
         blocks = staged
     layout = WireLayout.for_tensor(world * width, codec, world)  # chunk r = block r
-    send = buffers.buffer("send", slot, layout.total_bytes, device)
-    compress(blocks, codec, chunks=world, out=send)
-    recv = buffers.buffer("recv", slot, layout.total_bytes, device)  # [P * cb]
+    total, cb = layout.total_bytes, layout.chunk_bytes
+    send = buffers.buffer("send", slot, total, device)
+    encode_into(blocks, send, layout, codec)
+    recv = buffers.buffer("recv", slot, total, device)  # [P * cb]
     work = link.all_to_all(recv, send)
     yield
     work.wait()
-    mine = buffers.buffer("sum", slot, layout.chunk_bytes, device)  # [cb]
-    sum_packed(recv.view(world, layout.chunk_bytes), layout.chunk_layout(), codec, out=mine)
+    mine = buffers.buffer("sum", slot, cb, device)  # [cb]
+    sum_packed_into(buffers.buffer("recv", slot, total, device, (world, cb)), layout.chunk_layout(), codec, mine)
     own = WireLayout.for_tensor(cols, codec)
     assert own.total_bytes == mine.numel(), (own, mine.numel())
     tally.sent += (world - 1) * layout.chunk_bytes
     tally.note(own, mine)
     if out is not None:
-        decompress(Packed(mine, out.shape, out.dtype, codec, own), out=out)
+        decode_into(mine, own, codec, out)
 
 
 def all_gather_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
                      buffers: Workspace, slot: int) -> Iterator:
-    """out [P, c] (may be a strided view) <- every rank's src [c] decoded, in rank order."""
+    """out [P, c] (may be a strided view, or any contiguous tensor of P*c values) <- every
+    rank's src (c values, contiguous) decoded, in rank order."""
     world, device, cols = link.world, src.device, src.numel()
     layout = WireLayout.for_tensor(cols, codec)  # one chunk of gpc = ceil(c/G) groups
     send = buffers.buffer("send", slot, layout.total_bytes, device)
-    compress(src, codec, out=send)
+    encode_into(src, send, layout, codec)
     full = buffers.buffer("recv", slot, world * layout.total_bytes, device)  # [P * cb]
     work = link.all_gather(full, send)
     yield
@@ -190,11 +205,12 @@ def all_gather_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecCo
     if out is None:
         return
     if width == cols and out.is_contiguous():
-        decompress(Packed(full, out.shape, out.dtype, codec, whole), out=out)
+        decode_into(full, whole, codec, out)
     else:
         decoded = buffers.typed("stage", slot, (world, width), out.dtype, device)
-        decompress(Packed(full, decoded.shape, decoded.dtype, codec, whole), out=decoded)
-        out.copy_(decoded[:, :cols])
+        decode_into(full, whole, codec, decoded)
+        rows = out.view(world, cols) if out.is_contiguous() else out  # [P, c]
+        rows.copy_(decoded[:, :cols])
 
 
 # --- one call as pieces: views of the input and output, cut at group boundaries --------------
@@ -203,9 +219,13 @@ def all_gather_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecCo
 def all_reduce_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
                       buffers: Workspace, piece_bytes: int):
     """The pieces of a compressed all_reduce of x into out (same shape, both contiguous)."""
-    src, dst = x.view(-1), None if out is None else out.view(-1)  # [n]
     step = piece_length(piece_bytes, x.element_size(), link.world * codec.group_size)
-    for slot, (a, b) in enumerate(piece_bounds(src.numel(), step)):
+    bounds = piece_bounds(x.numel(), step)
+    if len(bounds) == 1:  # one piece: the tensors as they are (each view costs host time)
+        yield all_reduce_piece(x, out, codec, link, tally, buffers, 0)
+        return
+    src, dst = x.view(-1), None if out is None else out.view(-1)  # [n]
+    for slot, (a, b) in enumerate(bounds):
         yield all_reduce_piece(src[a:b], None if dst is None else dst[a:b], codec, link, tally, buffers, slot)
 
 
@@ -213,10 +233,14 @@ def reduce_scatter_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: Code
                           buffers: Workspace, piece_bytes: int):
     """The pieces of a compressed reduce_scatter of x [P*m, ...] into out [m, ...] (contiguous)."""
     world = link.world
+    step = piece_length(piece_bytes, world * x.element_size(), codec.group_size)
+    bounds = piece_bounds(x.numel() // world, step)
+    if len(bounds) == 1:
+        yield reduce_scatter_piece(x, out, codec, link, tally, buffers, 0)
+        return
     blocks = x.view(world, -1)  # [P, k] (row r: the rows of rank r)
     dst = None if out is None else out.view(-1)  # [k]
-    step = piece_length(piece_bytes, world * x.element_size(), codec.group_size)
-    for slot, (a, b) in enumerate(piece_bounds(blocks.shape[1], step)):
+    for slot, (a, b) in enumerate(bounds):
         yield reduce_scatter_piece(blocks[:, a:b], None if dst is None else dst[a:b], codec, link, tally, buffers,
                                    slot)
 
@@ -224,10 +248,14 @@ def reduce_scatter_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: Code
 def all_gather_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
                       buffers: Workspace, piece_bytes: int):
     """The pieces of a compressed all_gather of x [m, ...] into out [P*m, ...] (contiguous)."""
+    step = piece_length(piece_bytes, x.element_size(), codec.group_size)
+    bounds = piece_bounds(x.numel(), step)
+    if len(bounds) == 1:
+        yield all_gather_piece(x, out, codec, link, tally, buffers, 0)
+        return
     src = x.view(-1)  # [k]
     blocks = None if out is None else out.view(link.world, -1)  # [P, k] (row p: rank p's x)
-    step = piece_length(piece_bytes, x.element_size(), codec.group_size)
-    for slot, (a, b) in enumerate(piece_bounds(src.numel(), step)):
+    for slot, (a, b) in enumerate(bounds):
         yield all_gather_piece(src[a:b], None if blocks is None else blocks[:, a:b], codec, link, tally, buffers,
                                slot)
 

@@ -51,13 +51,7 @@ def piece_length(piece_bytes: int, bytes_per_item: int, align: int) -> int:
     return max(align, items - items % align)
 
 
-def _advance(step: Iterator) -> bool:
-    """Run ``step`` to its next yield; False once it has finished."""
-    try:
-        next(step)
-    except StopIteration:
-        return False
-    return True
+_END = object()  # what `next` returns for a finished piece
 
 
 class Pipeline:
@@ -84,15 +78,16 @@ class Pipeline:
 
     def tick(self) -> bool:
         """Start the next piece (if any) and advance every live one; False once all are done."""
-        if self._only is not None:
-            if _advance(self._only):
+        only = self._only
+        if only is not None:
+            if next(only, _END) is not _END:
                 return True
             self._only = None
             return False
         step = next(self._pending, None)
         if step is not None:
             self._live.append(step)
-        self._live = [s for s in reversed(self._live) if _advance(s)][::-1]
+        self._live = [s for s in reversed(self._live) if next(s, _END) is not _END][::-1]
         return step is not None or bool(self._live)
 
     def finish(self) -> None:

@@ -85,14 +85,19 @@ class Site:
         """The collective, eagerly: calibration sample, decision, statistics. ``inplace``: x is
         the caller's to give away (all_reduce writes the sum into it). ``async_op``: the
         `collectives.Pending`."""
-        x = x.detach()
+        if x.requires_grad:
+            x = x.detach()
         if self.samples is not None:
             self.observe(x)
         link = self._link or self.link
         if kind != "all_reduce":
             check_shape(kind, x, link.world)
-        pending = Pending(kind, x, link, self.codec, self.compresses(kind, x), self.piece_bytes, self.entry,
-                          self.name, inplace)
+        if self.decider is None:  # the size rule, inline: this is every plain site's path
+            nbytes = x.numel() * x.element_size()
+            compress = self.codec is not None and nbytes >= self._threshold and nbytes > 0
+        else:
+            compress = self.compresses(kind, x)
+        pending = Pending(kind, x, link, self.codec, compress, self.piece_bytes, self.entry, self.name, inplace)
         return pending if async_op else pending.wait()
 
     # -- the decision ------------------------------------------------------------------------
