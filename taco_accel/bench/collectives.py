@@ -25,7 +25,9 @@ all-reduce site call with the transfers and the codec kernels stubbed (the codec
 and header checks, and the collectives of `dist_ops.Link`, do nothing): the library's own host
 us, collectives issued, Python calls, torch operations and tensors allocated, plain and
 compressed; (3) that host work plus the measured cost of issuing each real collective the call
-makes, compressed against plain.
+makes, compressed against plain; (4) the same site calls with real transfers and kernels (on a
+GPU the host time until the call returns, and the CUDA caching allocator's allocations per
+steady call).
 """
 
 from __future__ import annotations
@@ -378,6 +380,30 @@ def plain_times(numel: int, calls: int, rounds: int, device: torch.device) -> di
     }, calls, rounds, device)
 
 
+def real_costs(numel: int, calls: int, rounds: int, device: torch.device) -> dict[str, dict]:
+    """Host us per all-reduce site call with real transfers and real codec kernels, plain and
+    compressed, both in place (on a GPU: until the call returns, its kernels and transfers
+    queued; on a CPU the reference codec's compute is in it), and on CUDA the blocks the caching
+    allocator hands out during one steady call."""
+    x = torch.zeros(numel, device=device)
+    plain, packed = comm.Site("bench/real_plain", None, None), comm.Site("bench/real", None, TacoConfig(threshold_bytes=0))
+    variants = {"plain": lambda: plain.run("all_reduce", x, inplace=True),
+                "compressed": lambda: packed.run("all_reduce", x, inplace=True)}
+    times = _interleaved(variants, calls, rounds, device)
+    out = {}
+    for name, fn in variants.items():
+        allocations = None
+        if device.type == "cuda":
+            _sync(device)
+            before = torch.cuda.memory_stats(device)["allocation.all.allocated"]
+            fn()
+            _sync(device)
+            allocations = torch.cuda.memory_stats(device)["allocation.all.allocated"] - before
+        out[name] = dict(us=times[name], allocations=allocations)
+    comm.pop_comm_stats()
+    return out
+
+
 def own_costs(numel: int, calls: int, rounds: int, device: torch.device) -> dict[str, dict]:
     """Per call, transfers and codec kernels stubbed: host us, collectives issued, Python calls,
     torch operations and tensors allocated, for a plain and a compressed all-reduce site (in
@@ -471,6 +497,8 @@ def run_host(args) -> None:
     sizes = [int(n) for n in args.host_values.split(",")]
     plain = {n: plain_times(n, args.host_calls, args.host_rounds, device) for n in sizes}
     own = {n: own_costs(n, args.host_calls, args.host_rounds, device) for n in sizes}
+    real_calls = args.host_calls if device.type == "cuda" else max(5, args.host_calls // 20)  # the CPU codec computes
+    real = {n: real_costs(n, real_calls, args.host_rounds, device) for n in sizes}
     issue = {n: issue_us(n, args.host_calls, device) for n in sizes}
     check = agreement_us(args.host_calls // 5, device)
     if dist.get_rank() != 0:
@@ -502,6 +530,15 @@ def run_host(args) -> None:
         packed_call = mine["compressed, in place"]["us"] + i["all_to_all"] + i["all_gather"]
         print(f"| {n} | {i['all_reduce']:.1f} | {i['all_to_all']:.1f} | {i['all_gather']:.1f} | {plain_call:.1f} | "
               f"{packed_call:.1f} | {packed_call / plain_call:.2f}x |")
+    where = "until queued" if device.type == "cuda" else "whole call, the reference codec's compute included"
+    print(f"\n# one all_reduce site call in place, real transfers and codec kernels: host us per call ({where}; {head})")
+    print("| values | plain | compressed | compressed / plain | allocations plain / compressed |")
+    print("| ---: | ---: | ---: | ---: | --- |")
+    for n, r in real.items():
+        allocs = "n/a (CPU)" if r["plain"]["allocations"] is None else \
+            f"{r['plain']['allocations']} / {r['compressed']['allocations']}"
+        print(f"| {n} | {r['plain']['us']:.1f} | {r['compressed']['us']:.1f} | "
+              f"{r['compressed']['us'] / r['plain']['us']:.2f}x | {allocs} |")
     print(f"\n# the ranks' agreement check (each site's first call; every call with TACO_CHECK_COLLECTIVES=1): "
           f"{check:.0f} us", flush=True)
 

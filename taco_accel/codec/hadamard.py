@@ -44,7 +44,7 @@ def walsh_hadamard(x: torch.Tensor) -> torch.Tensor:
 
     The stages of stride 1, 2 and 4 pair neighbours inside blocks of 8; they run with those
     blocks' positions moved to the middle axis, where each butterfly adds and subtracts
-    contiguous runs of G/8 values (1.5x faster on a CPU; the same operations, so the same bits)."""
+    contiguous runs of G/8 values (faster on a CPU; the same operations, so the same bits)."""
     n, g = x.shape
     inner = min(8, g)
     t = x.view(n, g // inner, inner).transpose(1, 2).contiguous()  # (n, 8, G/8): [position in block, block]

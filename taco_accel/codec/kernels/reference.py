@@ -1,6 +1,7 @@
 """The TACO codec in plain PyTorch: the specification of the algorithm and the CPU path.
 
-Per group x of G values, in fp32 (TACO_SPEC.md):
+Per group x of G values, in fp32 (the README's "What the codec does" says where it departs
+from the paper):
 
 1. adaptive scale ``a = clamp(QMAX / sqrt(mean(x^2) + 1e-6), 1e-3, 1e3)`` ("dual" only);
 2. transform ``y = a * (x @ W) / sqrt(G)`` (W: signs times Hadamard, applied as butterflies,
