@@ -292,13 +292,23 @@ def _in_place_and_blocks() -> dict:
     inputs = [torch.randn(2, 6, 12, generator=torch.Generator().manual_seed(r)) for r in range(WORLD)]
     x = inputs[rank].clone().requires_grad_()
     partial = x * 2  # a computed tensor of its own, as a row layer's partial product is
-    y = reduce_from_tp_region(partial, _site("g/fwd"))
+    y = reduce_from_tp_region(partial, _site("g/fwd"), owned=True)
     in_place = y.data_ptr() == partial.data_ptr()
     y.sum().backward()
+    with torch.no_grad():  # a layer's partial product is reduced in place, in inference too
+        row = RowParallelLinear(12, 4, group=None, reduce=RegionExit(_site("row/fwd")), bias=False)
+        made = []
+
+        def partial(t, product=row.partial):
+            made.append(product(t))
+            return made[-1]
+
+        row.partial = partial
+        row_in_place = row(torch.randn(2, 6, 4)).data_ptr() == made[0].data_ptr()
     full = torch.arange(2 * 6 * 12, dtype=torch.float32).view(2, 6, 12)  # (b, s, h), the same on every rank
     block = scatter_to_sp_region(full, _site("split/bwd"))  # (2, 2, 12): this rank's third of the token rows
     return {
-        "in_place": in_place, "sum": _diff(y, sum(t * 2 for t in inputs)), "grad": _diff(x.grad, torch.full_like(x, 2)),
+        "in_place": in_place and row_in_place, "sum": _diff(y, sum(t * 2 for t in inputs)), "grad": _diff(x.grad, torch.full_like(x, 2)),
         "block_is_view": block.untyped_storage().data_ptr() == full.untyped_storage().data_ptr(),
         "block": torch.equal(block, full.view(WORLD, -1)[rank].view(2, 2, 12)),
         "whole": torch.equal(gather_from_sp_region(block, _site("gather/fwd")), full),

@@ -19,8 +19,8 @@ batch > 1 another set of b*s/P tokens, which the per-token work between blocks (
 dropout, residual adds) does not tell apart. Every SP collective then moves contiguous memory:
 no to-and-from layout copies (Megatron gets the same with sequence-first tensors).
 
-The forward all-reduce (g) reduces in place: its input is the partial product that the layer
-just computed (Megatron's ``_reduce``). With one rank every function is the identity.
+The forward all-reduce (g) of a layer reduces in place: its input is the partial product that
+the layer just computed (Megatron's ``_reduce``). With one rank every function is the identity.
 """
 
 from __future__ import annotations
@@ -89,19 +89,20 @@ class _CopyToTPRegion(torch.autograd.Function):
 
 
 class _ReduceFromTPRegion(torch.autograd.Function):
-    """g: forward all-reduce (in place on the partial product), backward identity."""
+    """g: forward all-reduce (in place on the partial product when ``owned``), backward identity."""
 
     @staticmethod
-    def forward(ctx, x, fwd: Site):
-        if torch.compiler.is_compiling() or x.is_leaf or x._base is not None or not x.is_contiguous():
-            return _all_reduce(x, fwd)  # the compiled op is out of place; a leaf or a view is not ours
+    def forward(ctx, x, fwd: Site, owned: bool):
+        if (not owned or torch.compiler.is_compiling() or not x.is_contiguous() or x._base is not None
+                or (x.is_leaf and x.requires_grad)):
+            return _all_reduce(x, fwd)  # the compiled op is out of place; a view or a parameter is not ours
         ctx.mark_dirty(x)
-        _all_reduce(x, fwd, owned=True)  # the sum written into x (contiguous: the collective works in it)
+        _all_reduce(x, fwd, owned=True)  # the sum written into x
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _GatherFromTPRegion(torch.autograd.Function):
@@ -177,11 +178,10 @@ def copy_to_tp_region(x: torch.Tensor, bwd: Site) -> torch.Tensor:
     return x if group_size(bwd.group) == 1 else _CopyToTPRegion.apply(x, bwd)
 
 
-def reduce_from_tp_region(x: torch.Tensor, fwd: Site) -> torch.Tensor:
-    """g: leave the TP region by summing the partial results at site ``fwd``. The sum is
-    taken in place when ``x`` is a computed tensor of its own (not a leaf, not a view): pass a
-    partial product, as Megatron does, or a clone of what must stay."""
-    return x if group_size(fwd.group) == 1 else _ReduceFromTPRegion.apply(x, fwd)
+def reduce_from_tp_region(x: torch.Tensor, fwd: Site, owned: bool = False) -> torch.Tensor:
+    """g: leave the TP region by summing the partial results at site ``fwd``. ``owned``: x is
+    the caller's temporary (a partial product, as in Megatron), reduced in place and returned."""
+    return x if group_size(fwd.group) == 1 else _ReduceFromTPRegion.apply(x, fwd, owned)
 
 
 def gather_from_tp_region(

@@ -74,6 +74,7 @@ class RegionExit:
 
     This is the reduction step of a row-parallel layer, kept a separate object so that it can
     be replaced (a single-process emulation of tp ranks, LoRA adding its partial product first).
+    ``partial`` is the caller's temporary: the all-reduce works in it.
     """
 
     def __init__(self, fwd: Site, bwd: Site | None = None, sequence: SequenceState | None = None,
@@ -89,7 +90,7 @@ class RegionExit:
     def __call__(self, partial: torch.Tensor) -> torch.Tensor:
         if self.sequence is not None and self.sequence.active:
             return reduce_scatter_to_sp_region(partial, self.fwd, self.bwd, SEQ_DIM)  # (b, s, h) -> (b, s/tp, h)
-        return reduce_from_tp_region(partial, self.fwd)
+        return reduce_from_tp_region(partial, self.fwd, owned=True)  # the layer's temporary: reduced in place
 
 
 class HiddenStatesHook:
