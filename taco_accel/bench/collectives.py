@@ -344,28 +344,29 @@ class _Calls:
             self.count += 1
 
 
-def _per_call_us(fn, calls: int, device: torch.device) -> float:
-    """Host us per call of ``fn``, ``calls`` calls back to back (on a GPU: until they are queued)."""
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    spent = time.perf_counter() - start
-    _sync(device)
-    return spent / calls * 1e6
-
-
 def _interleaved(variants: dict, calls: int, rounds: int, device: torch.device) -> dict[str, float]:
-    """Median over ``rounds`` of each variant's us per call, the variants taking turns (so that a
-    busy machine slows them alike); every rank runs the same calls."""
-    for fn in variants.values():  # warm-up: first-call checks, buffers, connections
+    """Host us per call of each variant: the variants take turns call by call (so that other work
+    on the machine slows them alike), ``calls`` calls each per round; the best round's mean (the
+    round least disturbed). On a GPU a call's time is until it returns, its work queued. Every
+    rank runs the same calls."""
+    names, fns = list(variants), list(variants.values())
+    for fn in fns:  # warm-up: first-call checks, buffers, connections
         for _ in range(10):
             fn()
-    spent: dict[str, list[float]] = {name: [] for name in variants}
+    best = dict.fromkeys(names, float("inf"))
+    clock = time.perf_counter
     for _ in range(rounds):
-        for name, fn in variants.items():
-            spent[name].append(_per_call_us(fn, calls, device))
-    return {name: statistics.median(values) for name, values in spent.items()}
+        spent = [0.0] * len(fns)
+        _sync(device)
+        for _ in range(calls):
+            for i, fn in enumerate(fns):
+                start = clock()
+                fn()
+                spent[i] += clock() - start
+        _sync(device)
+        for name, seconds in zip(names, spent):
+            best[name] = min(best[name], seconds / calls * 1e6)
+    return best
 
 
 def plain_times(numel: int, calls: int, rounds: int, device: torch.device) -> dict[str, float]:
@@ -471,7 +472,7 @@ def issue_us(numel: int, calls: int, device: torch.device) -> dict[str, float]:
             if i >= 10:
                 spent.append(time.perf_counter() - start)
             work.wait()
-        out[name] = statistics.median(spent) * 1e6
+        out[name] = min(spent) * 1e6
     return out
 
 
@@ -504,7 +505,7 @@ def run_host(args) -> None:
     if dist.get_rank() != 0:
         return
     head = (f"{dist.get_world_size()} ranks, {args.backend}, {device.type}, fp32, torch {torch.__version__}; "
-            f"median of {args.host_rounds} rounds of {args.host_calls} calls")
+            f"best of {args.host_rounds} rounds of {args.host_calls} calls")
     print(f"# plain all_reduce, real transfers: host us per call ({head})")
     print("| values | torch.distributed.all_reduce | comm.all_reduce(inplace=True) | Site (g, in place) | "
           "comm / torch | Site / torch |")
@@ -569,7 +570,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--host", action="store_true", help="host us per call: plain against torch.distributed, "
                    "compressed against plain, allocations")
     p.add_argument("--host-calls", type=int, default=200, help="calls per round (--host)")
-    p.add_argument("--host-rounds", type=int, default=7, help="rounds per figure, the median kept (--host)")
+    p.add_argument("--host-rounds", type=int, default=9, help="rounds per figure, the best kept (--host)")
     p.add_argument("--host-values", default="1024,65536", help="fp32 values per all_reduce (--host)")
     args = p.parse_args(argv)
     if args.sizes is None:
