@@ -232,6 +232,8 @@ class EmulatedGroup:
         return out, sent
 
     def _workspaces_on(self, device: torch.device) -> list[Workspace]:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return [Workspace() for _ in range(self.size)]  # a captured graph owns its buffers (its memory pool)
         found = self._workspaces.get(device)
         if found is None:
             found = self._workspaces[device] = [Workspace() for _ in range(self.size)]

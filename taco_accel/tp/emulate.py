@@ -40,6 +40,7 @@ from torch import nn
 
 from ..comm.emulated import EmulatedGroup
 from .cross_entropy import combine_loss_parts, local_loss_parts
+from .mappings import blocks
 from .regions import SEQ_DIM, HiddenStatesHook, SequenceState
 from .shards import ShardSpec, linear_layout
 from .sites import Site
@@ -51,16 +52,9 @@ def _all_reduce(group: EmulatedGroup, xs: list[torch.Tensor], site: Site) -> tor
     return group.collective("all_reduce", xs, site)
 
 
-def _blocks(x: torch.Tensor, world: int, dim: int) -> list[torch.Tensor]:
-    """Every rank's block of ``x`` (`mappings`: the r-th contiguous tp-th, ``dim`` divided by tp)."""
-    shape = list(x.shape)
-    shape[dim] //= world
-    return [block.view(shape) for block in x.contiguous().view(world, -1)]
-
-
 def _all_gather_seq(group: EmulatedGroup, x: torch.Tensor, site: Site, dim: int) -> torch.Tensor:
     """Every rank's block of ``x`` through the all-gather; whole again (the blocks in rank order)."""
-    return group.collective("all_gather", _blocks(x, group.size, dim), site).view(x.shape)
+    return group.collective("all_gather", list(blocks(x, group.size, dim)), site).view(x.shape)
 
 
 def _reduce_scatter_seq(group: EmulatedGroup, xs: list[torch.Tensor], site: Site, dim: int) -> torch.Tensor:

@@ -67,12 +67,17 @@ def _reduce_scatter_blocks(x: torch.Tensor, site: Site, dim: int) -> torch.Tenso
     return site.collective("reduce_scatter", blocks).view(shape)
 
 
-def _block(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """This rank's block of ``x`` (a view when x is contiguous)."""
-    world = group_size(group)
+def blocks(x: torch.Tensor, parts: int, dim: int) -> tuple[torch.Tensor, ...]:
+    """The ``parts`` blocks of ``x`` (module docstring), in rank order: views of its memory (of
+    a contiguous copy if x is not contiguous), each of x's shape with ``dim`` divided by ``parts``."""
     shape = list(x.shape)
-    shape[dim] //= world
-    return x.contiguous().view(world, -1)[group_rank(group)].view(shape)
+    shape[dim] //= parts
+    return tuple(block.view(shape) for block in x.contiguous().view(parts, -1))
+
+
+def _block(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """This rank's block of ``x``."""
+    return blocks(x, group_size(group), dim)[group_rank(group)]
 
 
 class _CopyToTPRegion(torch.autograd.Function):

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from ..comm.chunked import GatherChunks, ScatterChunks
 from ..comm.dist_ops import group_size
+from .mappings import blocks
 from .regions import SEQ_DIM, RegionEntry
 
 
@@ -167,33 +168,20 @@ def _join(blocks: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([b.reshape(-1) for b in blocks]).view(_whole(blocks[0].shape, len(blocks)))
 
 
-class _Rows:
-    """Rank r's block of (b, s, ...) tensors: the r-th contiguous tp-th of the token rows, (b, s/tp, ...)."""
-
-    def __init__(self, world: int) -> None:
-        self.world = world
-
-    def __call__(self, t: torch.Tensor | None, rank: int):
-        if t is None:
-            return None
-        shape = list(t.shape)
-        shape[SEQ_DIM] //= self.world
-        return t.contiguous().view(self.world, -1)[rank].view(shape)
-
-
 def _scatter_input_grad(x_full, grad_x, grad_ys, weights, conv, site):
     """Submit rank r's block of the input gradient of ``x_full`` (b, s, h) to its reduction as
     soon as it is computed; returns a handle whose ``wait`` gives this rank's (b, s/tp, h)."""
     world = site.link.world
-    rows = _Rows(world)
     block = list(x_full.shape)
     block[SEQ_DIM] //= world
     sums = ScatterChunks(site, block, x_full.dtype, x_full.device)
+    grad_x = None if grad_x is None else blocks(grad_x, world, SEQ_DIM)
+    grad_ys = [None if gy is None else blocks(gy, world, SEQ_DIM) for gy in grad_ys]
     for rank in range(world):
-        part, owned = rows(grad_x, rank), False  # a view of the incoming gradient: not ours to overwrite
+        part, owned = (None if grad_x is None else grad_x[rank]), False  # a view of the incoming gradient
         for gy, w, c in zip(grad_ys, weights, conv):
             if gy is not None:
-                term = _input_grad(rows(gy, rank), w, c)
+                term = _input_grad(gy[rank], w, c)
                 part, owned = (term if part is None else part + term), True
         if site.samples is not None:
             site.observe(part)
@@ -223,12 +211,11 @@ class RowSequenceLinear(torch.autograd.Function):
     def forward(ctx, x, weight, conv1d: bool, exit_):
         site = exit_.fwd
         world = site.link.world
-        rows = _Rows(world)
         block = list(x.shape[:-1]) + [weight.shape[1] if conv1d else weight.shape[0]]
         block[SEQ_DIM] //= world
         sums = ScatterChunks(site, block, x.dtype, x.device)
-        for rank in range(world):
-            part = _linear(rows(x, rank), weight, None, conv1d)  # (b, s/tp, out)
+        for rank, rows in enumerate(blocks(x, world, SEQ_DIM)):
+            part = _linear(rows, weight, None, conv1d)  # (b, s/tp, out)
             if site.samples is not None:
                 site.observe(part)
             sums.submit(rank, part, owned=True)
