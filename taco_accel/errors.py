@@ -35,6 +35,10 @@ class CollectiveTimeout(TacoError, RuntimeError):
     """A collective waited longer than the group's timeout for a peer."""
 
 
+class ConfigTypeError(TacoError, TypeError):
+    """A setting of the wrong type: a format name or a dict where a `TacoConfig` is needed."""
+
+
 class CheckpointError(TacoError, ValueError):
     """A checkpoint folder is incomplete, damaged, or does not fit this run."""
 
@@ -42,6 +46,10 @@ class CheckpointError(TacoError, ValueError):
 class ConfigError(TacoError, ValueError):
     """A setting (an argument, an environment variable, a launch config entry) holds a value
     the library cannot use; the message quotes it and names the valid ones."""
+
+
+class EnvironmentSettingError(ConfigError):
+    """A ``TACO_*`` environment variable holds a value that the library cannot use."""
 
 
 class DataError(TacoError, ValueError):

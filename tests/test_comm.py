@@ -15,7 +15,7 @@ import torch.distributed as dist
 from harness import run_ranks
 from taco_accel import comm
 from taco_accel.codec import NonFiniteError, TacoConfig, WireLayout
-from taco_accel.comm import EmulatedGroup, compressed, dist_ops
+from taco_accel.comm import EmulatedGroup, dist_ops
 from taco_accel.comm.pieces import piece_bounds, piece_length, run_pipelined
 
 CFG = TacoConfig(threshold_bytes=0)  # compress even tiny messages
@@ -127,19 +127,19 @@ def _threshold() -> dict:
 
 def _count_pieces(op: str, x: torch.Tensor, cfg: TacoConfig):
     """Run ``op`` and count the collectives its pieces issued (first exchange of each piece)."""
-    name = "all_gather_into" if op == "all_gather" else "all_to_all"
-    original = getattr(compressed, name)
+    name = "all_gather" if op == "all_gather" else "all_to_all"
+    original = getattr(dist_ops.Link, name)
     calls = []
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    setattr(compressed, name, counting)
+    setattr(dist_ops.Link, name, counting)
     try:
         out = getattr(comm, op)(x, None, cfg)
     finally:
-        setattr(compressed, name, original)
+        setattr(dist_ops.Link, name, original)
     return out, len(calls)
 
 
@@ -317,12 +317,12 @@ def _chunked() -> list[dict]:
     for label, cfg in (("plain", None), ("compressed", CFG.replace(piece_bytes=1024))):
         for dtype in (torch.float32, torch.bfloat16):
             x = _input(99, rank, (2, 3, 70), dtype)  # a (b, s/P, h) shard; 420 values: not whole groups
-            gathered = GatherChunks(x, None, cfg, site="g")
+            gathered = GatherChunks(x, comm.Site("g", None, cfg))
             order = [r for r, _ in gathered]
-            parts = gathered.finish()
+            parts = gathered.finish()  # (P, *x.shape): part r at [r]
             one_shot = comm.all_gather(x.unsqueeze(0), None, cfg)  # (P, 2, 3, 70)
             partials = [_input(100 + r, rank, (2, 3, 70), dtype) for r in range(world)]  # rank r's rows
-            sums = ScatterChunks(None, cfg, site="s")
+            sums = ScatterChunks(comm.Site("s", None, cfg), x.shape, dtype, x.device)
             for r, part in enumerate(partials):
                 sums.submit(r, part)
             mine = sums.wait()
@@ -335,7 +335,7 @@ def _chunked() -> list[dict]:
                 scatter_ulps=float((mine.float() - expect.float()).abs().max() / expect.float().abs().max())
                 / torch.finfo(dtype).eps,
                 compressed=(figures["g"].compressed_calls, figures["s"].compressed_calls),
-                digest=_digest(torch.stack(parts)),
+                digest=_digest(parts),
             ))
     return records
 
@@ -354,12 +354,63 @@ def _in_flight() -> dict:
     return {"same": torch.equal(second.wait(), expect_b) and torch.equal(first.wait(), expect_a)}
 
 
+def _run_state() -> dict:
+    """Run-time state per ledger (a model's site table), the debug switch agreed on by the ranks,
+    and what a steady plain / compressed call does on the host."""
+    import os
+
+    from torch.overrides import TorchFunctionMode
+
+    from taco_accel.bench.collectives import own_costs
+    from taco_accel.comm import agreement
+
+    rank = dist.get_rank()
+    out = {}
+    first, second = comm.Ledger(), comm.Ledger()  # two models with a site of one name
+    comm.Site("blk/fwd", None, None, ledger=first).run("all_reduce", torch.ones(8))
+    try:  # the second model's first call is checked too: its ranks disagree here
+        comm.Site("blk/fwd", None, None, ledger=second).run("all_reduce", torch.ones(8 + rank))
+        out["second_table"] = "no error"
+    except comm.CollectiveMismatch as error:
+        out["second_table"] = str(error)
+    out["counts"] = ({k: v.calls for k, v in first.pop().items()}, {k: v.calls for k, v in second.pop().items()})
+    saved = os.environ.get(agreement.DEBUG_ENV)
+    os.environ[agreement.DEBUG_ENV] = "1" if rank == 0 else "0"  # set on one rank only
+    agreement.debug.cache_clear()
+    try:
+        comm.all_reduce(torch.ones(4), site="debug/first")
+        out["debug"] = "no error"
+    except comm.CollectiveMismatch as error:
+        out["debug"] = str(error)
+    finally:
+        os.environ.pop(agreement.DEBUG_ENV) if saved is None else os.environ.update({agreement.DEBUG_ENV: saved})
+        agreement.debug.cache_clear()
+    out["after"] = _digest(comm.all_reduce(torch.ones(4), site="debug/after"))  # the group still works
+
+    class Ops(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.names.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.ones(64)
+    with Ops() as ops:
+        comm.all_reduce(x, None, TacoConfig(), inplace=True)  # under the threshold: plain, nonfinite "propagate"
+    out["plain_ops"] = ops.names
+    out["own"] = own_costs(1024, 2, 1, torch.device("cpu"))  # transfers and codec kernels stubbed
+    return out
+
+
 def _battery() -> dict:
     world = dist.get_world_size()
     results = dict(
         accuracy=_accuracy(None, list(range(world))), formats=_formats(), plain=_plain(),
         threshold=_threshold(), pieces=_pieces(), drift=_drift(), nonfinite=_nonfinite(),
         stats=_stats(), misc=_misc(), autotune=_autotune(), chunked=_chunked(), in_flight=_in_flight(),
+        run_state=_run_state(),
     )
     if world == 4:
         results["subgroups"] = _subgroups()
@@ -532,6 +583,34 @@ def test_collectives_in_flight_together(ranks):
     assert all(per_rank["in_flight"]["same"] for per_rank in ranks)
 
 
+def test_each_table_checks_and_counts_its_own_sites(ranks):
+    for per_rank in ranks:
+        state = per_rank["run_state"]
+        assert "called all_reduce differently" in state["second_table"] and "elements" in state["second_table"], state
+        assert state["counts"] == ({"blk/fwd": 1}, {})  # the refused call recorded nothing
+
+
+def test_check_collectives_set_on_one_rank_fails_at_the_first_check(ranks):
+    for per_rank in ranks:
+        state = per_rank["run_state"]
+        assert "disagree about TACO_CHECK_COLLECTIVES" in state["debug"], state["debug"]
+        assert "set TACO_CHECK_COLLECTIVES to the same value on every rank" in state["debug"]
+        assert state["after"] == ranks[0]["run_state"]["after"]
+
+
+def test_plain_path_reads_no_data_the_options_do_not_ask_for(ranks):
+    names = ranks[0]["run_state"]["plain_ops"]
+    assert not any(n in names for n in ("isfinite", "nan_to_num", "copy_", "clone", "empty")), names
+
+
+def test_steady_calls_allocate_nothing_but_a_new_output(ranks):
+    for per_rank in ranks:
+        own = per_rank["run_state"]["own"]
+        assert own["plain, in place"]["collectives"] == 1 and own["plain, in place"]["allocations"] == 0, own
+        assert own["compressed, in place"]["collectives"] == 2 and own["compressed, in place"]["allocations"] == 0, own
+        assert own["compressed, new output"]["allocations"] == 1, own  # the result itself
+
+
 def test_subgroups(ranks):
     if len(ranks) != 4:
         pytest.skip("sub-groups run in the world of 4")
@@ -547,6 +626,45 @@ def test_subgroups(ranks):
         others = [r for r in range(4) if r not in members]
         _same_across(records, others)
     assert all(p["subgroups"]["single"] for p in ranks)
+
+
+# --- single process -------------------------------------------------------------------------------
+
+
+def test_wrong_config_types_name_the_fix():
+    from taco_accel.codec import compress
+
+    x = torch.ones(8)
+    with pytest.raises(TypeError, match=r"pass TacoConfig\(format='e4m3'\)"):
+        compress(x, "e4m3")
+    with pytest.raises(TypeError, match=r"TacoConfig\(\*\*config\)"):
+        comm.all_reduce(x, config={"group_size": 32})
+    with pytest.raises(TypeError, match="not a TacoConfig"):
+        EmulatedGroup(2).all_gather([x, x], "on")
+    with pytest.raises(TypeError, match="pass True, False or None"):
+        comm.all_reduce(x, None, CFG, compress="yes")
+
+
+def test_environment_settings_are_checked(monkeypatch):
+    from taco_accel import EnvironmentSettingError
+    from taco_accel.comm import agreement
+    from taco_accel.parallel.mesh import collective_timeout
+
+    monkeypatch.setenv("TACO_CHECK_COLLECTIVES", "maybe")
+    agreement.debug.cache_clear()
+    try:
+        with pytest.raises(EnvironmentSettingError, match=r"TACO_CHECK_COLLECTIVES='maybe' is not a switch; set it to 1"):
+            agreement.debug()
+        monkeypatch.setenv("TACO_CHECK_COLLECTIVES", "1")
+        agreement.debug.cache_clear()
+        assert agreement.debug()
+    finally:
+        monkeypatch.delenv("TACO_CHECK_COLLECTIVES")
+        agreement.debug.cache_clear()
+    for bad in ("inf", "nan", "-3", "ten"):
+        monkeypatch.setenv("TACO_TIMEOUT_S", bad)
+        with pytest.raises(EnvironmentSettingError, match=f"TACO_TIMEOUT_S='{bad}'.*set e.g. TACO_TIMEOUT_S=1800"):
+            collective_timeout()
 
 
 # --- the piece schedule (no ranks needed) --------------------------------------------------------

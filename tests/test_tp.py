@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from harness import run_ranks
 from torch import nn
 
+import taco_accel
 from taco_accel import TacoConfig, comm
 from taco_accel.comm.pieces import PIECE_BYTES
 from taco_accel.tp import (
@@ -26,10 +27,11 @@ from taco_accel.tp import (
     Site,
     SiteTable,
     VocabParallelEmbedding,
+    gather_from_sp_region,
+    reduce_from_tp_region,
     scatter_to_sp_region,
     vocab_parallel_cross_entropy,
 )
-from taco_accel.tp.mappings import gather_from_tp_region
 
 WORLD = 3
 
@@ -96,17 +98,17 @@ def test_auto_sites_decide_once_and_record():
     off, bwd = table.site("b/fwd"), table.site("a/bwd")
     assert "3 decided by timing in the first steps (auto), 1 plain" in table.summary()
     assert small.decision is None and table.decisions()["a/fwd"]["compressed"] is None
-    assert small.call_config("all_reduce", torch.ones(100)).threshold_bytes == 2**62  # 400 B: plain
-    assert big.call_config("all_reduce", torch.ones(1000)).threshold_bytes == 1000  # 4000 B: compressed
+    assert not small.compresses("all_reduce", torch.ones(100))  # 400 B: plain
+    assert big.compresses("all_reduce", torch.ones(1000))  # 4000 B: compressed
     assert small.decision.rule == "size" and not small.decision.compress and big.decision.compress
-    assert small.call_config("all_reduce", torch.ones(800)).threshold_bytes == 1000  # over 2x: decided again
-    assert off.call_config("all_reduce", torch.ones(1000)) is None and off.mode == "off"
+    assert small.compresses("all_reduce", torch.ones(800)) and small.decision.compress  # over 2x: decided again
+    assert not off.compresses("all_reduce", torch.ones(1000)) and off.mode == "off" and off.codec is None
     record = table.decisions()
     assert record["a/fwd"]["compressed"] and record["b/fwd"] == {"mode": "off", "config": None, "compressed": False}
     assert record["a/bwd"]["compressed"] is None and bwd.mode == "auto"  # never called
     assert "auto: compressed (size rule" in str(table) and "auto: undecided" in str(table)
     table.set_group_sizes({"c/fwd": 32})  # calibration keeps the decision
-    assert big.call_config("all_reduce", torch.ones(1000)).group_size == 32
+    assert big.compresses("all_reduce", torch.ones(1000)) and big.codec.group_size == 32
 
 
 def test_site_table_print_and_sizes(tmp_path):
@@ -119,6 +121,29 @@ def test_site_table_print_and_sizes(tmp_path):
     assert table["layers.0.mlp.down_proj/fwd"].samples[0].shape == (2, 32)  # evenly spaced rows
     assert table.calibrate(candidates=(32,)) == {"layers.0.mlp.down_proj/fwd": 32}
     assert table["layers.0.mlp.down_proj/fwd"].samples is None
+
+
+def test_two_models_keep_separate_counts():
+    """Each parallelised model's sites record into its own ledger; `pop_comm_stats` adds them up."""
+    from taco_accel.models.tiny import tiny_model
+
+    on = TacoConfig(threshold_bytes=0)
+    first, second = (taco_accel.parallelize(tiny_model("qwen2"), tp=2, compression=on, emulate=True) for _ in range(2))
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    comm.pop_comm_stats()
+    with torch.no_grad():
+        for model in (first, first, second):
+            model(ids)
+    a, b = first.taco.sites.pop_stats(), second.taco.sites.pop_stats()
+    assert a and a.keys() == b.keys() and set(a) <= set(first.taco.sites)
+    for name in a:
+        assert (a[name].calls, a[name].bytes_sent) == (2 * b[name].calls, 2 * b[name].bytes_sent), name
+        assert a[name].compressed_calls == a[name].calls > 0
+    with torch.no_grad():
+        first(ids), second(ids)
+    every = comm.pop_comm_stats()  # both models, added up where the names meet
+    assert all(every[name].calls == 2 * b[name].calls for name in a)
+    assert first.taco.sites.pop_stats() == {} and second.taco.sites.pop_stats() == {}
 
 
 def test_one_rank_layers_are_plain_layers():
@@ -168,7 +193,7 @@ def _mlp(sequence: SequenceState | None, conv1d: bool) -> dict:
         h = scatter_to_sp_region(xp, _site("split/bwd"))  # (2, 2, 12)
     out = row(F.gelu(col(h)))
     if sequence is not None:
-        out = gather_from_tp_region(out, _site("gather/fwd"), dim=1)
+        out = gather_from_sp_region(out, _site("gather/fwd"))  # blocks -> (2, 6, 12), backward: own block
     out.square().sum().backward()
     w1 = fc1.weight.grad.t() if conv1d else fc1.weight.grad
     w2 = fc2.weight.grad.t() if conv1d else fc2.weight.grad
@@ -245,7 +270,7 @@ def _compressed_site() -> dict:
 
 def _auto_sites() -> dict:
     """Auto sites timed on the real group: one decision for all ranks, stats that follow it."""
-    from taco_accel.tp.auto import AutoDecider
+    from taco_accel.comm.autotune import AutoDecider
 
     torch.manual_seed(dist.get_rank())
     decider = AutoDecider(None)
@@ -261,8 +286,38 @@ def _auto_sites() -> dict:
     }
 
 
+def _in_place_and_blocks() -> dict:
+    """g reduces the partial product in place; SP blocks are views, gathered back whole."""
+    rank = dist.get_rank()
+    inputs = [torch.randn(2, 6, 12, generator=torch.Generator().manual_seed(r)) for r in range(WORLD)]
+    x = inputs[rank].clone().requires_grad_()
+    partial = x * 2  # a computed tensor of its own, as a row layer's partial product is
+    y = reduce_from_tp_region(partial, _site("g/fwd"), owned=True)
+    in_place = y.data_ptr() == partial.data_ptr()
+    y.sum().backward()
+    with torch.no_grad():  # a layer's partial product is reduced in place, in inference too
+        row = RowParallelLinear(12, 4, group=None, reduce=RegionExit(_site("row/fwd")), bias=False)
+        made = []
+
+        def partial(t, product=row.partial):
+            made.append(product(t))
+            return made[-1]
+
+        row.partial = partial
+        row_in_place = row(torch.randn(2, 6, 4)).data_ptr() == made[0].data_ptr()
+    full = torch.arange(2 * 6 * 12, dtype=torch.float32).view(2, 6, 12)  # (b, s, h), the same on every rank
+    block = scatter_to_sp_region(full, _site("split/bwd"))  # (2, 2, 12): this rank's third of the token rows
+    return {
+        "in_place": in_place and row_in_place, "sum": _diff(y, sum(t * 2 for t in inputs)), "grad": _diff(x.grad, torch.full_like(x, 2)),
+        "block_is_view": block.untyped_storage().data_ptr() == full.untyped_storage().data_ptr(),
+        "block": torch.equal(block, full.view(WORLD, -1)[rank].view(2, 2, 12)),
+        "whole": torch.equal(gather_from_sp_region(block, _site("gather/fwd")), full),
+    }
+
+
 def _worker() -> dict:
     return {
+        "in_place": _in_place_and_blocks(),
         "auto": _auto_sites(),
         "mlp": _mlp(None, conv1d=False),
         "mlp_conv1d": _mlp(None, conv1d=True),
@@ -282,6 +337,13 @@ def measured():
 def test_column_row_pair_matches_dense(measured, case):
     for result in measured:
         assert max(result[case].values()) < 1e-5, result[case]
+
+
+def test_g_reduces_in_place_and_sp_blocks_are_views(measured):
+    for result in measured:
+        r = result["in_place"]
+        assert r["in_place"] and r["block_is_view"] and r["block"] and r["whole"], r
+        assert r["sum"] < 1e-5 and r["grad"] == 0, r  # 3 fp32 sums of |x| < 20: a few ulps at most
 
 
 def test_vocab_parallel_embedding_and_cross_entropy(measured):

@@ -4,7 +4,7 @@
     python -m taco_accel.bench.collectives --world-size 4 --sizes 1M,16M
     torchrun --nproc-per-node 8 -m taco_accel.bench.collectives   # GPUs: NCCL, 1 MiB..512 MiB
     python -m taco_accel.bench.collectives --stages               # codec stages on ONE device
-    python -m taco_accel.bench.collectives --host                 # host us per call, kernels stubbed
+    python -m taco_accel.bench.collectives --host                 # host us per call (see below)
 
 Sizes are message sizes in the chosen dtype, as in nccl-tests: the input of all_reduce, the
 input (P blocks) of reduce_scatter, the output (P blocks) of all_gather. Bus bandwidth is
@@ -18,11 +18,16 @@ all-reduce for P = 2, 4, 8: compress as P chunks, `sum_packed` over P received c
 decompress the whole result. "break-even" is the link bandwidth below which the bytes saved
 pay for that codec time even without overlap.
 
-``--host`` prints the host microseconds one call costs: the call timed with the codec kernels
-and the transfers stubbed (the codec's dispatch and header checks, and the torch.distributed
-calls, do nothing), plus the measured host cost of issuing one real async collective for each
-collective the call makes. That is what the Python, the allocations and the launches of a call
-cost, next to the plain collective's (on a GPU: before any kernel time).
+``--host`` prints, in one run: (1) the host microseconds of a plain all-reduce with real
+transfers, torch.distributed's own call beside `comm.all_reduce` and a layer-3 `comm.Site` (on a
+GPU the time until the call returns, the transfer queued; on gloo the whole call); (2) one
+all-reduce site call with the transfers and the codec kernels stubbed (the codec's dispatch
+and header checks, and the collectives of `dist_ops.Link`, do nothing): the library's own host
+us, collectives issued, Python calls, torch operations and tensors allocated, plain and
+compressed; (3) that host work plus the measured cost of issuing each real collective the call
+makes, compressed against plain; (4) the same site calls with real transfers and kernels (on a
+GPU the host time until the call returns, and the CUDA caching allocator's allocations per
+steady call).
 """
 
 from __future__ import annotations
@@ -30,15 +35,20 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from .. import comm
-from ..codec import TacoConfig, compress, decompress, sum_packed
+from ..codec import TacoConfig, WireLayout, compress, decompress, sum_packed
 from ..codec.api import Packed
+from ..comm import dist_ops
 from ..comm.pieces import PIECE_BYTES
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -272,9 +282,12 @@ def run_stages(args) -> None:
 
 
 class _Stubbed:
-    """Codec kernels and transfers replaced by no-ops (the codec's dispatch, its header checks,
-    and the torch.distributed calls of `comm`), everything else as it runs; counts the
-    collectives a call would issue."""
+    """Transfers and codec kernels replaced by no-ops (`dist_ops.Link`'s collectives, the codec's
+    dispatch and its header checks), everything else as it runs: what is left is the host work of
+    a call. Counts the collectives a call would issue."""
+
+    LINK = ("all_reduce", "all_gather", "all_to_all", "reduce_scatter")
+    CODEC = ("compress_into", "decompress_into", "sum_into")
 
     def __init__(self) -> None:
         self.issued = 0
@@ -282,18 +295,15 @@ class _Stubbed:
 
     def _issue(self, *args, **kwargs):
         self.issued += 1
-        return _NoWait()
+        return dist_ops.DONE
 
     def __enter__(self):
         from ..codec import api, dispatch
-        from ..comm import collectives, compressed
 
-        for module in (collectives, compressed):
-            for name in ("all_reduce_", "all_gather_into", "reduce_scatter_into", "all_to_all"):
-                if hasattr(module, name):
-                    self.saved.append((module, name, getattr(module, name)))
-                    setattr(module, name, self._issue)
-        for name in ("compress_into", "decompress_into", "sum_into"):
+        for name in self.LINK:
+            self.saved.append((dist_ops.Link, name, getattr(dist_ops.Link, name)))
+            setattr(dist_ops.Link, name, self._issue)
+        for name in self.CODEC:
             self.saved.append((dispatch, name, getattr(dispatch, name)))
             setattr(dispatch, name, lambda *args, **kwargs: None)
         self.saved.append((api, "_check_wire_where_cheap", api._check_wire_where_cheap))
@@ -301,52 +311,169 @@ class _Stubbed:
         return self
 
     def __exit__(self, *exc):
-        for module, name, original in reversed(self.saved):
-            setattr(module, name, original)
+        for owner, name, original in reversed(self.saved):
+            setattr(owner, name, original)
 
 
-class _NoWait:
-    def wait(self) -> bool:
-        return True
+class _Allocations(TorchDispatchMode):
+    """Counts the tensors that the operations run under it allocate (an output whose storage no
+    input had: views, in-place and ``out=`` operations allocate nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tensors = [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)]
+        before = {t.untyped_storage().data_ptr() for t in tensors}
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() and t.untyped_storage().data_ptr() not in before:
+                self.count += 1
+        return out
 
 
-def _issue_us(x: torch.Tensor, calls: int, device: torch.device) -> float:
-    """Host us to issue one real async all_reduce (its wait not counted)."""
-    spent = 0.0
-    for i in range(calls + 10):
+class _Calls:
+    """Counts the Python-level calls (functions and builtins) one call makes."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, frame, event, arg) -> None:
+        if event in ("call", "c_call"):
+            self.count += 1
+
+
+def _interleaved(variants: dict, calls: int, rounds: int, device: torch.device) -> dict[str, float]:
+    """Host us per call of each variant: the variants take turns call by call (so that other work
+    on the machine slows them alike), ``calls`` calls each per round; the best round's mean (the
+    round least disturbed). On a GPU a call's time is until it returns, its work queued. Every
+    rank runs the same calls."""
+    names, fns = list(variants), list(variants.values())
+    for fn in fns:  # warm-up: first-call checks, buffers, connections
+        for _ in range(10):
+            fn()
+    best = dict.fromkeys(names, float("inf"))
+    clock = time.perf_counter
+    for _ in range(rounds):
+        spent = [0.0] * len(fns)
         _sync(device)
-        start = time.perf_counter()
-        work = dist.all_reduce(x, async_op=True)
-        if i >= 10:
-            spent += time.perf_counter() - start
-        work.wait()
-    return spent / calls * 1e6
-
-
-def host_times(numel: int, calls: int, device: torch.device) -> dict:
-    """Host us per `comm.all_reduce` call, plain and compressed, kernels and transfers stubbed,
-    with the issue cost of a real collective added once per collective the call makes."""
-    x = torch.randn(numel, device=device)
-    config = TacoConfig(threshold_bytes=0)
-    issue = _issue_us(x, calls, device)
-
-    def per_call(fn) -> tuple[float, int]:
-        with _Stubbed() as stub:
-            for _ in range(10):
+        for _ in range(calls):
+            for i, fn in enumerate(fns):
+                start = clock()
                 fn()
+                spent[i] += clock() - start
+        _sync(device)
+        for name, seconds in zip(names, spent):
+            best[name] = min(best[name], seconds / calls * 1e6)
+    return best
+
+
+def plain_times(numel: int, calls: int, rounds: int, device: torch.device) -> dict[str, float]:
+    """Host us per plain all-reduce, real transfers: torch.distributed's own call against
+    `comm.all_reduce` and a layer-3 `comm.Site` (g), both in place as torch's is."""
+    x = torch.zeros(numel, device=device)  # zeros: the sums stay finite call after call
+    site = comm.Site("bench/plain", None, None)
+    return _interleaved({
+        "torch.distributed": lambda: dist.all_reduce(x),
+        "comm.all_reduce": lambda: comm.all_reduce(x, inplace=True, site="bench/plain"),
+        "Site": lambda: site.run("all_reduce", x, inplace=True),
+    }, calls, rounds, device)
+
+
+def real_costs(numel: int, calls: int, rounds: int, device: torch.device) -> dict[str, dict]:
+    """Host us per all-reduce site call with real transfers and real codec kernels, plain and
+    compressed, both in place (on a GPU: until the call returns, its kernels and transfers
+    queued; on a CPU the reference codec's compute is in it), and on CUDA the blocks the caching
+    allocator hands out during one steady call."""
+    x = torch.zeros(numel, device=device)
+    plain, packed = comm.Site("bench/real_plain", None, None), comm.Site("bench/real", None, TacoConfig(threshold_bytes=0))
+    variants = {"plain": lambda: plain.run("all_reduce", x, inplace=True),
+                "compressed": lambda: packed.run("all_reduce", x, inplace=True)}
+    times = _interleaved(variants, calls, rounds, device)
+    out = {}
+    for name, fn in variants.items():
+        allocations = None
+        if device.type == "cuda":
+            _sync(device)
+            before = torch.cuda.memory_stats(device)["allocation.all.allocated"]
+            fn()
+            _sync(device)
+            allocations = torch.cuda.memory_stats(device)["allocation.all.allocated"] - before
+        out[name] = dict(us=times[name], allocations=allocations)
+    comm.pop_comm_stats()
+    return out
+
+
+def own_costs(numel: int, calls: int, rounds: int, device: torch.device) -> dict[str, dict]:
+    """Per call, transfers and codec kernels stubbed: host us, collectives issued, Python calls,
+    torch operations and tensors allocated, for a plain and a compressed all-reduce site (in
+    place, and into a new output)."""
+    x = torch.zeros(numel, device=device)
+    plain, packed = comm.Site("bench/own_plain", None, None), comm.Site("bench/own", None, TacoConfig(threshold_bytes=0))
+    variants = {
+        "plain, in place": lambda: plain.run("all_reduce", x, inplace=True),
+        "compressed, in place": lambda: packed.run("all_reduce", x, inplace=True),
+        "compressed, new output": lambda: packed.run("all_reduce", x),
+    }
+    for fn in variants.values():
+        fn()  # the first call of each site: its agreement check needs the real transfers
+    out = {}
+    with _Stubbed() as stub:
+        times = _interleaved(variants, calls, rounds, device)
+        for name, fn in variants.items():
             stub.issued = 0
+            fn()
+            issued = stub.issued
+            python = _Calls()
+            sys.setprofile(python)
+            fn()
+            sys.setprofile(None)
+            with TorchFunctionCount() as ops:
+                fn()
+            with _Allocations() as allocations:
+                fn()
+            out[name] = dict(us=times[name], collectives=issued, python=python.count, ops=ops.count,
+                             allocations=allocations.count)
+    comm.pop_comm_stats()
+    return out
+
+
+class TorchFunctionCount(TorchFunctionMode):
+    """Counts the torch operations (tensor methods and functions) run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def issue_us(numel: int, calls: int, device: torch.device) -> dict[str, float]:
+    """Host us to issue one real asynchronous collective of each kind a call makes (its wait not
+    counted), on `dist_ops.Link` as the library issues them: all-reduce of ``numel`` fp32 (plain),
+    all-to-all and all-gather of the compressed bytes of one all-reduce (compressed)."""
+    link = dist_ops.link(None)
+    layout = WireLayout.for_tensor(numel, TacoConfig(), link.world)
+    x = torch.zeros(numel, device=device)
+    send = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device)
+    recv, mine = torch.empty_like(send), send[: layout.chunk_bytes]
+    issue = {"all_reduce": lambda: link.all_reduce(x), "all_to_all": lambda: link.all_to_all(recv, send),
+             "all_gather": lambda: link.all_gather(recv, mine)}
+    out = {}
+    for name, fn in issue.items():
+        spent = []
+        for i in range(calls + 10):
             _sync(device)
             start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            spent = time.perf_counter() - start
-        return spent / calls * 1e6, stub.issued // calls
-
-    plain, n_plain = per_call(lambda: comm.all_reduce(x, None, None))
-    compressed, n_compressed = per_call(lambda: comm.all_reduce(x, None, config))
-    comm.pop_comm_stats()
-    return dict(issue=issue, own=(plain, compressed), plain=plain + n_plain * issue,
-                compressed=compressed + n_compressed * issue, collectives=(n_plain, n_compressed))
+            work = fn()
+            if i >= 10:
+                spent.append(time.perf_counter() - start)
+            work.wait()
+        out[name] = min(spent) * 1e6
+    return out
 
 
 def agreement_us(calls: int, device: torch.device) -> float:
@@ -354,36 +481,67 @@ def agreement_us(calls: int, device: torch.device) -> float:
     what a site's first call, and every call under TACO_CHECK_COLLECTIVES=1, adds."""
     from ..comm import agreement
 
-    x, world = torch.randn(1024, device=device), dist.get_world_size()
+    x, link = torch.randn(1024, device=device), dist_ops.link(None)
     for _ in range(10):
-        agreement.check("all_reduce", x, None, None, False, "bench", world)
+        agreement.check("all_reduce", x, link, None, False, "bench")
     _sync(device)
     start = time.perf_counter()
     for _ in range(calls):
-        agreement.check("all_reduce", x, None, None, False, "bench", world)
+        agreement.check("all_reduce", x, link, None, False, "bench")
     _sync(device)
     return (time.perf_counter() - start) / calls * 1e6
 
 
 def run_host(args) -> None:
+    """Print the host tables of ``--host`` on rank 0 (every rank runs the calls)."""
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    rows = [(numel, host_times(numel, args.host_calls, device)) for numel in (1024, 65536)]
-    check = agreement_us(args.host_calls, device)
-    if dist.get_rank() == 0:
-        print(f"# host us per all_reduce call, {dist.get_world_size()} ranks, {args.backend}, {device.type}, fp32, "
-              f"codec kernels and transfers stubbed, plus the measured issue cost of each real collective; "
-              f"mean of {args.host_calls} calls, torch {torch.__version__}")
-        print("| values | issue one collective | taco_accel's own: plain / compressed | comm plain (collectives) | "
-              "comm compressed (collectives) | compressed / plain |")
-        print("| ---: | ---: | ---: | ---: | ---: | ---: |")
-        for numel, t in rows:
-            n_plain, n_compressed = t["collectives"]
-            own_plain, own_compressed = t["own"]
-            print(f"| {numel} | {t['issue']:.1f} | {own_plain:.1f} / {own_compressed:.1f} | {t['plain']:.1f} "
-                  f"({n_plain}) | {t['compressed']:.1f} ({n_compressed}) | {t['compressed'] / t['plain']:.2f}x |",
-                  flush=True)
-        print(f"# the ranks' agreement check (each site's first call; every call with TACO_CHECK_COLLECTIVES=1): "
-              f"{check:.0f} us", flush=True)
+    sizes = [int(n) for n in args.host_values.split(",")]
+    plain = {n: plain_times(n, args.host_calls, args.host_rounds, device) for n in sizes}
+    own = {n: own_costs(n, args.host_calls, args.host_rounds, device) for n in sizes}
+    real_calls = args.host_calls if device.type == "cuda" else max(5, args.host_calls // 20)  # the CPU codec computes
+    real = {n: real_costs(n, real_calls, args.host_rounds, device) for n in sizes}
+    issue = {n: issue_us(n, args.host_calls, device) for n in sizes}
+    check = agreement_us(args.host_calls // 5, device)
+    if dist.get_rank() != 0:
+        return
+    head = (f"{dist.get_world_size()} ranks, {args.backend}, {device.type}, fp32, torch {torch.__version__}; "
+            f"best of {args.host_rounds} rounds of {args.host_calls} calls")
+    print(f"# plain all_reduce, real transfers: host us per call ({head})")
+    print("| values | torch.distributed.all_reduce | comm.all_reduce(inplace=True) | Site (g, in place) | "
+          "comm / torch | Site / torch |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for n, t in plain.items():
+        ref = t["torch.distributed"]
+        print(f"| {n} | {ref:.1f} | {t['comm.all_reduce']:.1f} | {t['Site']:.1f} | {t['comm.all_reduce'] / ref:.2f} | "
+              f"{t['Site'] / ref:.2f} |")
+    print(f"\n# one all_reduce site call, transfers and codec kernels stubbed: the library's own host work ({head})")
+    print("| values | call | host us | collectives | Python calls | torch ops | tensors allocated |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+    for n, rows in own.items():
+        for name, r in rows.items():
+            print(f"| {n} | {name} | {r['us']:.1f} | {r['collectives']} | {r['python']} | {r['ops']} | "
+                  f"{r['allocations']} |")
+    print(f"\n# host us per call with the issue cost of each real collective added ({head})")
+    print("| values | issue all_reduce | issue all_to_all | issue all_gather | plain call | compressed call | "
+          "compressed / plain |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for n in sizes:
+        i, mine = issue[n], own[n]
+        plain_call = mine["plain, in place"]["us"] + i["all_reduce"]
+        packed_call = mine["compressed, in place"]["us"] + i["all_to_all"] + i["all_gather"]
+        print(f"| {n} | {i['all_reduce']:.1f} | {i['all_to_all']:.1f} | {i['all_gather']:.1f} | {plain_call:.1f} | "
+              f"{packed_call:.1f} | {packed_call / plain_call:.2f}x |")
+    where = "until queued" if device.type == "cuda" else "whole call, the reference codec's compute included"
+    print(f"\n# one all_reduce site call in place, real transfers and codec kernels: host us per call ({where}; {head})")
+    print("| values | plain | compressed | compressed / plain | allocations plain / compressed |")
+    print("| ---: | ---: | ---: | ---: | --- |")
+    for n, r in real.items():
+        allocs = "n/a (CPU)" if r["plain"]["allocations"] is None else \
+            f"{r['plain']['allocations']} / {r['compressed']['allocations']}"
+        print(f"| {n} | {r['plain']['us']:.1f} | {r['compressed']['us']:.1f} | "
+              f"{r['compressed']['us'] / r['plain']['us']:.2f}x | {allocs} |")
+    print(f"\n# the ranks' agreement check (each site's first call; every call with TACO_CHECK_COLLECTIVES=1): "
+          f"{check:.0f} us", flush=True)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -409,8 +567,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stages", action="store_true", help="time the codec stages on one device instead")
     p.add_argument("--reps", type=int, default=20, help="repetitions per stage (--stages)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads for --stages on a CPU")
-    p.add_argument("--host", action="store_true", help="host us per call, kernels stubbed")
-    p.add_argument("--host-calls", type=int, default=500, help="calls per figure (--host)")
+    p.add_argument("--host", action="store_true", help="host us per call: plain against torch.distributed, "
+                   "compressed against plain, allocations")
+    p.add_argument("--host-calls", type=int, default=200, help="calls per round (--host)")
+    p.add_argument("--host-rounds", type=int, default=9, help="rounds per figure, the best kept (--host)")
+    p.add_argument("--host-values", default="1024,65536", help="fp32 values per all_reduce (--host)")
     args = p.parse_args(argv)
     if args.sizes is None:
         if args.stages:

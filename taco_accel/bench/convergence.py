@@ -4,8 +4,8 @@ Run ``python -m taco_accel.bench.convergence`` (CPU: the ``cpu-tiny`` preset, em
 Every variant trains the same model from the same initial weights on the same batches, in
 one process, with ``parallelize(model, tp=tp, emulate=True)``: each row-parallel output,
 the embedding's output and each column-parallel input gradient is summed over tp virtual
-ranks through that variant's codec, exactly as a real tp group would (TACO_SPEC.md, "Where it
-is used in TP"). Every message is compressed (``threshold_bytes=0``), as in a large model.
+ranks through that variant's codec, exactly as a real tp group would (ARCHITECTURE.md has the
+sites). Every message is compressed (``threshold_bytes=0``), as in a large model.
 
 Variants (``--variants``, keys in brackets):
 
@@ -257,11 +257,11 @@ class TrainStep:
     initialise the optimizer state, compile the kernels and set up cuBLAS), then the step is
     captured once into a CUDA graph and replayed on static input tensors: the emulated tp=8
     model launches thousands of small kernels per step, and a replay launches them without the
-    host in the way (2.9-4x faster on an H200 at the h200-100m preset). The kernels are the eager
-    step's, except AdamW's capturable form (its step count lives on the device): on the H200 the
-    first 8 losses agreed with an eager run within 1.1e-5 relative uncompressed, 1.3e-4 under
-    TACO (a few codec tie roundings flip). If capture fails the error is logged and the steps
-    stay eager.
+    host in the way (the speed-up and the agreement with eager losses are in
+    benchmarks/results/convergence_h200.md). The kernels are the eager step's, except AdamW's
+    capturable form (its step count lives on the device), so losses agree with an eager run up to
+    fp32 rounding and a few codec tie roundings. If capture fails the error is logged and the
+    steps stay eager.
     """
 
     EAGER_STEPS = 3

@@ -12,8 +12,9 @@ Model (Megatron TP without sequence parallelism, one micro-batch of ``tokens`` t
   the lm head's (backward); each of n = tokens * hidden values in bf16;
 * plain all-reduce: ``latency + f * 2n / B`` with B the per-GPU bus bandwidth of the link and
   ``f = 2(P-1)/P`` for NCCL's ring, ``0.76 * 2(P-1)/P`` for NVLS (NVSwitch reduces in the
-  switch: NCCL's default for large bf16 all-reduces on NVSwitch machines; 0.76 is the
-  ring / NVLS ratio behind DESIGN.md's ceilings, 1.45-1.5x against NVLS vs 1.94x against ring).
+  switch: NCCL's default for large bf16 all-reduces on NVSwitch machines; 0.76 is the ratio
+  that puts the compressed two-shot's ceiling at about 1.475x against NVLS where against the
+  ring it is the byte ratio, 1.94x).
   The compressed two-shot cannot use NVLS (scales differ per rank);
 * compressed all-reduce: `simulate_all_reduce` replays the schedule of
   ``comm.pieces.Pipeline`` (pieces of ``piece_bytes``; per piece compress, all-to-all, sum,
@@ -44,7 +45,7 @@ from dataclasses import dataclass, replace
 from ..comm.pieces import PIECE_BYTES
 
 MiB = 2**20
-NVLS_FACTOR = 0.76  # NVLS all-reduce bytes / ring bytes, from the 1.475x vs 1.94x ceilings (DESIGN.md)
+NVLS_FACTOR = 0.76  # NVLS all-reduce bytes / ring bytes: the two-shot's ceiling 1.475x against NVLS, 1.94x against ring
 AUTO_MARGIN = 0.05  # comm.autotune.MARGIN
 
 
@@ -157,12 +158,6 @@ def simulate_all_reduce(n: int, p: int, link: Link, codec: Codec, piece_bytes: i
                 start = max(free[stream], ready, host)
                 done[piece][op] = free[stream] = start + seconds
     return {"total": max(max(d) for d in done), "codec": sum(s for stages in plan for st, s in stages if st == "gpu")}
-
-
-def best_piece(n: int, p: int, link: Link, codec: Codec, pieces_mib=(1, 2, 4, 8, 16, 32, 64), **kw) -> float:
-    """The piece size (MiB, 0: whole message) with the shortest simulated all-reduce."""
-    times = {mib: simulate_all_reduce(n, p, link, codec, int(mib * MiB), **kw)["total"] for mib in (0, *pieces_mib)}
-    return min(times, key=times.get)
 
 
 # --- one training step ------------------------------------------------------------------------

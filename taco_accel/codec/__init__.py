@@ -2,17 +2,20 @@
 
 `compress` / `decompress` a tensor to and from one uint8 wire buffer (`layout`), `sum_packed`
 for the reduce step of the two-shot all-reduce, and `calibrate` to pick a group size from data.
+`CodecConfig` holds the codec's settings; `TacoConfig` adds the collectives' policy (size threshold,
+pieces) for the layers above.
 `dispatch` picks the implementation (`kernels/`: the PyTorch reference, Triton and Gluon
 kernels) per call; `Tuning` holds the kernels' launch settings.
 """
 
 from .api import GroupOverflowError, NonFiniteError, Packed, WireFormatError, check_wire, compress, decompress, sum_packed
 from .calibrate import calibrate, relative_rms_error
-from .config import TacoConfig
+from .config import CodecConfig, TacoConfig
 from .layout import WireLayout
 from .tuning import Launch, Tuning
 
 __all__ = [
+    "CodecConfig",
     "GroupOverflowError",
     "Launch",
     "NonFiniteError",

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import GroupOverflowError, NonFiniteError, WireFormatError
+from ..errors import ConfigTypeError, GroupOverflowError, NonFiniteError, WireFormatError
 from . import dispatch
-from .config import TacoConfig
+from .config import CodecConfig
 from .layout import WireLayout, describe_header, signed_header
 from .tuning import DEFAULT_TUNING, Tuning
 
@@ -39,7 +39,7 @@ class Packed:
     buffer: torch.Tensor
     shape: torch.Size
     dtype: torch.dtype
-    config: TacoConfig
+    config: CodecConfig
     layout: WireLayout
 
     @property
@@ -56,6 +56,28 @@ def _check_input(x: torch.Tensor) -> None:
         raise TypeError(f"compress expects a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"compress supports {SUPPORTED_DTYPES}, got {x.dtype}; cast the tensor first")
+
+
+def check_config(config: object, where: str) -> CodecConfig:
+    """``config`` itself if it is a `CodecConfig` (a `TacoConfig` is one); a `ConfigTypeError` (a
+    TypeError) naming the fix otherwise (a format name, a dict)."""
+    if isinstance(config, CodecConfig):
+        return config
+    if isinstance(config, str):
+        fix = f"TacoConfig(format={config!r})" if config in ("e4m3", "e5m2", "int8") else "TacoConfig(...)"
+    elif isinstance(config, dict):
+        fix = "TacoConfig(**config) (or TacoConfig.from_dict(config))"
+    else:
+        fix = "a TacoConfig"
+    raise ConfigTypeError(f"{where}: config={config!r} is a {type(config).__name__}, not a TacoConfig; pass {fix}")
+
+
+def _check_out(out: torch.Tensor, nbytes: int, device: torch.device, what: str) -> None:
+    if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != nbytes or out.device != device:
+        raise ValueError(
+            f"out= for {what} must be a 1-D uint8 tensor of {nbytes} bytes on {device}, got {out.dtype} "
+            f"{list(out.shape)} on {out.device}"
+        )
 
 
 def _raise_if_nonfinite(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout) -> None:
@@ -86,7 +108,7 @@ def _raise_if_nonfinite(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayou
 _verified_on_device: set[tuple] = set()  # (header, layout, device) checked once on a GPU (module docstring)
 
 
-def check_wire(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig) -> None:
+def check_wire(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig) -> None:
     """Raise `WireFormatError` unless every chunk header of ``buffer`` (one buffer of ``layout``,
     or a stack of them, ``[..., total_bytes]``) says ``config``. Reads the headers: a host sync on
     a GPU."""
@@ -111,7 +133,7 @@ def check_wire(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig) -> 
         )
 
 
-def _check_wire_where_cheap(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig) -> None:
+def _check_wire_where_cheap(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig) -> None:
     """`check_wire` on every CPU buffer; elsewhere once per (config, layout, device), and never
     while a CUDA graph is captured (module docstring)."""
     device = buffer.device
@@ -128,26 +150,29 @@ def _check_wire_where_cheap(buffer: torch.Tensor, layout: WireLayout, config: Ta
         _verified_on_device.add(key)
 
 
-def compress(x: torch.Tensor, config: TacoConfig | None = None, *, chunks: int = 1,
-             tuning: Tuning | None = None) -> Packed:
+def compress(x: torch.Tensor, config: CodecConfig | None = None, *, chunks: int = 1,
+             tuning: Tuning | None = None, out: torch.Tensor | None = None) -> Packed:
     """Encode ``x`` (fp32 / fp16 / bf16, any shape, any numel) into one wire buffer.
 
     ``chunks`` > 1 cuts the buffer into that many equal chunks of whole groups (the unit the
-    two-shot all-reduce sends to each rank).
+    two-shot all-reduce sends to each rank). ``out``: the buffer to write (1-D uint8 of the
+    layout's ``total_bytes``, e.g. reused from call to call); a new one otherwise.
     """
     _check_input(x)
-    config = config or TacoConfig()
+    config = _DEFAULT if config is None else check_config(config, "compress")
     layout = WireLayout.for_tensor(x.numel(), config, chunks)
-    buffer = torch.empty(layout.total_bytes, dtype=torch.uint8, device=x.device)
-    if layout.numel:
-        dispatch.compress_into(x.reshape(-1), buffer, layout, config, tuning or DEFAULT_TUNING)
-        if config.nonfinite == "raise":
-            _raise_if_nonfinite(x, buffer, layout)
-    return Packed(buffer, x.shape, x.dtype, config, layout)
+    if out is None:
+        out = torch.empty(layout.total_bytes, dtype=torch.uint8, device=x.device)
+    else:
+        _check_out(out, layout.total_bytes, x.device, "compress")
+    encode_into(x if x.is_contiguous() else x.contiguous(), out, layout, config, tuning)
+    return Packed(out, x.shape, x.dtype, config, layout)
 
 
 def decompress(packed: Packed, out: torch.Tensor | None = None, *, tuning: Tuning | None = None) -> torch.Tensor:
     """Decode ``packed`` to a tensor of its original shape, dtype and device (or into ``out``)."""
+    if not isinstance(packed, Packed):
+        raise TypeError(f"decompress expects the Packed that compress returned, got {type(packed).__name__}")
     if packed.buffer.dim() != 1 or packed.buffer.numel() != packed.layout.total_bytes:
         raise ValueError(
             f"packed.buffer has {packed.buffer.numel()} bytes but its layout needs "
@@ -157,26 +182,61 @@ def decompress(packed: Packed, out: torch.Tensor | None = None, *, tuning: Tunin
         out = torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)
     elif out.numel() != packed.layout.numel or not out.is_contiguous() or out.device != packed.device:
         raise ValueError(f"out must be a contiguous tensor of {packed.layout.numel} elements on {packed.device}")
-    if packed.layout.numel:
-        _check_wire_where_cheap(packed.buffer, packed.layout, packed.config)
-        dispatch.decompress_into(packed.buffer, packed.layout, packed.config, out.view(-1), tuning or DEFAULT_TUNING)
+    decode_into(packed.buffer, packed.layout, packed.config, out, tuning)
     return out
 
 
-def sum_packed(stacked: torch.Tensor, layout: WireLayout, config: TacoConfig, *,
-               tuning: Tuning | None = None) -> torch.Tensor:
+def sum_packed(stacked: torch.Tensor, layout: WireLayout, config: CodecConfig, *,
+               tuning: Tuning | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The reduce step of the two-shot all-reduce: dequantise, sum in fp32 and requantise.
 
     ``stacked`` is [P, layout.total_bytes] uint8 (P buffers of one layout, e.g. the chunk
     every peer sent to this rank); returns one buffer of that layout holding their sum, still
-    in the transformed domain (no inverse transform is needed).
+    in the transformed domain (no inverse transform is needed). ``out``: the buffer to write
+    (1-D uint8 of ``layout.total_bytes``); a new one otherwise.
     """
+    config = check_config(config, "sum_packed")
     if stacked.dim() != 2 or stacked.shape[1] != layout.total_bytes or stacked.dtype != torch.uint8:
         raise ValueError(
             f"sum_packed expects uint8 [P, {layout.total_bytes}], got {stacked.dtype} {list(stacked.shape)}"
         )
-    out = torch.empty(layout.total_bytes, dtype=torch.uint8, device=stacked.device)
+    if out is None:
+        out = torch.empty(layout.total_bytes, dtype=torch.uint8, device=stacked.device)
+    else:
+        _check_out(out, layout.total_bytes, stacked.device, "sum_packed")
+    sum_packed_into(stacked, layout, config, out, tuning)
+    return out
+
+
+# --- the same steps into buffers the caller owns, without the argument checks -----------------
+# (`comm` computes the layouts and keeps the buffers; the wire headers are still checked)
+
+
+def encode_into(x: torch.Tensor, out: torch.Tensor, layout: WireLayout, config: CodecConfig,
+                tuning: Tuning | None = None) -> None:
+    """`compress` of the contiguous ``x`` (``layout.numel`` values) into ``out`` (the layout's
+    uint8 buffer)."""
+    if layout.numel:
+        dispatch.compress_into(x if x.dim() == 1 else x.view(-1), out, layout, config, tuning or DEFAULT_TUNING)
+        if config.nonfinite == "raise":
+            _raise_if_nonfinite(x, out, layout)
+
+
+def decode_into(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig, out: torch.Tensor,
+                tuning: Tuning | None = None) -> None:
+    """`decompress` of ``buffer`` (one buffer of ``layout``) into the contiguous ``out``."""
+    if layout.numel:
+        _check_wire_where_cheap(buffer, layout, config)
+        dispatch.decompress_into(buffer, layout, config, out if out.dim() == 1 else out.view(-1),
+                                 tuning or DEFAULT_TUNING)
+
+
+def sum_packed_into(stacked: torch.Tensor, layout: WireLayout, config: CodecConfig, out: torch.Tensor,
+                    tuning: Tuning | None = None) -> None:
+    """`sum_packed` of ``stacked`` [P, layout.total_bytes] into ``out`` (the layout's uint8 buffer)."""
     if layout.numel:
         _check_wire_where_cheap(stacked, layout, config)
         dispatch.sum_into(stacked, layout, config, out, tuning or DEFAULT_TUNING)
-    return out
+
+
+_DEFAULT = CodecConfig()

@@ -1,4 +1,12 @@
-"""`TacoConfig`: every knob of the TACO codec and of the compressed collectives, validated once."""
+"""The settings of TACO: `CodecConfig` (how the codec encodes) and `TacoConfig` (that plus the
+collective policy: when a message is compressed, in what pieces), each validated once.
+
+The codec (`codec.api`, the kernels, the wire header) reads only `CodecConfig`'s fields. The
+policy fields of `TacoConfig` (``threshold_bytes``, ``piece_bytes``) are read where a collective
+is started: `comm` takes the codec settings, the plain-or-compressed decision and the piece size
+as separate, explicit values (``config.codec``, ``compress=``, ``piece_bytes``), and layer 3's
+sites take the decision (the size rule, or the auto mode's timing) before they call it.
+"""
 
 from __future__ import annotations
 
@@ -16,20 +24,22 @@ SCALE_LAYOUTS = ("single", "dual")
 NONFINITE_POLICIES = ("propagate", "raise", "zero")
 BACKENDS = ("auto", "triton", "torch")
 GROUP_SIZES = (32, 64, 128, 256, 512)
+THRESHOLD_BYTES = 8 * 2**20  # default size threshold of `TacoConfig`
+PIECE_BYTES = 32 * 2**20  # default piece size of the compressed collectives (see `comm.pieces`)
 
 # Largest finite magnitude of each payload format (E5M2 has its own bound: the original
 # implementation clamps it to 448 too, which wastes two binades).
 QMAX = {"e4m3": 448.0, "e5m2": 57344.0, "int8": 127.0}
 
 
-def _choice(name: str, value: object, allowed: tuple) -> None:
+def _choice(cls: str, name: str, value: object, allowed: tuple) -> None:
     if value not in allowed:
-        raise ValueError(f"TacoConfig.{name}={value!r} is not supported; use one of {allowed}")
+        raise ValueError(f"{cls}.{name}={value!r} is not supported; use one of {allowed}")
 
 
 @dataclass(frozen=True)
-class TacoConfig:
-    """Settings of the TACO codec and of the collectives that use it.
+class CodecConfig:
+    """How the TACO codec encodes a tensor (no collective policy: see `TacoConfig`).
 
     Args:
         group_size: values per quantisation group G (a power of two, 32..512). Pick one that
@@ -56,12 +66,6 @@ class TacoConfig:
             Finite values never decode to inf (fp16 output saturates at 65504).
         backend: ``"auto"`` uses the fused Triton kernels on CUDA tensors and the PyTorch
             reference elsewhere; ``"triton"`` or ``"torch"`` force one.
-        threshold_bytes: messages smaller than this go through the plain collective in their
-            own dtype, where the codec would cost more than it saves. Default 8 MiB.
-        piece_bytes: the collectives split larger messages into pieces of about this size so
-            that encoding one piece overlaps sending another; 0 disables the split. Default
-            32 MiB, chosen with the cost model (``python -m taco_accel.bench.projection
-            --pieces``; the reasoning is at `taco_accel.comm.pieces`).
         sign_seed: seed of the random sign vector.
     """
 
@@ -73,39 +77,39 @@ class TacoConfig:
     scales: ScaleLayout = "single"
     nonfinite: NonFinitePolicy = "propagate"
     backend: Backend = "auto"
-    threshold_bytes: int = 8 * 2**20
-    piece_bytes: int = 32 * 2**20
     sign_seed: int = 0x7AC0
 
     def __post_init__(self) -> None:
+        cls = type(self).__name__
         if (
             isinstance(self.group_size, bool)
             or not isinstance(self.group_size, int)
             or self.group_size not in GROUP_SIZES
         ):
             raise ValueError(
-                f"TacoConfig.group_size={self.group_size!r} is not supported; use a power of "
+                f"{cls}.group_size={self.group_size!r} is not supported; use a power of "
                 f"two in {GROUP_SIZES}"
             )
-        _choice("format", self.format, FORMATS)
-        _choice("scales", self.scales, SCALE_LAYOUTS)
-        _choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
-        _choice("backend", self.backend, BACKENDS)
+        _choice(cls, "format", self.format, FORMATS)
+        _choice(cls, "scales", self.scales, SCALE_LAYOUTS)
+        _choice(cls, "nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        _choice(cls, "backend", self.backend, BACKENDS)
         for name in ("hadamard", "random_signs", "adaptive_scale"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"TacoConfig.{name}={getattr(self, name)!r} must be True or False")
-        for name in ("threshold_bytes", "piece_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"TacoConfig.{name}={value!r} must be an int >= 0 (bytes)")
+                raise ValueError(f"{cls}.{name}={getattr(self, name)!r} must be True or False")
         seed = self.sign_seed
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
-            raise ValueError(f"TacoConfig.sign_seed={self.sign_seed!r} must be an int in [0, 2**64)")
+            raise ValueError(f"{cls}.sign_seed={self.sign_seed!r} must be an int in [0, 2**64)")
         if self.random_signs and not self.hadamard:
             raise ValueError(
-                "TacoConfig.random_signs=True needs hadamard=True: the signs only randomise "
+                f"{cls}.random_signs=True needs hadamard=True: the signs only randomise "
                 "the Hadamard transform"
             )
+
+    @property
+    def codec(self) -> "CodecConfig":
+        """The codec settings alone (this object for a `CodecConfig`)."""
+        return self
 
     @property
     def qmax(self) -> float:
@@ -123,7 +127,7 @@ class TacoConfig:
         padding, at most 16 bytes a chunk, excluded)."""
         return 1.0 + 4.0 * self.num_scales / self.group_size
 
-    def replace(self, **changes) -> "TacoConfig":
+    def replace(self, **changes):
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
@@ -131,8 +135,55 @@ class TacoConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict) -> "TacoConfig":
-        unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
+    def from_dict(cls, values: dict):
+        if not isinstance(values, dict):
+            raise TypeError(f"{cls.__name__}.from_dict expects a dict of field values, got {type(values).__name__}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(values) - fields
         if unknown:
-            raise ValueError(f"unknown TacoConfig fields {sorted(unknown)}")
+            hint = ""
+            if cls is CodecConfig and unknown <= {"threshold_bytes", "piece_bytes"}:
+                hint = "; the size threshold and the piece size are collective policy: use TacoConfig.from_dict"
+            raise ValueError(f"unknown {cls.__name__} fields {sorted(unknown)}{hint}")
         return cls(**values)
+
+
+CODEC_FIELDS = tuple(f.name for f in dataclasses.fields(CodecConfig))
+
+
+@dataclass(frozen=True)
+class TacoConfig(CodecConfig):
+    """Settings of a compressed collective: the codec's (every field of `CodecConfig`) and the
+    collective policy, when a message is compressed and in what pieces.
+
+    Args:
+        threshold_bytes: messages smaller than this go through the plain collective in their
+            own dtype, where the codec would cost more than it saves. Default 8 MiB; 0
+            compresses every message.
+        piece_bytes: the collectives split larger messages into pieces of about this size so
+            that encoding one piece overlaps sending another; 0 disables the split. Default
+            32 MiB, chosen with the cost model (``python -m taco_accel.bench.projection
+            --pieces``; the reasoning is at `taco_accel.comm.pieces`).
+
+    ``codec`` is the `CodecConfig` of the codec fields alone: what the codec and the wire see.
+    """
+
+    threshold_bytes: int = THRESHOLD_BYTES
+    piece_bytes: int = PIECE_BYTES
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("threshold_bytes", "piece_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"TacoConfig.{name}={value!r} must be an int >= 0 (bytes)")
+        object.__setattr__(self, "_codec", CodecConfig(**{name: getattr(self, name) for name in CODEC_FIELDS}))
+
+    @property
+    def codec(self) -> CodecConfig:
+        """The codec settings alone (the fields of `CodecConfig`)."""
+        return self._codec
+
+    def compresses(self, nbytes: int) -> bool:
+        """The size rule: whether a message of ``nbytes`` input bytes is compressed."""
+        return nbytes >= self.threshold_bytes and nbytes > 0

@@ -40,7 +40,7 @@ import warnings
 
 import torch
 
-from .config import TacoConfig
+from .config import CodecConfig
 from .kernels import interpreting, reference, sm_count
 from .layout import WireLayout
 from .tuning import Tuning
@@ -81,7 +81,7 @@ def gluon_available() -> bool:
 failed_builds: dict[tuple[Kernel, str], str] = {}
 
 
-def select(op: str, config: TacoConfig, device: torch.device, layout: WireLayout, tuning: Tuning) -> Kernel:
+def select(op: str, config: CodecConfig, device: torch.device, layout: WireLayout, tuning: Tuning) -> Kernel:
     """The `Kernel` that runs ``op`` (``"compress"``, ``"decompress"`` or ``"sum"``) on tensors of
     ``device``: the table of the module docstring. Raises RuntimeError where ``config.backend``
     asks for something this machine cannot run."""
@@ -114,7 +114,7 @@ def _rows_max_group() -> int:
     return gluon_kernels.MAX_GROUP
 
 
-def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, config: TacoConfig,
+def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, config: CodecConfig,
                   tuning: Tuning) -> None:
     """Encode the flat tensor ``x`` into ``buffer`` (uint8, ``layout.total_bytes``)."""
     kernel = select("compress", config, x.device, layout, tuning)
@@ -134,7 +134,7 @@ def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, con
     triton_kernels.compress_into(x, buffer, layout, config, tuning)
 
 
-def decompress_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor,
+def decompress_into(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig, out: torch.Tensor,
                     tuning: Tuning) -> None:
     """Decode ``buffer`` into the flat contiguous tensor ``out`` (``layout.numel`` values)."""
     kernel = select("decompress", config, out.device, layout, tuning)
@@ -151,7 +151,7 @@ def decompress_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig
     triton_kernels.decompress_into(buffer, layout, config, out, tuning)
 
 
-def sum_into(stacked: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor,
+def sum_into(stacked: torch.Tensor, layout: WireLayout, config: CodecConfig, out: torch.Tensor,
              tuning: Tuning) -> None:
     """Dequantise, sum and requantise the P buffers of ``stacked`` [P, total_bytes] into ``out``."""
     kernel = select("sum", config, stacked.device, layout, tuning)

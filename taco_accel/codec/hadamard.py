@@ -17,18 +17,7 @@ import functools
 
 import torch
 
-from .config import TacoConfig
-
-
-@functools.lru_cache(maxsize=None)
-def hadamard_matrix(n: int) -> torch.Tensor:
-    """Sylvester's H_n (entries +-1, symmetric, H @ H = n * I), fp32 on the CPU."""
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"Hadamard size {n} must be a power of two")
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h
+from .config import CodecConfig
 
 
 @functools.lru_cache(maxsize=None)
@@ -38,7 +27,7 @@ def sign_vector(group_size: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 2, (group_size,), generator=gen).float() * 2 - 1
 
 
-def device_signs(config: TacoConfig, device: torch.device) -> torch.Tensor:
+def device_signs(config: CodecConfig, device: torch.device) -> torch.Tensor:
     """`sign_vector` of ``config`` on ``device``, copied there once (not on every call)."""
     return _device_signs(config.group_size, config.sign_seed, str(device))
 
@@ -55,7 +44,7 @@ def walsh_hadamard(x: torch.Tensor) -> torch.Tensor:
 
     The stages of stride 1, 2 and 4 pair neighbours inside blocks of 8; they run with those
     blocks' positions moved to the middle axis, where each butterfly adds and subtracts
-    contiguous runs of G/8 values (1.5x faster on a CPU; the same operations, so the same bits)."""
+    contiguous runs of G/8 values (faster on a CPU; the same operations, so the same bits)."""
     n, g = x.shape
     inner = min(8, g)
     t = x.view(n, g // inner, inner).transpose(1, 2).contiguous()  # (n, 8, G/8): [position in block, block]

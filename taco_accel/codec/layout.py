@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import TacoConfig
+from .config import CodecConfig
 
 PAYLOAD_DTYPES = {
     "e4m3": torch.float8_e4m3fn,
@@ -57,7 +57,7 @@ WIRE_VERSION = 1
 HEADER_MAGIC = 0xA0  # high nibble of byte 0: a chunk of zeros or of another layout has no header
 
 
-def header_word(config: TacoConfig) -> int:
+def header_word(config: CodecConfig) -> int:
     """The 4 header bytes of every chunk encoded under ``config``, as a little-endian uint32."""
     flags = (
         (config.group_size.bit_length() - 6)  # log2(G) - 5: G = 32..512
@@ -70,7 +70,7 @@ def header_word(config: TacoConfig) -> int:
     return (HEADER_MAGIC | WIRE_VERSION) | flags << 8 | seed << 16
 
 
-def signed_header(config: TacoConfig) -> int:
+def signed_header(config: CodecConfig) -> int:
     """`header_word` as a signed int32: the kernels' HEADER and the values of `WireLayout.headers`."""
     word = header_word(config)
     return word - (1 << 32) if word >= 1 << 31 else word
@@ -98,10 +98,12 @@ class WireLayout:
     chunks: int = 1
 
     @classmethod
-    def for_tensor(cls, numel: int, config: TacoConfig, chunks: int = 1) -> "WireLayout":
+    def for_tensor(cls, numel: int, config: CodecConfig, chunks: int = 1) -> "WireLayout":
+        """The layout of ``numel`` values under ``config`` in ``chunks`` chunks (one shared
+        instance per distinct layout, so that its sizes are computed once)."""
         if chunks < 1:
             raise ValueError(f"chunks={chunks} must be >= 1")
-        return cls(numel, config.group_size, config.num_scales, chunks)
+        return _layout(numel, config.group_size, config.num_scales, chunks)
 
     @functools.cached_property
     def groups_per_chunk(self) -> int:
@@ -146,7 +148,7 @@ class WireLayout:
 
     def chunk_layout(self) -> "WireLayout":
         """Layout of one chunk seen as a tensor of its own (gpc groups, one chunk)."""
-        return WireLayout(self.payload_bytes_per_chunk, self.group_size, self.num_scales, 1)
+        return _layout(self.payload_bytes_per_chunk, self.group_size, self.num_scales, 1)
 
     def headers(self, buffer: torch.Tensor) -> torch.Tensor:
         """View of the chunks' headers as ``[..., chunks]`` int32 (`header_word` values, signed);
@@ -172,3 +174,8 @@ class WireLayout:
         start = self.payload_bytes_per_chunk
         raw = rows[:, start : start + 4 * self.num_scales * self.groups_per_chunk].view(torch.float32)
         return raw.view(self.chunks, self.num_scales, self.groups_per_chunk)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(numel: int, group_size: int, num_scales: int, chunks: int) -> WireLayout:
+    return WireLayout(numel, group_size, num_scales, chunks)

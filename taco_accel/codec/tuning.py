@@ -6,8 +6,9 @@ global, so a benchmark times a variant by passing its own value (``Tuning().repl
 
 No setting changes what a tensor decodes to beyond fp32 rounding: they choose launch shapes,
 the operand types of the tensor-core products, and which of the equivalent kernels codes a
-group size (`dispatch` has the table). The defaults are the fastest of the variants measured
-on an H200 with bf16 input (``python -m taco_accel.bench.codec`` sweeps them).
+group size (`dispatch` has the table). The defaults are the fastest of the variants that
+``python -m taco_accel.bench.codec`` sweeps, on a GPU with bf16 input (benchmarks/RESULTS.md has
+the figures and the machine).
 """
 
 from __future__ import annotations

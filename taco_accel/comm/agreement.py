@@ -2,20 +2,21 @@
 named.
 
 Every rank of a group must make the same call: the same kind, element count, dtype and codec
-settings, and so the same plain-or-compressed choice. When they do not, the transfer itself
-rarely says so: tensors that pad to the same number of groups sum as garbage, two configs
+settings, and so the same plain-or-compressed choice and pieces. When they do not, the transfer
+itself rarely says so: tensors that pad to the same number of groups sum as garbage, two configs
 decode each other's bytes, a plain all-reduce on one rank meets an all-to-all on the other and
-waits forever. `check` exchanges a fingerprint of the call (8 integers, one all-gather over the
+waits forever. `check` exchanges a fingerprint of the call (9 integers, one all-gather over the
 group) and raises a `CollectiveMismatch` on every rank that names the site, what differs and
 each rank's value.
 
-When: on each site's first calls (`CHECKED_CALLS`; sites are called in the same order on every
-rank, so every rank checks the same calls) and, with ``TACO_CHECK_COLLECTIVES=1``, on every
-call. A shape that changes only later on one rank is caught in that debug mode. Measured on 2
-gloo ranks (2-core CPU, ``python -m taco_accel.bench.collectives --host``): one check costs
-0.5-0.8 ms, the all-gather's round trip, so a model's first step pays it once per site (18
-sites for a 2-layer model: 9-14 ms) and the debug mode once per call; under CUDA graph capture
-it is skipped.
+When: on each site's first calls (`CHECKED_CALLS`, counted in the site's `stats.SiteRecord`;
+sites are called in the same order on every rank, so every rank checks the same calls) and,
+with ``TACO_CHECK_COLLECTIVES=1``, on every call. A shape that changes only later on one rank is
+caught in that debug mode. The variable is read once per process (`debug`), and the setting is
+part of the fingerprint: ranks that disagree about it fail at their first check, on every rank,
+instead of one rank waiting in a check the others never make. One check costs one all-gather's
+round trip (`python -m taco_accel.bench.collectives --host` prints it; benchmarks/RESULTS.md has
+the figure); under CUDA graph capture it is skipped.
 
 `named_timeouts` turns torch.distributed's timeout of a stalled peer into a `CollectiveTimeout`
 naming the site, the collective and the group's ranks.
@@ -24,53 +25,72 @@ naming the site, the collective and the group's ranks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 
 import torch
 import torch.distributed as dist
 
-from ..codec import TacoConfig
-from ..errors import CollectiveMismatch, CollectiveTimeout
+from ..codec import CodecConfig
+from ..errors import CollectiveMismatch, CollectiveTimeout, EnvironmentSettingError
 
 DEBUG_ENV = "TACO_CHECK_COLLECTIVES"
 CHECKED_CALLS = 1  # per site
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")
-FIELDS = ("collective", "elements", "rows", "dims", "dtype", "compressed", "codec settings", "codec settings")
-_calls: dict[str, int] = {}
+FIELDS = ("collective", "elements", "rows", "dims", "dtype", "compressed", "codec settings", "codec settings",
+          DEBUG_ENV)
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
+@functools.lru_cache(maxsize=None)
 def debug() -> bool:
-    return os.environ.get(DEBUG_ENV, "0") not in ("", "0", "false", "False")
+    """Whether ``TACO_CHECK_COLLECTIVES`` asks to check every call (read once per process)."""
+    text = os.environ.get(DEBUG_ENV, "")
+    if text.strip().lower() in _TRUE:
+        return True
+    if text.strip().lower() in _FALSE:
+        return False
+    raise EnvironmentSettingError(
+        f"{DEBUG_ENV}={text!r} is not a switch; set it to 1 (check every collective call) or 0 / unset it"
+    )
 
 
-def due(site: str) -> bool:
-    """Whether this call of ``site`` is checked (counts the call)."""
-    count = _calls.get(site, 0)
-    _calls[site] = count + 1
+def due(record) -> bool:
+    """Whether this call of the site whose `stats.SiteRecord` is ``record`` is checked (counts it)."""
+    count = record.checked
+    record.checked = count + 1
     return count < CHECKED_CALLS or debug()
 
 
-def fingerprint(kind: str, x: torch.Tensor, config: TacoConfig | None, compressed: bool) -> list[int]:
-    """The call as 8 integers: kind, numel, dim 0, ndim, dtype, compressed, two words of a hash
-    of the codec settings (format, group size, signs and their seed, scale layout, threshold...)."""
-    settings = "plain" if config is None else repr(sorted(config.to_dict().items()))
+def settings_hash(codec: CodecConfig | None, piece_bytes: int) -> tuple[int, int]:
+    """Two 32-bit words of a hash of the codec settings and the piece size ("plain": no codec)."""
+    settings = "plain" if codec is None else repr((sorted(codec.to_dict().items()), piece_bytes))
     digest = hashlib.blake2b(settings.encode(), digest_size=8).digest()
+    return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")
+
+
+def fingerprint(kind: str, x: torch.Tensor, codec: CodecConfig | None, compressed: bool,
+                piece_bytes: int = 0) -> list[int]:
+    """The call as 9 integers: kind, numel, dim 0, ndim, dtype, compressed, two words of a hash
+    of the codec settings and piece size, and this rank's ``TACO_CHECK_COLLECTIVES`` setting."""
     return [KINDS.index(kind), x.numel(), x.shape[0] if x.dim() else 1, x.dim(), _dtype_code(x.dtype),
-            int(compressed), int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")]
+            int(compressed), *settings_hash(codec, piece_bytes), int(debug())]
 
 
-def check(kind: str, x: torch.Tensor, group, config: TacoConfig | None, compressed: bool, site: str,
-          world: int) -> None:
-    """Raise `CollectiveMismatch` on every rank of ``group`` if their calls differ (a collective)."""
+def check(kind: str, x: torch.Tensor, link, codec: CodecConfig | None, compressed: bool, site: str,
+          piece_bytes: int = 0) -> None:
+    """Raise `CollectiveMismatch` on every rank of ``link``'s group if their calls differ (a collective)."""
+    world, group = link.world, link.group
     if world == 1 or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
-    mine = torch.tensor(fingerprint(kind, x, config, compressed), dtype=torch.int64, device=x.device)
-    every = [torch.empty_like(mine) for _ in range(world)]
+    mine = torch.tensor(fingerprint(kind, x, codec, compressed, piece_bytes), dtype=torch.int64, device=x.device)
+    every = torch.empty(world * mine.numel(), dtype=torch.int64, device=x.device)
     with named_timeouts(site, f"the agreement check of {kind}", group):
-        dist.all_gather(every, mine, group=group)
-    rows = [t.tolist() for t in every]
-    differ = sorted({FIELDS[i] for i in range(len(FIELDS)) if len({row[i] for row in rows}) > 1})
+        link.all_gather(every, mine).wait()
+    rows = every.view(world, -1).tolist()
+    differ = [name for i, name in enumerate(FIELDS) if len({row[i] for row in rows}) > 1]
+    differ = sorted(set(differ), key=differ.index)
     if not differ:
         return
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
@@ -78,14 +98,20 @@ def check(kind: str, x: torch.Tensor, group, config: TacoConfig | None, compress
         "collective": [KINDS[row[0]] for row in rows], "elements": [row[1] for row in rows],
         "rows": [row[2] for row in rows], "dims": [row[3] for row in rows],
         "dtype": [str(_DTYPES[row[4]]) if row[4] < len(_DTYPES) else "other" for row in rows],
-        "compressed": [bool(row[5]) for row in rows],
+        "compressed": [bool(row[5]) for row in rows], DEBUG_ENV: [row[8] for row in rows],
     }
     if "codec settings" in differ:  # every rank is here: one more exchange names the fields
+        mine_settings = None if codec is None else {**codec.to_dict(), "piece_bytes": piece_bytes}
         configs = [None] * world
-        dist.all_gather_object(configs, None if config is None else config.to_dict(), group=group)
+        dist.all_gather_object(configs, mine_settings, group=group)
         keys = sorted({k for c in configs if c for k in c if len({None if d is None else d.get(k) for d in configs}) > 1})
         shown["codec settings"] = [None if c is None else {k: c[k] for k in keys} for c in configs]
     details = "; ".join(f"{name} by rank {dict(zip(ranks, shown[name]))}" for name in differ)
+    if differ == [DEBUG_ENV]:
+        raise CollectiveMismatch(
+            f"{site}: the ranks {ranks} disagree about {DEBUG_ENV} ({details}), so some would check every "
+            f"collective call and the others would not; set {DEBUG_ENV} to the same value on every rank"
+        )
     raise CollectiveMismatch(
         f"{site}: the ranks {ranks} called {kind} differently ({details}). Every rank of a group must make "
         "the same call: the same tensor shape and dtype, the same TacoConfig (and so the same plain-or-"
@@ -99,15 +125,24 @@ def named_timeouts(site: str, what: str, group):
     try:
         yield
     except RuntimeError as error:
-        text = str(error)
-        if isinstance(error, CollectiveTimeout) or not any(k in text for k in ("imed out", "imeout")):
+        named = timeout_error(error, site, what, group)
+        if named is error:
             raise
-        ranks = dist.get_process_group_ranks(group) if group is not None else "all"
-        raise CollectiveTimeout(
-            f"{site}: {what} over ranks {ranks} got no answer within the group's timeout: a peer stopped, "
-            f"died, or runs another collective (its own error names it). Raise the timeout with TACO_TIMEOUT_S "
-            f"or --timeout if a step is legitimately that slow. ({text.splitlines()[0][:300]})"
-        ) from error
+        raise named from error
+
+
+def timeout_error(error: RuntimeError, site: str, what: str, group) -> Exception:
+    """For a torch.distributed timeout, the `CollectiveTimeout` naming ``site``, ``what`` timed out
+    and the group's ranks (to raise ``from error``); ``error`` itself for any other error."""
+    text = str(error)
+    if isinstance(error, CollectiveTimeout) or not any(k in text for k in ("imed out", "imeout")):
+        return error
+    ranks = dist.get_process_group_ranks(group) if group is not None else "all"
+    return CollectiveTimeout(
+        f"{site}: {what} over ranks {ranks} got no answer within the group's timeout: a peer stopped, "
+        f"died, or runs another collective (its own error names it). Raise the timeout with TACO_TIMEOUT_S "
+        f"or --timeout if a step is legitimately that slow. ({text.splitlines()[0][:300]})"
+    )
 
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8,

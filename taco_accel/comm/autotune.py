@@ -1,4 +1,5 @@
-"""Does compression pay on this group? Time the plain and the compressed collective on a real message.
+"""Does compression pay on this group? Time the plain and the compressed collective on a real
+message, and the "auto" decision of a site that follows from it.
 
     timing = time_collective("all_reduce", x, group, config)   # a collective call: every rank
     timing.compress                                            # the same answer on every rank
@@ -13,22 +14,22 @@ MAX all-reduce gives every rank the slowest rank's figures, so that all take the
 only when it is faster by more than ``margin`` (default 5%): never slower by default, within
 the timing noise.
 
-What to expect (`taco_accel.bench.projection`: H200 codec figures, assumed NCCL latencies;
-1.5B-13B models at tp=8, 8192 tokens, 24-80 MiB bf16 all-reduces):
+What to expect per topology (NVSwitch with NCCL's NVLS all-reduce: plain wins; NVLink ring: a
+few percent; PCIe or TP across nodes: compression wins) is projected by
+`taco_accel.bench.projection`; its table and command are in benchmarks/RESULTS.md. The decision
+times each collective alone; a backward all-reduce that `tp.overlap` hides behind the
+weight-gradient matmuls costs less than that in the step, while the codec's kernels cannot hide
+(they share the GPU). Explicit ``"off"`` for a direction or site pins it.
 
-- NVLink / NVSwitch, NCCL's default NVLS all-reduce (the switch reduces; the compressed
-  two-shot cannot, its scales differ per rank): plain is faster, the sites stay plain, the step
-  is unchanged (always-on compression: 0.90-0.98x).
-- NVLink with NCCL's ring (``NCCL_NVLS_ENABLE=0``, or no NVSwitch): compression wins by 15-20%
-  on the larger messages in isolation, about 1% of the step.
-- PCIe without NVLink (25-50 GB/s between GPUs): the wire dominates; every TP message is
-  compressed, 1.6x on the step.
-- TP across nodes (InfiniBand / RoCE, 25-50 GB/s per GPU): as PCIe, about 1.4x.
-
-The decision times each collective alone; a backward all-reduce that `tp.overlap` hides behind
-the weight-gradient matmuls costs less than that in the step, while the codec's kernels cannot
-hide (they share the GPU): the model finds one case (13B, NVLink ring) where compressing is
-0.99x of plain. Explicit ``"off"`` for a direction or site pins it.
+`AutoDecider` takes the decisions of the auto sites of one table: a site in auto mode starts
+undecided; its first call (in the first training step) times the message it actually sends and
+keeps the answer as a `Decision`; later calls use it without timing. Sites that send the same
+message (the same collective, size, dtype and codec settings: e.g. the down projection of every
+layer) share one timing. A message more than twice as large as the one timed (a longer
+sequence) is timed again. After a "compress" decision, messages at least as large as the timed
+one are compressed and smaller ones are not (they were never shown to pay). Without a real group
+to time (an emulated model), a site decides by the size rule of its `TacoConfig`
+(``threshold_bytes``) instead, and says so in its decision.
 
 The timing runs the collectives a few extra times (``2 + 2 * reps`` calls) once per distinct
 message (kind, size, dtype, settings), during the first steps; warm up in eager mode before
@@ -37,15 +38,19 @@ capturing CUDA graphs (a timing syncs the device).
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.distributed as dist
 
-from ..codec import TacoConfig
-from .collectives import run_collective
+from ..codec import CodecConfig, TacoConfig
+from . import agreement, dist_ops
+from .collectives import Pending
+from .pieces import PIECE_BYTES
+
+logger = logging.getLogger(__name__)
 
 REPS = 3
 MARGIN = 0.05
@@ -66,15 +71,24 @@ class Timing:
 
 
 def time_collective(
-    kind: str, x: torch.Tensor, group, config: TacoConfig, reps: int = REPS, margin: float = MARGIN
+    kind: str, x: torch.Tensor, group, config: CodecConfig, reps: int = REPS, margin: float = MARGIN, *,
+    record=None, site: str = "",
 ) -> Timing:
     """Time ``kind`` ("all_reduce", "reduce_scatter", "all_gather") on ``x`` plain and compressed
-    with ``config`` (its threshold ignored); a collective call, the same `Timing` on every rank."""
+    with ``config`` (its threshold ignored); a collective call, the same `Timing` on every rank.
+
+    ``record``: the `stats.SiteRecord` of the site that asks, whose first-call agreement check
+    (`agreement`) then guards the timed calls too; they record no statistics."""
     x = x.detach().contiguous()
-    world = dist.get_world_size(group)
-    # no raise during a timing: a non-finite first step is for the real call to report
-    cfg = config.replace(threshold_bytes=0, nonfinite="propagate" if config.nonfinite == "raise" else config.nonfinite)
-    calls = (lambda: run_collective(kind, x, group, None), lambda: run_collective(kind, x, group, cfg))
+    link = dist_ops.link(group)
+    codec = config.codec
+    if codec.nonfinite == "raise":  # no raise during a timing: a non-finite first step is for the real call
+        codec = codec.replace(nonfinite="propagate")
+    pieces = config.piece_bytes if isinstance(config, TacoConfig) else PIECE_BYTES
+    if record is not None and agreement.due(record):
+        agreement.check(kind, x, link, config.codec, True, site or kind, pieces)
+    calls = tuple(lambda on=on: Pending(kind, x, link, codec if on else None, on, pieces, None, site or kind).result()
+                  for on in (False, True))
     for call in calls:  # warm-up: Triton compilation, first allocations, connection set-up
         call()
     times: tuple[list[float], list[float]] = ([], [])
@@ -82,8 +96,8 @@ def time_collective(
         for call, spent in zip(calls, times):
             spent.append(_seconds(call, x.device))
     medians = torch.tensor([statistics.median(t) for t in times], dtype=torch.float64, device=x.device)
-    if world > 1:
-        dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)
+    if link.world > 1:
+        link.all_reduce(medians, "max").wait()
     plain_s, compressed_s = medians.tolist()
     return Timing(kind, x.numel() * x.element_size(), plain_s, compressed_s, compressed_s < plain_s * (1 - margin))
 
@@ -96,3 +110,79 @@ def _seconds(call, device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Plain or compressed for one site, and why.
+
+    ``rule``: ``"timed"`` (this site's message was timed, or ``timed_at`` names the site whose
+    identical message was) or ``"size"`` (no group to time: the config's threshold decided).
+    """
+
+    compress: bool
+    kind: str
+    nbytes: int
+    rule: str
+    plain_us: float | None = None
+    compressed_us: float | None = None
+    timed_at: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        verdict = "compressed" if self.compress else "plain"
+        if self.rule == "size":
+            return f"{verdict} (size rule, {self.nbytes / 2**20:.3g} MiB)"
+        return (f"{verdict} ({self.kind} {self.nbytes / 2**20:.3g} MiB: compressed {self.compressed_us:.0f} us, "
+                f"plain {self.plain_us:.0f} us)")
+
+
+class AutoDecider:
+    """Takes the decisions of the auto sites of one site table (shared timings, logging)."""
+
+    def __init__(self, group, timed: bool = True, reps: int = REPS, margin: float = MARGIN) -> None:
+        self.group, self.timed, self.reps, self.margin = group, timed, reps, margin
+        self.sites: list = []  # the auto sites, for the summary once all are decided
+        self._timings: dict[tuple, tuple] = {}  # message key -> (Timing, first site timed)
+        self._summarised = False
+
+    def decide(self, site, kind: str, x: torch.Tensor) -> Decision:
+        """The decision for ``site`` (a `site.Site`) sending ``x`` through ``kind`` (a collective
+        call when timed)."""
+        nbytes = x.numel() * x.element_size()
+        if not self.timed:
+            return Decision(site.size_rule(nbytes), kind, nbytes, "size")
+        key = (kind, tuple(x.shape), x.dtype, x.device.type, site.config)
+        if key not in self._timings:
+            timing = time_collective(kind, x, site.group, site.config, self.reps, self.margin, record=site.entry,
+                                     site=site.name)
+            self._timings[key] = (timing, site.name)
+            self._log(logging.INFO, "auto compression: %s %s", site.name, timing_text(timing))
+        timing, first = self._timings[key]
+        return Decision(timing.compress, kind, nbytes, "timed", timing.plain_s * 1e6, timing.compressed_s * 1e6,
+                        None if first == site.name else first)
+
+    def decided(self) -> None:
+        """Called after each decision: one summary line once every auto site has decided."""
+        if self._summarised or any(s.decision is None for s in self.sites):
+            return
+        self._summarised = True
+        on = [s for s in self.sites if s.decision.compress]
+        per_direction = ", ".join(
+            f"{d} {sum(s.name.endswith('/' + d) for s in on)}/{sum(s.name.endswith('/' + d) for s in self.sites)}"
+            for d in ("fwd", "bwd")
+        )
+        self._log(logging.INFO, "auto compression decided: %d of %d sites compressed (%s); "
+                  "model.taco.sites.decisions() has the figures", len(on), len(self.sites), per_direction)
+
+    def _log(self, level: int, msg: str, *args) -> None:
+        if dist_ops.group_rank(self.group) == 0:
+            logger.log(level, msg, *args)
+
+
+def timing_text(timing: Timing) -> str:
+    verdict = "compress" if timing.compress else "plain"
+    return (f"{timing.kind} of {timing.nbytes / 2**20:.3g} MiB: plain {timing.plain_s * 1e3:.3f} ms, "
+            f"compressed {timing.compressed_s * 1e3:.3f} ms -> {verdict}")

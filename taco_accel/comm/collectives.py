@@ -1,33 +1,39 @@
-"""Compressed collectives over torch.distributed process groups: the public entry points.
+"""Compressed collectives over torch.distributed process groups: the public entry points and
+`Pending`, the one call path that they, the `site.Site` of layer 3 and `autotune` share.
 
 Each function takes an explicit ``group`` (None: the default group, i.e. the world) and works
-on any group: the world, or a sub-group such as the TP group of a dp x tp mesh. With
-``config=None``, a group of one rank, an empty tensor, or a message (the input tensor) under
-``config.threshold_bytes``, it runs the plain collective in the input dtype; otherwise the
-TACO compressed path (`compressed`), in pieces of about ``config.piece_bytes`` whose codec
-work overlaps the transfer of their neighbours (`pieces`). Either way the result is a new
-tensor of the input's dtype, and every rank of the group must make the same call.
+on any group: the world, or a sub-group such as the TP group of a dp x tp mesh. The caller's
+decision says plain or compressed: ``compress=None`` (the default) takes it by the size rule of
+the `TacoConfig` (``config.threshold_bytes``; a bare `CodecConfig` always compresses),
+``True`` / ``False`` impose it; ``config=None``, a group of one rank or an empty tensor is always
+plain. Plain is the collective in the input dtype; compressed is the TACO path (`compressed`),
+in pieces of about ``config.piece_bytes`` whose codec work overlaps the transfer of their
+neighbours (`pieces`). Every rank of the group must make the same call.
 
-Autograd: the inputs are detached and the results do not require grad; layer 3 wraps these
-functions in autograd functions that define the backward collectives.
+The result is a new tensor of the input's dtype, or with ``inplace=True`` (all_reduce) the
+input itself, which the caller gives away: the plain sum is reduced in it (Megatron's reduction,
+no copy) and the compressed one decoded into it. Autograd: the inputs are detached and the
+results do not require grad; layer 3 wraps these functions in autograd functions that define
+the backward collectives.
 
-``async_op=True`` returns a `Pending` instead: the transfer (plain), or the first piece
+``async_op=True`` returns the `Pending` instead: the transfer (plain), or the first piece
 (compressed), is under way; call ``progress()`` between other work so that compressed pieces
 advance, and ``wait()`` for the result. Layer 3 overlaps the backward all-reduce of a
 column-parallel region's input gradient with the weight-gradient matmuls this way (Megatron).
 
 Non-finite values follow ``config.nonfinite`` on both paths. ``"propagate"``: a group holding
-NaN or Inf decodes to NaN on every rank (the plain path keeps them as they are). ``"zero"``:
-they count as 0. ``"raise"``: every rank of the group raises `NonFiniteError` when any rank's
-input (or the fp32 sum) is non-finite. The decision is taken after the transfer, on bytes
-every rank holds identically (the all_reduce / all_gather result) or on a flag all ranks
-agree on through one tiny all-reduce (reduce_scatter, plain paths), so that a rank-local NaN
-never leaves the others blocked in a collective. It costs one host sync per call.
+NaN or Inf decodes to NaN on every rank (the plain path keeps them as they are; nothing looks at
+the data). ``"zero"``: they count as 0. ``"raise"``: every rank of the group raises
+`NonFiniteError` when any rank's input (or the fp32 sum) is non-finite. The decision is taken
+after the transfer, on bytes every rank holds identically (the all_reduce / all_gather result)
+or on a flag all ranks agree on through one tiny all-reduce (reduce_scatter), so that a
+rank-local NaN never leaves the others blocked in a collective. It costs one host sync per call.
 
-Statistics (bytes sent, sampled error) are recorded per ``site`` name; see `stats`. Each
-site's first call (every call with ``TACO_CHECK_COLLECTIVES=1``) first checks that every rank
-makes the same call (`agreement`: a `CollectiveMismatch` on every rank otherwise), and a
-transfer that outlives the group's timeout raises a `CollectiveTimeout` naming the site.
+Statistics (bytes sent, sampled error) are recorded per site (`stats`): the functions here record
+under the ``site`` name in the process's ``stats.DEFAULT`` ledger, a `site.Site` in its own
+table's. Each site's first call (every call with ``TACO_CHECK_COLLECTIVES=1``) first checks that
+every rank makes the same call (`agreement`: a `CollectiveMismatch` on every rank otherwise),
+and a transfer that outlives the group's timeout raises a `CollectiveTimeout` naming the site.
 """
 
 from __future__ import annotations
@@ -35,50 +41,75 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.distributed as dist
 
-from ..codec import NonFiniteError, TacoConfig
-from . import agreement, stats
-from .compressed import Tally, acquire, all_gather_pieces, all_reduce_pieces, reduce_scatter_pieces, release
-from .dist_ops import Done, all_gather_into, all_reduce_, reduce_scatter_into
-from .pieces import Pipeline
+from ..codec import CodecConfig, TacoConfig
+from ..codec.api import check_config
+from ..errors import NonFiniteError
+from . import agreement, dist_ops
+from .compressed import PIECES, Tally, acquire, release
+from .dist_ops import DONE
+from .pieces import PIECE_BYTES, Pipeline
+from .stats import DEFAULT, SiteRecord, plain_bytes
 
-_PIECES = dict(all_reduce=all_reduce_pieces, reduce_scatter=reduce_scatter_pieces, all_gather=all_gather_pieces)
 _SAME_BYTES_EVERYWHERE = {"all_reduce": True, "reduce_scatter": False, "all_gather": True}
 
 
 def all_reduce(
-    x: torch.Tensor, group=None, config: TacoConfig | None = None, *, site: str | None = None,
-    async_op: bool = False,
+    x: torch.Tensor, group=None, config: CodecConfig | None = None, *, site: str | None = None,
+    async_op: bool = False, compress: bool | None = None, inplace: bool = False,
 ):
-    """Sum of ``x`` over the ranks of ``group``: a new tensor of x's shape and dtype.
+    """Sum of ``x`` over the ranks of ``group``, of x's shape and dtype (``x`` itself with
+    ``inplace=True``).
 
     Compressed: the two-shot TACO all-reduce; every rank gets bit-identical bytes.
     """
-    return _collective("all_reduce", x, group, config, site, async_op)
+    return _public("all_reduce", x, group, config, site, async_op, compress, inplace)
 
 
 def reduce_scatter(
-    x: torch.Tensor, group=None, config: TacoConfig | None = None, *, site: str | None = None,
-    async_op: bool = False,
+    x: torch.Tensor, group=None, config: CodecConfig | None = None, *, site: str | None = None,
+    async_op: bool = False, compress: bool | None = None,
 ):
     """x has P*m rows along dim 0; returns this rank's m rows of the sum over the group's ranks.
 
     Compressed: each rank's row block is compressed as its own chunk (padded to whole
     groups), exchanged all-to-all, summed with `sum_packed` and decoded by its rank.
     """
-    return _collective("reduce_scatter", x, group, config, site, async_op)
+    return _public("reduce_scatter", x, group, config, site, async_op, compress, False)
 
 
 def all_gather(
-    x: torch.Tensor, group=None, config: TacoConfig | None = None, *, site: str | None = None,
-    async_op: bool = False,
+    x: torch.Tensor, group=None, config: CodecConfig | None = None, *, site: str | None = None,
+    async_op: bool = False, compress: bool | None = None,
 ):
     """Concatenation of every rank's ``x`` along dim 0, in rank order.
 
     Compressed: compress, all-gather the buffers, decode all; every rank gets the same bytes.
     """
-    return _collective("all_gather", x, group, config, site, async_op)
+    return _public("all_gather", x, group, config, site, async_op, compress, False)
+
+
+def _public(kind: str, x, group, config, site, async_op: bool, compress, inplace: bool):
+    """The argument checks and the size rule of the public functions; then `Pending`."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{kind} expects a torch.Tensor, got {type(x).__name__}")
+    if config is not None:
+        config = check_config(config, kind)
+    nbytes = x.numel() * x.element_size()
+    if compress is None:
+        compress = config is not None and (not isinstance(config, TacoConfig) or config.compresses(nbytes))
+    elif not isinstance(compress, bool):
+        raise TypeError(f"{kind}(compress={compress!r}): pass True, False or None (the config's size rule)")
+    elif compress and config is None:
+        raise ValueError(f"{kind}(compress=True) needs the codec settings: pass config=TacoConfig(...)")
+    x = x.detach()
+    link = dist_ops.link(group)
+    check_shape(kind, x, link.world)
+    piece_bytes = config.piece_bytes if isinstance(config, TacoConfig) else PIECE_BYTES
+    name = site or kind
+    pending = Pending(kind, x, link, None if config is None else config.codec, compress, piece_bytes,
+                      DEFAULT.record(name), name, inplace)
+    return pending if async_op else pending.wait()
 
 
 # --- shared steps -----------------------------------------------------------------------------
@@ -93,152 +124,157 @@ def output_shape(kind: str, x: torch.Tensor, world: int) -> tuple[int, ...]:
     return tuple(x.shape)
 
 
-def check_rows(x: torch.Tensor, world: int | None = None) -> None:
-    """reduce_scatter (``world`` given) needs dim 0 divisible by it; all_gather a dim 0."""
-    if world is None and x.dim() == 0:
+def check_shape(kind: str, x: torch.Tensor, world: int) -> None:
+    """reduce_scatter needs dim 0 divisible by ``world``; all_gather a dim 0."""
+    if kind == "all_gather" and x.dim() == 0:
         raise ValueError("all_gather needs x with at least one dimension (got a 0-d tensor); use x.view(1)")
-    if world is not None and (x.dim() == 0 or x.shape[0] % world):
+    if kind == "reduce_scatter" and (x.dim() == 0 or x.shape[0] % world):
         raise ValueError(
             f"reduce_scatter needs dim 0 of x (shape {list(x.shape)}) divisible by the group "
             f"size {world}; pad or trim dim 0 to a multiple of {world}"
         )
 
 
-def _world(group) -> int:
-    world = dist.get_world_size(group)
-    if world < 1:
-        raise ValueError(
-            f"rank {dist.get_rank()} is not a member of the group; call collectives on its members only"
-        )
-    return world
-
-
-def _collective(kind: str, x: torch.Tensor, group, config: TacoConfig | None, site: str | None,
-                async_op: bool = False):
-    """Run ``kind`` plain or compressed into a new tensor; record its stats (at `Pending.wait`)."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{kind} expects a torch.Tensor, got {type(x).__name__}")
-    x, world = x.detach(), _world(group)
-    if kind != "all_reduce":
-        check_rows(x, world if kind == "reduce_scatter" else None)
-    pending = Pending(kind, x, group, config, site or kind, world)
-    return pending if async_op else pending.wait()
-
-
 class Pending:
     """A collective in flight: `progress` lets compressed pieces advance between other work,
-    `wait` returns the result (and records the site's statistics).
+    `wait` returns the result (and records it in ``record``, the site's `stats.SiteRecord`).
 
-    The plain collective is one ``async_op`` call of torch.distributed; the compressed one is
-    a `Pipeline` of pieces, each `progress` one tick of it (codec work of one piece, the
-    transfers of the others in flight). Every rank of the group must call `progress` as
-    often, in the same order relative to other collectives.
+    ``x`` is detached and its shape checked; ``link`` is the group's `dist_ops.Link`; ``codec``
+    None or the `CodecConfig` (its ``nonfinite`` applies to the plain path too); ``compress``
+    the caller's decision (taken plain anyway for one rank, an empty tensor or no codec).
+    ``record=None``: no statistics and no agreement check (`autotune`'s timed calls).
+
+    The plain collective is one asynchronous call; the compressed one is a `Pipeline` of pieces,
+    each `progress` one tick of it (codec work of one piece, the transfers of the others in
+    flight). Every rank of the group must call `progress` as often, in the same order relative
+    to other collectives.
     """
 
-    def __init__(self, kind: str, x: torch.Tensor, group, config: TacoConfig | None, site: str,
-                 world: int | None = None) -> None:
-        self.kind, self.x, self.group, self.config, self.site = kind, x, group, config, site
-        self.world = _world(group) if world is None else world
-        self.out = torch.empty(output_shape(kind, x, self.world), dtype=x.dtype, device=x.device)
+    __slots__ = ("kind", "x", "link", "codec", "record", "site", "out", "compressed", "nbytes", "_work",
+                 "_pipeline", "_tally", "_buffers", "_exact_in", "_done")
+
+    def __init__(self, kind: str, x: torch.Tensor, link, codec: CodecConfig | None, compress: bool,
+                 piece_bytes: int, record: SiteRecord | None, site: str, inplace: bool = False) -> None:
+        world = link.world
         nbytes = x.numel() * x.element_size()
-        self.compressed = not plain_path(config, nbytes, self.world)
-        if agreement.due(site):  # the same calls on every rank: checked before any byte moves
-            agreement.check(kind, x, group, config, self.compressed, site, self.world)
-        if self.compressed:
-            self.tally = Tally(check_nonfinite=config.nonfinite == "raise")
-            self._buffers = acquire(x.device)  # receive buffers reused from call to call
-            pieces = _PIECES[kind](x.contiguous(), self.out, codec_config(config), group, self.world, self.tally,
-                                   self._buffers)
-            self._pipeline = Pipeline.of(list(pieces))
-            with agreement.named_timeouts(site, kind, group):
+        compressed = compress and codec is not None and world > 1 and nbytes > 0
+        self.kind, self.x, self.link, self.codec, self.record, self.site = kind, x, link, codec, record, site
+        self.compressed, self.nbytes, self._done = compressed, nbytes, False
+        if record is not None and agreement.due(record):  # the same calls on every rank: checked before any byte moves
+            agreement.check(kind, x, link, codec, compressed, site, piece_bytes)
+        owned = inplace and kind == "all_reduce" and x.is_contiguous()
+        self._exact_in = None
+        if compressed and record is not None and record.sample_due():
+            self._exact_in = x.double()  # the input of the float64 reference, before x is decoded over
+        self.out = out = x if owned else torch.empty(output_shape(kind, x, world), dtype=x.dtype, device=x.device)
+        try:
+            if compressed:
+                self._tally = Tally(check_nonfinite=codec.nonfinite == "raise")
+                self._buffers = acquire(x.device)  # send / receive / sum buffers reused from call to call
+                pieces = PIECES[kind](x.contiguous(), out, wire_codec(codec), link, self._tally, self._buffers,
+                                      piece_bytes)
+                self._pipeline = Pipeline.of(list(pieces))
                 self._pipeline.tick()  # the first piece encoded and on the wire
-        else:
-            self.sent = stats.plain_bytes(kind, nbytes, self.world)
-            self._work = _plain(kind, zero_policy(x, config).contiguous(), self.out, group, self.world)
-        self._done = False
+            else:
+                self._work = _plain(kind, x, out, link, codec)
+        except Exception as error:
+            self._fail(error)
 
     def progress(self) -> None:
         """One step of the compressed pipeline (nothing for a plain collective)."""
         if self.compressed and not self._done:
-            with agreement.named_timeouts(self.site, self.kind, self.group):
+            try:
                 self._done = not self._pipeline.tick()
+            except Exception as error:
+                self._fail(error)
 
     def result(self) -> tuple[torch.Tensor, int, bool]:
         """``(out, bytes this rank sent, compressed?)`` once complete; no statistics."""
-        if self.compressed:
-            try:
-                with agreement.named_timeouts(self.site, self.kind, self.group):
-                    self._pipeline.finish()
-            finally:
+        try:
+            if self.compressed:
+                self._pipeline.finish()
                 release(self._buffers)
-            self.sent = self.tally.sent
-            flag = self.tally.any_nonfinite() if self.tally.check_nonfinite else None
-        else:
-            with agreement.named_timeouts(self.site, self.kind, self.group):
+            else:
                 self._work.wait()
-            raising = self.config is not None and self.config.nonfinite == "raise" and self.out.is_floating_point()
-            flag = ~torch.isfinite(self.out).all() if raising else None
+        except Exception as error:
+            self._fail(error)
+        out, world = self.out, self.link.world
+        raising = self.codec is not None and self.codec.nonfinite == "raise" and out.is_floating_point()
+        if self.compressed:
+            sent = self._tally.sent
+            flag = self._tally.any_nonfinite() if raising else None
+        else:
+            sent = plain_bytes(self.kind, self.nbytes, world)
+            flag = ~torch.isfinite(out).all() if raising else None
         if flag is not None:
-            raise_if_flag(flag, self.group, self.world, self.site, agree=not _SAME_BYTES_EVERYWHERE[self.kind])
-        return self.out, self.sent, self.compressed
+            raise_if_flag(flag, self.link, self.site, agree=not _SAME_BYTES_EVERYWHERE[self.kind])
+        return out, sent, self.compressed
 
     def wait(self) -> torch.Tensor:
-        """The result, a new tensor; records the call under its site."""
+        """The result; records the call under its site."""
         out, sent, compressed = self.result()
-        nbytes = self.x.numel() * self.x.element_size()
-        stats.record(self.site, sent=sent, uncompressed=stats.plain_bytes(self.kind, nbytes, self.world),
-                     compressed=compressed)
-        if compressed and stats.should_sample(self.site):
-            stats.record_error(self.site, relative_error(out, _exact(self.kind, self.x, out.shape, self.group)))
+        record = self.record
+        if record is not None:
+            record.add(sent, plain_bytes(self.kind, self.nbytes, self.link.world), compressed)
+            if self._exact_in is not None:
+                exact = exact_result(self.kind, self._exact_in, out.shape, self.link)
+                record.errors.append(relative_error(out, exact))
         return out
 
+    def _fail(self, error: Exception):
+        """Give the workspace back; raise ``error``, named after the site if it is a timeout."""
+        if self.compressed and hasattr(self, "_buffers"):
+            release(self._buffers)
+        named = agreement.timeout_error(error, self.site, self.kind, self.link.group) \
+            if isinstance(error, RuntimeError) else error
+        if named is error:
+            raise error
+        raise named from error
 
-def run_collective(kind: str, x: torch.Tensor, group, config: TacoConfig | None, site: str = ""):
-    """``(out, bytes this rank sent, compressed?)`` of ``kind`` on the detached ``x``; no
-    statistics (`autotune` times with it)."""
-    return Pending(kind, x, group, config, site).result()
 
+def _plain(kind: str, x: torch.Tensor, out: torch.Tensor, link, codec: CodecConfig | None):
+    """Start out <- the plain collective ``kind`` of x, in x's dtype; returns its work handle.
 
-def plain_path(config: TacoConfig | None, nbytes: int, world: int) -> bool:
-    """Whether a message of ``nbytes`` (input bytes) goes through the plain collective."""
-    return config is None or world == 1 or nbytes == 0 or nbytes < config.threshold_bytes
-
-
-def _plain(kind: str, src: torch.Tensor, out: torch.Tensor, group, world: int):
-    """Start out <- the plain collective ``kind`` of src (contiguous), in src's dtype; returns
-    its work handle."""
-    if world == 1:
-        out.copy_(src.view(out.shape))
-        return Done()
+    For all_reduce ``out`` may be x itself (reduced in place)."""
+    if codec is not None and codec.nonfinite == "zero" and x.is_floating_point():
+        if kind == "all_reduce":
+            x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0, out=out)  # out may be x itself
+        else:
+            x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    if link.world == 1:
+        if out is not x:
+            out.copy_(x.view(out.shape))
+        return DONE
     if kind == "all_reduce":
-        out.copy_(src)
-        return all_reduce_(out, group, async_op=True)
+        if out is not x:
+            out.copy_(x)
+        return link.all_reduce(out)
+    x = x.contiguous()
     if kind == "reduce_scatter":
-        return reduce_scatter_into(out, src, group, async_op=True)
-    return all_gather_into(out, src, group)
+        return link.reduce_scatter(out, x)
+    return link.all_gather(out, x)
+
+
+def wire_codec(codec: CodecConfig) -> CodecConfig:
+    """The codec's settings on the wire: under "raise" the codec propagates and we raise after
+    the transfer (on a flag every rank agrees on)."""
+    return codec if codec.nonfinite != "raise" else _propagating(codec)
 
 
 @functools.lru_cache(maxsize=64)
-def codec_config(config: TacoConfig) -> TacoConfig:
-    """The codec's config: under "raise" the codec propagates and we raise after the transfer."""
-    return config.replace(nonfinite="propagate") if config.nonfinite == "raise" else config
+def _propagating(codec: CodecConfig) -> CodecConfig:
+    return codec.replace(nonfinite="propagate")
 
 
-def zero_policy(x: torch.Tensor, config: TacoConfig | None) -> torch.Tensor:
-    if config is not None and config.nonfinite == "zero" and x.is_floating_point():
-        return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
-    return x
-
-
-def raise_if_flag(flag: torch.Tensor, group, world: int, site: str, *, agree: bool) -> None:
-    """Raise NonFiniteError on every rank if ``flag`` (0-d bool) is set on any rank of ``group``.
+def raise_if_flag(flag: torch.Tensor, link, site: str, *, agree: bool) -> None:
+    """Raise NonFiniteError on every rank if ``flag`` (0-d bool) is set on any rank of ``link``'s group.
 
     ``agree=False`` when the flag is known to be identical on every rank (every rank holds the
     same bytes: all-reduce and all-gather, plain or compressed): no exchange.
     """
-    if agree and world > 1:
+    if agree and link.world > 1:
         flag = flag.to(torch.int32).view(1)
-        all_reduce_(flag, group, op=dist.ReduceOp.MAX)
+        link.all_reduce(flag, "max").wait()
     if bool(flag.any()):  # the host sync that "raise" costs
         raise nonfinite_error(site)
 
@@ -251,10 +287,11 @@ def nonfinite_error(site: str) -> NonFiniteError:
     )
 
 
-def _exact(kind: str, x: torch.Tensor, out_shape, group) -> torch.Tensor:
-    """The float64 result of the plain collective (one extra collective, for error sampling)."""
+def exact_result(kind: str, x: torch.Tensor, out_shape, link) -> torch.Tensor:
+    """The float64 result of the plain collective of ``x`` (float64; one extra collective, for
+    error sampling)."""
     ref = torch.empty(out_shape, dtype=torch.float64, device=x.device)
-    _plain(kind, x.double().contiguous(), ref, group, dist.get_world_size(group)).wait()
+    _plain(kind, x.double(), ref, link, None).wait()
     return ref
 
 

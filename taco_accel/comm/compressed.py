@@ -1,8 +1,11 @@
-"""The compressed collectives of TACO_SPEC.md, one piece at a time.
+"""The compressed collectives of TACO, one piece at a time: the one implementation that real
+groups and emulated ones (`emulated`) both run.
 
-Each function here is a generator over one piece of a message (see `pieces`): codec work,
-then an asynchronous collective, ``yield``, wait, and so on. Notation: P ranks, G values per
-group, ``cb`` bytes per chunk (`WireLayout.chunk_bytes`).
+Each function here is a generator over one piece of a message for one rank (see `pieces`):
+codec work, then an asynchronous collective on ``link``, ``yield``, wait, and so on. ``link``
+is a `dist_ops.Link` (a real process group) or one virtual rank of an `emulated.EmulatedGroup`;
+both offer ``world``, ``all_to_all(out, x)`` and ``all_gather(out, x)``. Notation: P ranks, G
+values per group, ``cb`` bytes per chunk (`WireLayout.chunk_bytes`).
 
 - all_reduce (two-shot): compress as P chunks, all-to-all (rank r receives chunk r of every
   peer), `sum_packed` (dequantise, fp32 sum, requantise in the transformed domain),
@@ -14,28 +17,29 @@ group, ``cb`` bytes per chunk (`WireLayout.chunk_bytes`).
 - all_gather: compress, all-gather the buffers, decode all of them as one P-chunk buffer.
 
 Group boundaries depend only on the position inside a piece, and pieces are cut at multiples
-of P*G (all_reduce) or G (per block), so a piece boundary is always a group boundary.
+of P*G (all_reduce) or G (per block), so a piece boundary is always a group boundary. The
+send, receive, sum and staging buffers come from a `Workspace` and are reused from call to call;
+``out=None`` skips the decode (an emulated rank whose result another rank already decodes).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 
-from ..codec import Packed, TacoConfig, WireLayout, compress, decompress, sum_packed
-from .dist_ops import all_gather_into, all_to_all
+from ..codec import CodecConfig, WireLayout
+from ..codec.api import decode_into, encode_into, sum_packed_into
 from .pieces import piece_bounds, piece_length
 
 
-@dataclass
 class Tally:
     """What the pieces of one call report: bytes sent, and (if asked) non-finite flags."""
 
-    check_nonfinite: bool = False
-    sent: int = 0
-    flags: list = field(default_factory=list)  # 0-d bool tensors, one per checked buffer
+    __slots__ = ("check_nonfinite", "sent", "flags")
+
+    def __init__(self, check_nonfinite: bool = False) -> None:
+        self.check_nonfinite, self.sent, self.flags = check_nonfinite, 0, []
 
     def note(self, layout: WireLayout, buffer: torch.Tensor) -> None:
         """Remember whether the scales of ``buffer`` hold a NaN (a non-finite group) when checking is on."""
@@ -48,11 +52,14 @@ class Tally:
 
 
 class Workspace:
-    """Receive buffers reused from call to call instead of fresh allocations (two per piece).
+    """Buffers reused from call to call instead of fresh allocations: per piece a send buffer,
+    a receive buffer (which the all-gather of the all-reduce then fills again: its chunks were
+    summed by then), a sum buffer and, where a piece is not a contiguous run of whole groups, a
+    staging buffer.
 
     One per device, shared by every call site: collectives of a model run one after another,
     and a call holds the workspace from its start to its result (`acquire` / `release`; a
-    second call in flight meanwhile, or a CUDA graph capture, gets fresh buffers instead). A
+    second call in flight meanwhile, or a CUDA graph capture, gets a workspace of its own). A
     piece uses slot ``index % 3``: at most three pieces are in flight (`pieces`). Each buffer
     grows to the largest message seen and stays; `release_workspaces` frees them. Reuse is safe
     on NCCL: a collective's stream waits for the work queued before it, which includes the
@@ -64,41 +71,59 @@ class Workspace:
     def __init__(self) -> None:
         self.busy = False
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}
+        self._views: dict[tuple, torch.Tensor] = {}  # views handed out before, reused (a view costs host time)
 
-    def buffer(self, role: str, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
-        key = (role, slot % self.SLOTS)
-        buf = self._buffers.get(key)
+    def buffer(self, role: str, slot: int, nbytes: int, device: torch.device, shape=None) -> torch.Tensor:
+        """``nbytes`` uint8 of the buffer ``role`` in ``slot`` (grown if needed), viewed as
+        ``shape`` if given."""
+        key = (role, slot % self.SLOTS, nbytes, shape)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = self._grown(role, slot % self.SLOTS, nbytes, device)[:nbytes].view(shape or -1)
+        return view
+
+    def typed(self, role: str, slot: int, shape: tuple[int, ...], dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+        """A contiguous tensor of ``shape`` and ``dtype`` in the buffer ``role`` of ``slot``."""
+        key = (role, slot % self.SLOTS, shape, dtype)
+        view = self._views.get(key)
+        if view is None:
+            numel = 1
+            for n in shape:
+                numel *= n
+            raw = self._grown(role, slot % self.SLOTS, numel * dtype.itemsize, device)
+            view = self._views[key] = raw[: numel * dtype.itemsize].view(dtype).view(shape)
+        return view
+
+    def _grown(self, role: str, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
+        buf = self._buffers.get((role, slot))
         if buf is None or buf.numel() < nbytes:
-            buf = self._buffers[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return buf[:nbytes]
-
-
-class FreshBuffers:
-    """`Workspace`'s interface, allocating every time."""
-
-    def buffer(self, role: str, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+            buf = self._buffers[role, slot] = torch.empty(max(nbytes, 16), dtype=torch.uint8, device=device)
+            self._views = {k: v for k, v in self._views.items() if k[:2] != (role, slot)}  # of the old buffer
+        if len(self._views) > 256:  # many message sizes: start over rather than grow
+            self._views.clear()
+        return buf
 
 
 _workspaces: dict[torch.device, Workspace] = {}
 
 
-def acquire(device: torch.device) -> Workspace | FreshBuffers:
-    """The device's workspace if it is free (and no CUDA graph is being captured), else fresh buffers."""
+def acquire(device: torch.device) -> Workspace:
+    """The device's workspace if it is free (and no CUDA graph is being captured), else a
+    workspace of this call's own (fresh buffers)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return FreshBuffers()  # a captured graph must own its buffers (the graph's memory pool)
+        return Workspace()  # a captured graph must own its buffers (the graph's memory pool)
     workspace = _workspaces.get(device)
     if workspace is None:
         workspace = _workspaces[device] = Workspace()
     if workspace.busy:
-        return FreshBuffers()
+        return Workspace()
     workspace.busy = True
     return workspace
 
 
-def release(buffers: Workspace | FreshBuffers) -> None:
-    if isinstance(buffers, Workspace):
-        buffers.busy = False
+def release(buffers: Workspace) -> None:
+    buffers.busy = False
 
 
 def release_workspaces() -> None:
@@ -106,99 +131,133 @@ def release_workspaces() -> None:
     _workspaces.clear()
 
 
-def pad_to_groups(blocks: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[P, c] -> [P, ceil(c/G)*G], zero-padded on the right (no copy when c is a multiple of G)."""
-    world, cols = blocks.shape
-    width = -(-cols // group_size) * group_size
-    if width == cols:
-        return blocks
-    padded = blocks.new_zeros(world, width)
-    padded[:, :cols] = blocks
-    return padded
-
-
-def all_reduce_piece(
-    src: torch.Tensor, out: torch.Tensor, cfg: TacoConfig, group, world: int, tally: Tally, buffers, slot: int
-) -> Iterator:
-    """out [n] <- compressed two-shot sum over the ranks of src [n] (both flat, contiguous)."""
-    packed = compress(src, cfg, chunks=world)
-    layout = packed.layout
-    recv = buffers.buffer("recv", slot, packed.nbytes, src.device)  # [P * cb]: chunk `rank` of every peer
-    work = all_to_all(recv, packed.buffer, group)
+def all_reduce_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
+                     buffers: Workspace, slot: int) -> Iterator:
+    """out <- compressed two-shot sum over the ranks of src (same numel, both contiguous)."""
+    world, device = link.world, src.device
+    layout = WireLayout.for_tensor(src.numel(), codec, world)
+    total, cb = layout.total_bytes, layout.chunk_bytes
+    send = buffers.buffer("send", slot, total, device)  # [P * cb]: chunk p for rank p
+    encode_into(src, send, layout, codec)
+    recv = buffers.buffer("recv", slot, total, device)  # [P * cb]: chunk `rank` of every peer
+    work = link.all_to_all(recv, send)
     yield
     work.wait()
-    mine = sum_packed(recv.view(world, layout.chunk_bytes), layout.chunk_layout(), cfg)  # [cb]
-    full = buffers.buffer("full", slot, packed.nbytes, src.device)  # [P * cb]: every reduced chunk, rank order
-    work = all_gather_into(full, mine, group)
+    mine = buffers.buffer("sum", slot, cb, device)  # [cb]
+    sum_packed_into(buffers.buffer("recv", slot, total, device, (world, cb)), layout.chunk_layout(), codec, mine)
+    full = recv  # [P * cb]: every reduced chunk, rank order (the received chunks are summed by now)
+    work = link.all_gather(full, mine)
     yield
     work.wait()
     tally.sent += 2 * (world - 1) * layout.chunk_bytes
     tally.note(layout, full)
-    decompress(Packed(full, src.shape, src.dtype, cfg, layout), out=out)
+    if out is not None:
+        decode_into(full, layout, codec, out)
 
 
-def reduce_scatter_piece(
-    blocks: torch.Tensor, out: torch.Tensor, cfg: TacoConfig, group, world: int, tally: Tally, buffers, slot: int
-) -> Iterator:
-    """out [c] <- this rank's row of the compressed sum over ranks of blocks [P, c]."""
-    packed = compress(pad_to_groups(blocks, cfg.group_size), cfg, chunks=world)  # chunk r = block r
-    layout = packed.layout
-    recv = buffers.buffer("recv", slot, packed.nbytes, blocks.device)  # [P * cb]
-    work = all_to_all(recv, packed.buffer, group)
+def reduce_scatter_piece(blocks: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
+                         buffers: Workspace, slot: int) -> Iterator:
+    """out [c] <- this rank's row of the compressed sum over ranks of blocks [P, c] (or any
+    contiguous tensor of P*c values, row r of which is rank r's)."""
+    world, device = link.world, blocks.device
+    cols = blocks.numel() // world
+    width = -(-cols // codec.group_size) * codec.group_size
+    if width != cols or not blocks.is_contiguous():  # each block padded with zeros to whole groups
+        staged = buffers.typed("stage", slot, (world, width), blocks.dtype, device)
+        staged[:, cols:].zero_()
+        staged[:, :cols].copy_(blocks.reshape(world, cols))
+        blocks = staged
+    layout = WireLayout.for_tensor(world * width, codec, world)  # chunk r = block r
+    total, cb = layout.total_bytes, layout.chunk_bytes
+    send = buffers.buffer("send", slot, total, device)
+    encode_into(blocks, send, layout, codec)
+    recv = buffers.buffer("recv", slot, total, device)  # [P * cb]
+    work = link.all_to_all(recv, send)
     yield
     work.wait()
-    mine = sum_packed(recv.view(world, layout.chunk_bytes), layout.chunk_layout(), cfg)  # [cb]
-    own = WireLayout.for_tensor(out.numel(), cfg)
+    mine = buffers.buffer("sum", slot, cb, device)  # [cb]
+    sum_packed_into(buffers.buffer("recv", slot, total, device, (world, cb)), layout.chunk_layout(), codec, mine)
+    own = WireLayout.for_tensor(cols, codec)
     assert own.total_bytes == mine.numel(), (own, mine.numel())
     tally.sent += (world - 1) * layout.chunk_bytes
     tally.note(own, mine)
-    decompress(Packed(mine, out.shape, out.dtype, cfg, own), out=out)
+    if out is not None:
+        decode_into(mine, own, codec, out)
 
 
-def all_gather_piece(
-    src: torch.Tensor, out: torch.Tensor, cfg: TacoConfig, group, world: int, tally: Tally, buffers, slot: int
-) -> Iterator:
-    """out [P, c] (may be a strided view) <- every rank's src [c] decoded, in rank order."""
-    packed = compress(src, cfg)  # one chunk of gpc = ceil(c/G) groups
-    full = buffers.buffer("full", slot, world * packed.nbytes, src.device)  # [P * cb]
-    work = all_gather_into(full, packed.buffer, group)
+def all_gather_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
+                     buffers: Workspace, slot: int) -> Iterator:
+    """out [P, c] (may be a strided view, or any contiguous tensor of P*c values) <- every
+    rank's src (c values, contiguous) decoded, in rank order."""
+    world, device, cols = link.world, src.device, src.numel()
+    layout = WireLayout.for_tensor(cols, codec)  # one chunk of gpc = ceil(c/G) groups
+    send = buffers.buffer("send", slot, layout.total_bytes, device)
+    encode_into(src, send, layout, codec)
+    full = buffers.buffer("recv", slot, world * layout.total_bytes, device)  # [P * cb]
+    work = link.all_gather(full, send)
     yield
     work.wait()
-    width = packed.layout.padded_numel  # gpc * G
-    layout = WireLayout.for_tensor(world * width, cfg, chunks=world)  # chunk p = rank p's buffer
-    assert layout.total_bytes == full.numel(), (layout, full.numel())
-    tally.sent += (world - 1) * packed.nbytes
-    tally.note(layout, full)
-    if width == src.numel() and out.is_contiguous():
-        decompress(Packed(full, out.shape, out.dtype, cfg, layout), out=out)
+    width = layout.padded_numel  # gpc * G
+    whole = WireLayout.for_tensor(world * width, codec, chunks=world)  # chunk p = rank p's buffer
+    assert whole.total_bytes == full.numel(), (whole, full.numel())
+    tally.sent += (world - 1) * layout.total_bytes
+    tally.note(whole, full)
+    if out is None:
+        return
+    if width == cols and out.is_contiguous():
+        decode_into(full, whole, codec, out)
     else:
-        decoded = decompress(Packed(full, torch.Size((world, width)), out.dtype, cfg, layout))
-        out.copy_(decoded[:, : src.numel()])
+        decoded = buffers.typed("stage", slot, (world, width), out.dtype, device)
+        decode_into(full, whole, codec, decoded)
+        rows = out.view(world, cols) if out.is_contiguous() else out  # [P, c]
+        rows.copy_(decoded[:, :cols])
 
 
 # --- one call as pieces: views of the input and output, cut at group boundaries --------------
 
 
-def all_reduce_pieces(x: torch.Tensor, out: torch.Tensor, cfg: TacoConfig, group, world: int, tally: Tally, buffers):
+def all_reduce_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
+                      buffers: Workspace, piece_bytes: int):
     """The pieces of a compressed all_reduce of x into out (same shape, both contiguous)."""
-    src, dst = x.view(-1), out.view(-1)  # [n]
-    step = piece_length(cfg.piece_bytes, x.element_size(), world * cfg.group_size)
-    for slot, (a, b) in enumerate(piece_bounds(src.numel(), step)):
-        yield all_reduce_piece(src[a:b], dst[a:b], cfg, group, world, tally, buffers, slot)
+    step = piece_length(piece_bytes, x.element_size(), link.world * codec.group_size)
+    bounds = piece_bounds(x.numel(), step)
+    if len(bounds) == 1:  # one piece: the tensors as they are (each view costs host time)
+        yield all_reduce_piece(x, out, codec, link, tally, buffers, 0)
+        return
+    src, dst = x.view(-1), None if out is None else out.view(-1)  # [n]
+    for slot, (a, b) in enumerate(bounds):
+        yield all_reduce_piece(src[a:b], None if dst is None else dst[a:b], codec, link, tally, buffers, slot)
 
 
-def reduce_scatter_pieces(x: torch.Tensor, out: torch.Tensor, cfg: TacoConfig, group, world: int, tally: Tally,
-                          buffers):
+def reduce_scatter_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
+                          buffers: Workspace, piece_bytes: int):
     """The pieces of a compressed reduce_scatter of x [P*m, ...] into out [m, ...] (contiguous)."""
-    blocks, dst = x.view(world, -1), out.view(-1)  # [P, k] (row r: the rows of rank r), [k]
-    step = piece_length(cfg.piece_bytes, world * x.element_size(), cfg.group_size)
-    for slot, (a, b) in enumerate(piece_bounds(dst.numel(), step)):
-        yield reduce_scatter_piece(blocks[:, a:b], dst[a:b], cfg, group, world, tally, buffers, slot)
+    world = link.world
+    step = piece_length(piece_bytes, world * x.element_size(), codec.group_size)
+    bounds = piece_bounds(x.numel() // world, step)
+    if len(bounds) == 1:
+        yield reduce_scatter_piece(x, out, codec, link, tally, buffers, 0)
+        return
+    blocks = x.view(world, -1)  # [P, k] (row r: the rows of rank r)
+    dst = None if out is None else out.view(-1)  # [k]
+    for slot, (a, b) in enumerate(bounds):
+        yield reduce_scatter_piece(blocks[:, a:b], None if dst is None else dst[a:b], codec, link, tally, buffers,
+                                   slot)
 
 
-def all_gather_pieces(x: torch.Tensor, out: torch.Tensor, cfg: TacoConfig, group, world: int, tally: Tally, buffers):
+def all_gather_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
+                      buffers: Workspace, piece_bytes: int):
     """The pieces of a compressed all_gather of x [m, ...] into out [P*m, ...] (contiguous)."""
-    src, blocks = x.view(-1), out.view(world, -1)  # [k], [P, k] (row p: rank p's x)
-    step = piece_length(cfg.piece_bytes, x.element_size(), cfg.group_size)
-    for slot, (a, b) in enumerate(piece_bounds(src.numel(), step)):
-        yield all_gather_piece(src[a:b], blocks[:, a:b], cfg, group, world, tally, buffers, slot)
+    step = piece_length(piece_bytes, x.element_size(), codec.group_size)
+    bounds = piece_bounds(x.numel(), step)
+    if len(bounds) == 1:
+        yield all_gather_piece(x, out, codec, link, tally, buffers, 0)
+        return
+    src = x.view(-1)  # [k]
+    blocks = None if out is None else out.view(link.world, -1)  # [P, k] (row p: rank p's x)
+    for slot, (a, b) in enumerate(bounds):
+        yield all_gather_piece(src[a:b], None if blocks is None else blocks[:, a:b], codec, link, tally, buffers,
+                               slot)
+
+
+PIECES = {"all_reduce": all_reduce_pieces, "reduce_scatter": reduce_scatter_pieces, "all_gather": all_gather_pieces}

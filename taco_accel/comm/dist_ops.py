@@ -1,16 +1,20 @@
 """Thin wrappers over torch.distributed: the one place for version and backend differences.
 
-- torch 2.13 deprecates ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in favour of
-  ``all_gather_single`` / ``reduce_scatter_single``; we support torch>=2.6, so we bind
-  whichever exists (no FutureWarning on new versions, no AttributeError on old ones).
+- `Link` is one process group's collectives, issued straight on its ``ProcessGroup`` with the
+  options built once: torch.distributed's functions re-check their arguments, resolve the group
+  and build new options on every call (a few microseconds of host time each, as much as the rest
+  of a plain call of ours). The methods are those torch.distributed's own functions call
+  (``allreduce``, ``all_gather_single`` / ``_allgather_base``, ``reduce_scatter_single`` /
+  ``_reduce_scatter_base``, ``all_to_all_single`` / ``alltoall_base``: torch 2.13 renamed them;
+  we support torch>=2.6 and bind whichever exists).
 - ``all_to_all_single`` exists on NCCL and on gloo (CPU and CUDA tensors) for every torch we
   support; a backend that refuses it (it raises before any byte moves, on every rank alike)
   gets the same exchange as P-1 isend/irecv pairs, `all_to_all_p2p`.
 
 Every function takes an explicit ``group`` (None: the default group; `group_size` and
-`group_rank` also answer without torch.distributed, as one rank) and, where it can run
-asynchronously, returns a work handle whose ``wait()`` must be called before the output is
-read (on NCCL, ``wait()`` only makes the current CUDA stream wait: no host sync).
+`group_rank` also answer without torch.distributed, as one rank) and returns a work handle
+whose ``wait()`` must be called before the output is read (on NCCL, ``wait()`` only makes the
+current CUDA stream wait: no host sync).
 """
 
 from __future__ import annotations
@@ -19,13 +23,11 @@ import logging
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 logger = logging.getLogger(__name__)
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _no_native_all_to_all: set[str] = set()  # backends seen refusing all_to_all_single
-_backends: dict = {}  # process group (None: the default one) -> its backend name, looked up once
 
 
 def group_size(group=None) -> int:
@@ -45,38 +47,102 @@ class Done:
         return True
 
 
+DONE = Done()
+
+
+def _options(cls, **fields):
+    opts = cls()
+    for name, value in fields.items():
+        setattr(opts, name, value)
+    if hasattr(opts, "asyncOp"):  # torch >= 2.9: the handle is waited on explicitly
+        opts.asyncOp = True
+    return opts
+
+
+class Link:
+    """The collectives of one process group, each returning a work handle (``async_op=True``).
+
+    Built once per group (`link`); holds the ``ProcessGroup`` object, its size and this rank's
+    index in it, and the options of every call.
+    """
+
+    __slots__ = ("group", "pg", "world", "rank", "backend", "_sum", "_max", "_gather", "_scatter", "_a2a",
+                 "_all_gather", "_reduce_scatter", "_all_to_all")
+
+    def __init__(self, group) -> None:
+        pg = dist.group.WORLD if group is None else group
+        world = dist.get_world_size(group)
+        if world < 1:
+            raise ValueError(
+                f"rank {dist.get_rank()} is not a member of the group; call collectives on its members only"
+            )
+        self.group, self.pg, self.world, self.rank = group, pg, world, dist.get_rank(group)
+        self.backend = str(dist.get_backend(group))
+        self._sum = _options(c10d.AllreduceOptions, reduceOp=dist.ReduceOp.SUM)
+        self._max = _options(c10d.AllreduceOptions, reduceOp=dist.ReduceOp.MAX)
+        self._gather = _options(c10d.AllgatherOptions)
+        self._scatter = _options(c10d.ReduceScatterOptions, reduceOp=dist.ReduceOp.SUM)
+        self._a2a = _options(c10d.AllToAllOptions)
+        self._all_gather = getattr(pg, "all_gather_single", None) or pg._allgather_base
+        self._reduce_scatter = getattr(pg, "reduce_scatter_single", None) or pg._reduce_scatter_base
+        self._all_to_all = getattr(pg, "all_to_all_single", None) or pg.alltoall_base
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum"):
+        """x <- the sum (or ``op="max"``) over the ranks of x, in place."""
+        return self.pg.allreduce([x], self._sum if op == "sum" else self._max)
+
+    def all_gather(self, out: torch.Tensor, x: torch.Tensor):
+        """out [P*n] <- every rank's x [n] in rank order."""
+        return self._all_gather(out, x, self._gather)
+
+    def reduce_scatter(self, out: torch.Tensor, x: torch.Tensor):
+        """out [n] <- this rank's block of the sum over ranks of x [P*n]."""
+        return self._reduce_scatter(out, x, self._scatter)
+
+    def all_to_all(self, out: torch.Tensor, x: torch.Tensor):
+        """out [P*n] <- block r of every rank's x [P*n], in rank order (r: this rank):
+        out[p*n:(p+1)*n] = x_p[r*n:(r+1)*n]."""
+        if self.backend not in _no_native_all_to_all:
+            try:
+                return self._all_to_all(out, x, [], [], self._a2a)
+            except (RuntimeError, NotImplementedError) as err:
+                if "support" not in str(err).lower():
+                    raise
+                _no_native_all_to_all.add(self.backend)
+                logger.info("backend %s has no all_to_all_single (%s); using isend/irecv pairs", self.backend, err)
+        return all_to_all_p2p(out, x, self.group)
+
+
+_links: dict = {}  # ProcessGroup -> Link
+
+
+def link(group=None) -> Link:
+    """The `Link` of ``group`` (None: the default group), built on first use."""
+    pg = dist.group.WORLD if group is None else group
+    found = _links.get(pg)
+    if found is None:
+        found = _links[pg] = Link(group)
+    return found
+
+
 def all_gather_into(out: torch.Tensor, x: torch.Tensor, group=None):
     """out [P*n] <- every rank's x [n] in rank order; returns a work handle."""
-    return _all_gather_single(out, x, group=group, async_op=True)
+    return link(group).all_gather(out, x)
 
 
-def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group=None, async_op: bool = False):
-    """out [n] <- this rank's block of the sum over ranks of x [P*n]; a work handle if ``async_op``."""
-    return _reduce_scatter_single(out, x, group=group, async_op=async_op)
+def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group=None):
+    """out [n] <- this rank's block of the sum over ranks of x [P*n]; returns a work handle."""
+    return link(group).reduce_scatter(out, x)
 
 
-def all_reduce_(x: torch.Tensor, group=None, op=dist.ReduceOp.SUM, async_op: bool = False):
-    """x <- op over the ranks of x, in place; a work handle if ``async_op``."""
-    return dist.all_reduce(x, op=op, group=group, async_op=async_op)
+def all_reduce_(x: torch.Tensor, group=None, op: str = "sum"):
+    """x <- the sum (or ``op="max"``) over the ranks of x, in place; returns a work handle."""
+    return link(group).all_reduce(x, op)
 
 
 def all_to_all(out: torch.Tensor, x: torch.Tensor, group=None):
-    """out [P*n] <- block r of every rank's x [P*n], in rank order; returns a work handle.
-
-    Rank r receives block r of each peer: out[p*n:(p+1)*n] = x_p[r*n:(r+1)*n].
-    """
-    backend = _backends.get(group)
-    if backend is None:
-        backend = _backends[group] = str(dist.get_backend(group))
-    if backend not in _no_native_all_to_all:
-        try:
-            return dist.all_to_all_single(out, x, group=group, async_op=True)
-        except (RuntimeError, NotImplementedError) as err:
-            if "support" not in str(err).lower():
-                raise
-            _no_native_all_to_all.add(backend)
-            logger.info("backend %s has no all_to_all_single (%s); using isend/irecv pairs", backend, err)
-    return all_to_all_p2p(out, x, group)
+    """`Link.all_to_all` on ``group``; returns a work handle."""
+    return link(group).all_to_all(out, x)
 
 
 def all_to_all_p2p(out: torch.Tensor, x: torch.Tensor, group=None):
@@ -91,7 +157,7 @@ def all_to_all_p2p(out: torch.Tensor, x: torch.Tensor, group=None):
             global_peer = dist.get_global_rank(group, peer) if group is not None else peer
             ops.append(dist.P2POp(dist.isend, send[peer], global_peer, group))
             ops.append(dist.P2POp(dist.irecv, recv[peer], global_peer, group))
-    return _AllOf(dist.batch_isend_irecv(ops)) if ops else Done()
+    return _AllOf(dist.batch_isend_irecv(ops)) if ops else DONE
 
 
 class _AllOf:

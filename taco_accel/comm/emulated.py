@@ -8,18 +8,19 @@ returns what the collectives of `collectives` return on a real group of P ranks:
     all_gather(shards, config, site=)        -> the dim-0 concatenation (the same on every rank)
 
 It takes the same decisions (plain below ``config.threshold_bytes``, pieces of
-``config.piece_bytes``) and computes the same codec steps on the same inputs in the same order:
-rank p's ``compress(x_p, chunks=P)``, then the sum over ranks 0..P-1 of every chunk r (what
-the all-to-all delivers to rank r; one `sum_packed` over the whole buffers does all P at once,
-group by group), then one decode of the gathered chunks. Given bit-identical inputs, the
-outputs are bit-identical to a real group's (tests/test_comm.py checks every collective,
-dtype and odd size for P = 2, 3, 4), so a model emulated on one device or a laptop trains with
-the numerics of real compressed TP.
+``config.piece_bytes``) and runs the compressed path through the very piece generators of
+`compressed`, one per virtual rank, advanced in lockstep: each virtual rank's ``link`` is an
+`EmulatedRank` whose all-to-all and all-gather are fulfilled, once every rank has issued
+them, by copying between the ranks' buffers. Given bit-identical inputs, the outputs are
+therefore bit-identical to a real group's (tests/test_comm.py checks every collective, dtype
+and odd size for P = 2, 3, 4), so a model emulated on one device or a laptop trains with the
+numerics of real compressed TP. Results every rank holds alike (all_reduce, all_gather) are
+decoded once, by rank 0.
 
-Statistics go to the same per-site counters (`stats`) with the figures one rank of a real
-group would record: bytes that rank sends, and the ring bytes of the plain collective. The
-plain path sums the partials in rank order in their dtype; a real backend may add them in
-another order (for P > 2), which changes the result by fp32 (or bf16) rounding only.
+Statistics go to the site's `stats.SiteRecord` with the figures one rank of a real group would
+record: bytes that rank sends, and the ring bytes of the plain collective. The plain path sums
+the partials in rank order in their dtype; a real backend may add them in another order (for
+P > 2), which changes the result by fp32 (or bf16) rounding only.
 
 ``reducer`` replaces the compressed all-reduce with another codec, for ablations that are not
 a `TacoConfig` (``taco_accel.bench.convergence``: naive per-tensor FP8); see `Reducer`.
@@ -31,66 +32,98 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..codec import Packed, TacoConfig, WireLayout, compress, decompress, sum_packed
-from . import stats
-from .collectives import check_rows, codec_config, nonfinite_error, plain_path, relative_error, zero_policy
-from .compressed import pad_to_groups
-from .pieces import piece_bounds, piece_length
+from ..codec import CodecConfig, TacoConfig
+from ..codec.api import check_config
+from .collectives import check_shape, nonfinite_error, relative_error, wire_codec
+from .compressed import PIECES, Tally, Workspace
+from .pieces import PIECE_BYTES, Pipeline
+from .stats import DEFAULT, SiteRecord, plain_bytes
 
-Reducer = Callable[[Sequence[torch.Tensor], TacoConfig], tuple[torch.Tensor, int]]
-"""``(partials, config) -> (sum, bytes one rank sends)``: a compressed all-reduce of P
-same-shape, contiguous tensors (``config`` has ``nonfinite`` "propagate" or "zero")."""
+Reducer = Callable[[Sequence[torch.Tensor], CodecConfig], tuple[torch.Tensor, int]]
+"""``(partials, codec) -> (sum, bytes one rank sends)``: a compressed all-reduce of P
+same-shape, contiguous tensors (``codec.nonfinite`` is "propagate" or "zero")."""
 
 
-def two_shot_all_reduce(partials: Sequence[torch.Tensor], config: TacoConfig) -> tuple[torch.Tensor, int]:
-    """The TACO two-shot all-reduce of P partials, piece by piece; returns (sum, bytes per rank)."""
-    world = len(partials)
-    srcs = [p.view(-1) for p in partials]  # [n] each
-    out = torch.empty_like(partials[0])
-    dst = out.view(-1)
-    step = piece_length(config.piece_bytes, partials[0].element_size(), world * config.group_size)
-    sent = 0
-    for a, b in piece_bounds(dst.numel(), step):
-        sent += _all_reduce_piece([s[a:b] for s in srcs], dst[a:b], config)
+class _Exchange:
+    """The collectives the virtual ranks issue, matched by issue order: each rank's i-th call
+    meets every other rank's i-th, and runs when the first of them is waited on (by then every
+    rank has issued it: the ranks advance in lockstep)."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.issued: list[list[tuple]] = [[] for _ in range(world)]
+        self.done: set[int] = set()
+
+    def issue(self, rank: int, op: str, out: torch.Tensor, x: torch.Tensor) -> "_Work":
+        self.issued[rank].append((op, out, x))
+        return _Work(self, len(self.issued[rank]) - 1)
+
+    def run(self, index: int) -> None:
+        if index in self.done:
+            return
+        calls = [self.issued[r][index] for r in range(self.world)]
+        world = self.world
+        for r, (op, out, _) in enumerate(calls):
+            rows = out.view(world, -1)
+            for p, (_, _, x) in enumerate(calls):
+                rows[p].copy_(x.view(world, -1)[r] if op == "all_to_all" else x.view(-1))
+        self.done.add(index)
+
+
+class _Work:
+    __slots__ = ("exchange", "index")
+
+    def __init__(self, exchange: _Exchange, index: int) -> None:
+        self.exchange, self.index = exchange, index
+
+    def wait(self) -> bool:
+        self.exchange.run(self.index)
+        return True
+
+
+class EmulatedRank:
+    """Virtual rank ``rank`` of an exchange: the ``link`` the piece generators of `compressed` use."""
+
+    __slots__ = ("exchange", "rank", "world")
+
+    def __init__(self, exchange: _Exchange, rank: int) -> None:
+        self.exchange, self.rank, self.world = exchange, rank, exchange.world
+
+    def all_to_all(self, out: torch.Tensor, x: torch.Tensor) -> _Work:
+        return self.exchange.issue(self.rank, "all_to_all", out, x)
+
+    def all_gather(self, out: torch.Tensor, x: torch.Tensor) -> _Work:
+        return self.exchange.issue(self.rank, "all_gather", out, x)
+
+
+def run_compressed(kind: str, xs: list[torch.Tensor], outs: list[torch.Tensor | None], codec: CodecConfig,
+                   piece_bytes: int, workspaces: list[Workspace]) -> int:
+    """Every virtual rank's pieces of ``kind`` (`compressed`), advanced in lockstep; rank r reads
+    ``xs[r]`` and decodes into ``outs[r]`` (None: not decoded). Returns the bytes one rank sends."""
+    world = len(xs)
+    exchange = _Exchange(world)
+    tallies = [Tally() for _ in range(world)]
+    pipelines = [
+        Pipeline.of(list(PIECES[kind](x, out, codec, EmulatedRank(exchange, r), tally, workspace, piece_bytes)))
+        for r, (x, out, tally, workspace) in enumerate(zip(xs, outs, tallies, workspaces))
+    ]
+    live = True
+    while live:
+        live = False
+        for pipeline in pipelines:
+            live = pipeline.tick() or live
+    return tallies[0].sent
+
+
+def two_shot_all_reduce(partials: Sequence[torch.Tensor], config: CodecConfig) -> tuple[torch.Tensor, int]:
+    """The TACO two-shot all-reduce of P partials (pieces of ``config.piece_bytes`` if it is a
+    `TacoConfig`); returns (sum, bytes per rank)."""
+    xs = [p.contiguous() for p in partials]
+    out = torch.empty_like(xs[0])
+    piece_bytes = config.piece_bytes if isinstance(config, TacoConfig) else PIECE_BYTES
+    sent = run_compressed("all_reduce", xs, [out] + [None] * (len(xs) - 1), config.codec, piece_bytes,
+                          [Workspace() for _ in xs])
     return out, sent
-
-
-def _all_reduce_piece(srcs: list[torch.Tensor], out: torch.Tensor, cfg: TacoConfig) -> int:
-    """out [n] <- compressed sum of srcs (P flat [n] pieces); returns the bytes one rank sends.
-
-    Rank r sums chunk r of every peer's buffer; the sum is computed group by group, so one
-    `sum_packed` over the P whole buffers yields every rank's summed chunk at once, already in
-    the order the all-gather assembles (the same bytes as P sums over the single chunks)."""
-    world = len(srcs)
-    packed = [compress(src, cfg, chunks=world) for src in srcs]
-    layout = packed[0].layout
-    full = sum_packed(torch.stack([p.buffer for p in packed]), layout, cfg)  # [P * cb]: the all-gather
-    decompress(Packed(full, srcs[0].shape, srcs[0].dtype, cfg, layout), out=out)
-    return 2 * (world - 1) * layout.chunk_bytes
-
-
-def _reduce_scatter_piece(blocks: list[torch.Tensor], outs: list[torch.Tensor], cfg: TacoConfig) -> int:
-    """outs[r] [c] <- row r of the compressed sum of blocks (P tensors [P, c]); returns bytes per rank."""
-    world = len(blocks)
-    packed = [compress(pad_to_groups(b, cfg.group_size), cfg, chunks=world) for b in blocks]  # chunk r = block r
-    layout = packed[0].layout
-    summed = sum_packed(torch.stack([p.buffer for p in packed]), layout, cfg)  # chunk r: rank r's sum
-    own = WireLayout.for_tensor(outs[0].numel(), cfg)
-    for mine, out in zip(summed.view(world, layout.chunk_bytes), outs):
-        decompress(Packed(mine, out.shape, out.dtype, cfg, own), out=out)
-    return (world - 1) * layout.chunk_bytes
-
-
-def _all_gather_piece(srcs: list[torch.Tensor], out: torch.Tensor, cfg: TacoConfig) -> int:
-    """out [P, c] <- every rank's src [c], compressed and decoded; returns bytes per rank."""
-    world, n = len(srcs), srcs[0].numel()
-    packed = [compress(src, cfg) for src in srcs]  # one chunk each
-    full = torch.cat([p.buffer for p in packed])  # [P * cb], rank order: what the all-gather delivers
-    width = packed[0].layout.padded_numel
-    layout = WireLayout.for_tensor(world * width, cfg, chunks=world)
-    decoded = decompress(Packed(full, torch.Size((world, width)), out.dtype, cfg, layout))
-    out.copy_(decoded[:, :n])
-    return (world - 1) * packed[0].nbytes
 
 
 class EmulatedGroup:
@@ -105,6 +138,7 @@ class EmulatedGroup:
             raise ValueError(f"EmulatedGroup(size={size!r}): use an int >= 1 (the tp degree)")
         self.size = size
         self.reducer = reducer or two_shot_all_reduce
+        self._workspaces: dict[torch.device, list[Workspace]] = {}  # one per virtual rank: all are in flight
 
     def __repr__(self) -> str:
         name = getattr(self.reducer, "__name__", repr(self.reducer))
@@ -112,30 +146,45 @@ class EmulatedGroup:
         return f"EmulatedGroup(size={self.size}{custom})"
 
     def all_reduce(
-        self, partials: Sequence[torch.Tensor], config: TacoConfig | None = None, *, site: str | None = None
+        self, partials: Sequence[torch.Tensor], config: CodecConfig | None = None, *, site: str | None = None
     ) -> torch.Tensor:
         """The sum of every rank's tensor: a new tensor of their shape and dtype."""
-        xs = self._check("all_reduce", partials)
-        return self._run("all_reduce", xs, config, site or "all_reduce")
+        return self._public("all_reduce", partials, config, site)
 
     def reduce_scatter(
-        self, partials: Sequence[torch.Tensor], config: TacoConfig | None = None, *, site: str | None = None
+        self, partials: Sequence[torch.Tensor], config: CodecConfig | None = None, *, site: str | None = None
     ) -> list[torch.Tensor]:
         """Each tensor has P*m rows along dim 0; returns ``[rank r's m rows of the sum]``."""
-        xs = self._check("reduce_scatter", partials)
-        check_rows(xs[0], self.size)
-        summed = self._run("reduce_scatter", xs, config, site or "reduce_scatter")
-        return list(summed.chunk(self.size))
+        return list(self._public("reduce_scatter", partials, config, site).chunk(self.size))
 
     def all_gather(
-        self, shards: Sequence[torch.Tensor], config: TacoConfig | None = None, *, site: str | None = None
+        self, shards: Sequence[torch.Tensor], config: CodecConfig | None = None, *, site: str | None = None
     ) -> torch.Tensor:
         """Concatenation of every rank's tensor along dim 0, in rank order."""
-        xs = self._check("all_gather", shards)
-        check_rows(xs[0])
-        return self._run("all_gather", xs, config, site or "all_gather")
+        return self._public("all_gather", shards, config, site)
+
+    def collective(self, kind: str, xs: Sequence[torch.Tensor], site) -> torch.Tensor:
+        """``kind`` on every rank's tensor through the `site.Site` ``site``: its settings and
+        decision (the size rule: there is no group to time), its statistics. reduce_scatter
+        returns every rank's rows stacked in rank order."""
+        xs = self._check(kind, xs)
+        for x in xs:
+            site.observe(x)
+        compress = site.compresses(kind, xs[0])
+        return self._run(kind, xs, site.codec, compress, site.piece_bytes, site.entry, site.name)
 
     # -- shared steps -----------------------------------------------------------------------
+
+    def _public(self, kind: str, xs, config, site: str | None) -> torch.Tensor:
+        xs = self._check(kind, xs)
+        if config is not None:
+            config = check_config(config, kind)
+        nbytes = xs[0].numel() * xs[0].element_size()
+        compress = config is not None and (not isinstance(config, TacoConfig) or config.compresses(nbytes))
+        piece_bytes = config.piece_bytes if isinstance(config, TacoConfig) else PIECE_BYTES
+        name = site or kind
+        return self._run(kind, xs, None if config is None else config.codec, compress, piece_bytes,
+                         DEFAULT.record(name), name)
 
     def _check(self, kind: str, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if len(xs) != self.size or not all(isinstance(x, torch.Tensor) for x in xs):
@@ -145,48 +194,50 @@ class EmulatedGroup:
         first = xs[0]
         if any(x.shape != first.shape or x.dtype != first.dtype or x.device != first.device for x in xs):
             raise ValueError(f"{kind}: every rank's tensor must have one shape, dtype and device")
+        check_shape(kind, first, self.size)
         return [x.detach().contiguous() for x in xs]
 
-    def _run(self, kind: str, xs: list[torch.Tensor], config: TacoConfig | None, site: str) -> torch.Tensor:
+    def _run(self, kind: str, xs: list[torch.Tensor], codec: CodecConfig | None, compress: bool, piece_bytes: int,
+             record: SiteRecord, site: str) -> torch.Tensor:
         """The collective ``kind``, plain or compressed, as a tensor (reduce_scatter: all ranks'
-        rows stacked in rank order); records the site's statistics like one rank would."""
+        rows stacked in rank order); records the call like one rank would."""
         nbytes = xs[0].numel() * xs[0].element_size()
-        plain = stats.plain_bytes(kind, nbytes, self.size)
-        if plain_path(config, nbytes, self.size):
-            out = _plain(kind, [zero_policy(x, config) for x in xs])
-            stats.record(site, sent=plain, uncompressed=plain, compressed=False)
+        plain = plain_bytes(kind, nbytes, self.size)
+        if not (compress and codec is not None and self.size > 1 and nbytes > 0):
+            if codec is not None and codec.nonfinite == "zero" and xs[0].is_floating_point():
+                xs = [torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0) for x in xs]
+            out = _plain(kind, xs)
+            record.add(plain, plain, False)
         else:
-            out, sent = self._compressed(kind, xs, codec_config(config))
-            stats.record(site, sent=sent, uncompressed=plain, compressed=True)
-            if stats.should_sample(site):
-                stats.record_error(site, relative_error(out, _plain(kind, [x.double() for x in xs])))
-        if config is not None and config.nonfinite == "raise" and not bool(torch.isfinite(out).all()):
+            out, sent = self._compressed(kind, xs, wire_codec(codec), piece_bytes)
+            record.add(sent, plain, True)
+            if record.sample_due():
+                record.errors.append(relative_error(out, _plain(kind, [x.double() for x in xs])))
+        if codec is not None and codec.nonfinite == "raise" and not bool(torch.isfinite(out).all()):
             raise nonfinite_error(site)
         return out
 
-    def _compressed(self, kind: str, xs: list[torch.Tensor], cfg: TacoConfig) -> tuple[torch.Tensor, int]:
-        if kind == "all_reduce":
-            return self.reducer(xs, cfg)
-        world, size = self.size, xs[0].element_size()
+    def _compressed(self, kind: str, xs: list[torch.Tensor], codec: CodecConfig,
+                    piece_bytes: int) -> tuple[torch.Tensor, int]:
+        world, x = self.size, xs[0]
+        if kind == "all_reduce" and self.reducer is not two_shot_all_reduce:
+            return self.reducer(xs, codec)
         if kind == "reduce_scatter":
-            blocks = [x.view(world, -1) for x in xs]  # [P, k]: row r holds the rows of rank r
-            out = torch.empty_like(xs[0])
-            rows = out.view(world, -1)
-            step = piece_length(cfg.piece_bytes, world * size, cfg.group_size)
-            sent = sum(
-                _reduce_scatter_piece([blk[:, a:b] for blk in blocks], list(rows[:, a:b].unbind(0)), cfg)
-                for a, b in piece_bounds(rows.shape[1], step)
-            )
-            return out, sent
-        srcs = [x.view(-1) for x in xs]  # [k] each
-        out = xs[0].new_empty((world * xs[0].shape[0], *xs[0].shape[1:]))
-        blocks = out.view(world, -1)  # [P, k]: row p holds rank p's tensor
-        step = piece_length(cfg.piece_bytes, size, cfg.group_size)
-        sent = sum(
-            _all_gather_piece([s[a:b] for s in srcs], blocks[:, a:b], cfg)
-            for a, b in piece_bounds(srcs[0].numel(), step)
-        )
+            out = torch.empty_like(x)
+            outs = list(out.view(world, -1).unbind(0))  # rank r decodes its rows
+        else:
+            out = torch.empty_like(x) if kind == "all_reduce" else x.new_empty((world * x.shape[0], *x.shape[1:]))
+            outs = [out] + [None] * (world - 1)  # the same bytes on every rank: rank 0 decodes them
+        sent = run_compressed(kind, xs, outs, codec, piece_bytes, self._workspaces_on(x.device))
         return out, sent
+
+    def _workspaces_on(self, device: torch.device) -> list[Workspace]:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return [Workspace() for _ in range(self.size)]  # a captured graph owns its buffers (its memory pool)
+        found = self._workspaces.get(device)
+        if found is None:
+            found = self._workspaces[device] = [Workspace() for _ in range(self.size)]
+        return found
 
 
 def _plain(kind: str, xs: list[torch.Tensor]) -> torch.Tensor:

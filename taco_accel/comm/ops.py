@@ -4,13 +4,14 @@
     torch.ops.taco.all_gather(x, route, world)       # dim 0 times world
     torch.ops.taco.reduce_scatter(x, route, world)   # dim 0 divided by world
 
-``route`` is the integer handle of an object registered with `register` (layer 3's `Site`)
-that runs the collective: ``route.run(kind, x) -> Tensor``. Inside a compiled graph the op is
-opaque: its Python body runs at run time, eagerly, so the route's codec settings, the auto
-decision, the per-site statistics and the error sampling all stay outside the traced region
-and cost no graph break; the fake implementations give the tracer the output shapes. Under
-CUDA graph capture the body runs once, at capture (statistics then count the capture only).
-The ops return new tensors and mutate nothing, as the collectives do.
+``route`` is the integer handle of a `site.Site` registered with `register` (it registers
+itself); the op's body calls ``route.run(kind, x) -> Tensor``. Everything the call needs (the
+group, the codec settings, the decision, the statistics) is the site's, in this layer: the op
+calls nothing above it. Inside a compiled graph the op is opaque: its Python body runs at run
+time, eagerly, so the codec settings, the auto decision, the per-site statistics and the error
+sampling all stay outside the traced region and cost no graph break; the fake implementations
+give the tracer the output shapes. Under CUDA graph capture the body runs once, at capture
+(statistics then count the capture only). The ops return new tensors and mutate nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ _handles = itertools.count(1)
 
 
 def register(route) -> int:
-    """A handle for ``route`` (kept by weak reference: a dead route's handle raises)."""
+    """A handle for the site ``route`` (kept by weak reference: a dead site's handle raises)."""
     handle = next(_handles)
     _routes[handle] = weakref.ref(route, lambda _, h=handle: _routes.pop(h, None))
     return handle

@@ -21,18 +21,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from ..codec import TacoConfig
+from ..codec.config import PIECE_BYTES
 
-PIECE_BYTES = TacoConfig.piece_bytes
-"""Default piece size (bytes of input) of the compressed collectives, chosen with
-`taco_accel.bench.projection` (``--pieces``): its replay of this schedule with the measured H200
-stage costs (kernel fixed costs 1.7-5 us, codec at 0.95-1.0 of copy bandwidth), over messages
-of 8-128 MiB, NVSwitch / PCIe / 2-node links, 3-20 us per collective and 3-15 us of host work
-per operation, puts 32 MiB within 1% of the best piece size on average (worst 1.16x); 16 MiB
-averages 1.05x (worst 1.8x), 4 MiB 1.7x, one piece 1.03x (worst 1.24x). The codec runs at
-about ten times the link's bandwidth, so there is little to overlap, and every piece pays two
-collective latencies and five host launches. Messages up to 32 MiB go whole; larger ones
-pipeline. The value lives in `TacoConfig.piece_bytes`, the one default."""
+__all__ = ["PIECE_BYTES", "Pipeline", "piece_bounds", "piece_length", "run_pipelined"]
+
+# PIECE_BYTES (32 MiB, the default of `TacoConfig.piece_bytes`) was chosen with
+# `taco_accel.bench.projection` (``--pieces``), a replay of this schedule with measured codec
+# stage costs over message sizes, links, collective latencies and host costs (the table and its
+# command are in benchmarks/results/collectives_cpu.md). The codec runs at about ten times the
+# link's bandwidth, so there is little to overlap, and every piece pays two collective latencies
+# and its host launches: messages up to 32 MiB go whole; larger ones pipeline.
 
 
 def piece_bounds(n: int, piece: int) -> list[tuple[int, int]]:
@@ -53,13 +51,7 @@ def piece_length(piece_bytes: int, bytes_per_item: int, align: int) -> int:
     return max(align, items - items % align)
 
 
-def _advance(step: Iterator) -> bool:
-    """Run ``step`` to its next yield; False once it has finished."""
-    try:
-        next(step)
-    except StopIteration:
-        return False
-    return True
+_END = object()  # what `next` returns for a finished piece
 
 
 class Pipeline:
@@ -86,15 +78,16 @@ class Pipeline:
 
     def tick(self) -> bool:
         """Start the next piece (if any) and advance every live one; False once all are done."""
-        if self._only is not None:
-            if _advance(self._only):
+        only = self._only
+        if only is not None:
+            if next(only, _END) is not _END:
                 return True
             self._only = None
             return False
         step = next(self._pending, None)
         if step is not None:
             self._live.append(step)
-        self._live = [s for s in reversed(self._live) if _advance(s)][::-1]
+        self._live = [s for s in reversed(self._live) if next(s, _END) is not _END][::-1]
         return step is not None or bool(self._live)
 
     def finish(self) -> None:

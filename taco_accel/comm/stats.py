@@ -1,29 +1,40 @@
-"""Per call-site statistics of the collectives: calls, bytes on the wire, sampled error.
+"""Per call-site statistics of the collectives, and the `Ledger` that owns them.
 
-Every collective records, under its ``site`` name, the bytes this rank actually sent and the
-bytes the plain collective in the input dtype would have sent (bandwidth-optimal ring
-figures, per rank; see `plain_bytes`). Recording is Python integer arithmetic on shapes: no
-device work, no host sync. `pop_comm_stats` returns the figures and starts afresh.
+A `Ledger` holds one `SiteRecord` per site name: the calls, bytes on the wire and sampled errors
+since the last pop, the site's compressed-call counter of the error sampling and its agreement
+checks (`agreement`). Each parallelised model's `SiteTable` has its own ledger, so two models
+in one process keep separate counts and check their own first calls; collectives called with a
+site *name* (`all_reduce(x, group, config, site="...")`) record into the process's ``DEFAULT``
+ledger.
+
+Every collective records the bytes this rank actually sent and the bytes the plain collective
+in the input dtype would have sent (bandwidth-optimal ring figures, per rank; see
+`plain_bytes`). Recording is Python integer arithmetic on shapes: no device work, no host sync.
+
+`pop_comm_stats` returns the figures of every site in this process (the ``DEFAULT`` ledger and
+every live model's, added up where two ledgers hold a site of the same name) and starts them
+afresh; ``Ledger.pop`` does that for one ledger (``model.taco.sites.pop_stats()``).
 
 Error sampling is off by default. ``set_error_sampling(N)`` makes every N-th *compressed*
 call of each site also run the plain collective in float64 and keep
-``||compressed - exact|| / ||exact||`` as a device tensor; it is read (one sync) only by
-`pop_comm_stats`. The sampled call costs one extra collective, so every rank of a group must
-use the same N: the per-site counter that picks the sampled calls is never reset by
-`pop_comm_stats` (a trainer that pops on rank 0 only keeps the ranks in step).
+``||compressed - exact|| / ||exact||`` as a device tensor; it is read (one sync) only when the
+figures are popped. The sampled call costs one extra collective, so every rank of a group must
+use the same N: the per-site counter that picks the sampled calls is never reset by a pop (a
+trainer that pops on rank 0 only keeps the ranks in step).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 
 import torch
 
 
 @dataclass(frozen=True)
 class CommStats:
-    """Figures of one call site since the last `pop_comm_stats` (bytes are per rank)."""
+    """Figures of one call site since the last pop (bytes are per rank)."""
 
     calls: int = 0
     compressed_calls: int = 0
@@ -42,76 +53,117 @@ class CommStats:
         """Plain values for a logger (compression_ratio included)."""
         return {**dataclasses.asdict(self), "compression_ratio": self.compression_ratio}
 
-
-@dataclass
-class _Accumulator:
-    calls: int = 0
-    compressed_calls: int = 0
-    bytes_sent: int = 0
-    bytes_uncompressed: int = 0
-    errors: list = field(default_factory=list)  # 0-d float tensors, possibly on a device
-
-    def freeze(self) -> CommStats:
-        values = [float(e) for e in self.errors]  # the only host sync, off the hot path
+    def __add__(self, other: "CommStats") -> "CommStats":
+        """The figures of two sites of one name (two models), added up."""
+        samples = self.error_samples + other.error_samples
+        means = [(s.error_mean, s.error_samples) for s in (self, other) if s.error_samples]
+        maxes = [s.error_max for s in (self, other) if s.error_samples]
         return CommStats(
-            self.calls, self.compressed_calls, self.bytes_sent, self.bytes_uncompressed,
-            len(values),
-            sum(values) / len(values) if values else None,
-            max(values) if values else None,
+            self.calls + other.calls, self.compressed_calls + other.compressed_calls,
+            self.bytes_sent + other.bytes_sent, self.bytes_uncompressed + other.bytes_uncompressed,
+            samples, sum(m * n for m, n in means) / samples if samples else None, max(maxes) if maxes else None,
         )
 
 
-_sites: dict[str, _Accumulator] = {}
-_ticks: dict[str, int] = {}  # compressed calls per site; never reset by pop_comm_stats
-_sample_every = 0
+class SiteRecord:
+    """What a `Ledger` keeps about one site: figures since the last pop, the compressed-call
+    counter of the error sampling (``ticks``) and the agreement checks made (``checked``)."""
+
+    __slots__ = ("calls", "compressed_calls", "bytes_sent", "bytes_uncompressed", "errors", "ticks", "checked",
+                 "generation")
+
+    def __init__(self) -> None:
+        self.calls = self.compressed_calls = self.bytes_sent = self.bytes_uncompressed = 0
+        self.errors: list[torch.Tensor] = []  # 0-d float tensors, possibly on a device
+        self.ticks = self.checked = 0
+        self.generation = _sampling.generation
+
+    def add(self, sent: int, uncompressed: int, compressed: bool) -> None:
+        """Count one call that sent ``sent`` bytes (the plain collective: ``uncompressed``)."""
+        self.calls += 1
+        self.compressed_calls += compressed
+        self.bytes_sent += sent
+        self.bytes_uncompressed += uncompressed
+
+    def sample_due(self) -> bool:
+        """Advance the compressed-call counter; True on the calls whose error is sampled."""
+        every = _sampling.every
+        if not every:
+            return False
+        if self.generation != _sampling.generation:  # set_error_sampling since: count afresh
+            self.generation, self.ticks = _sampling.generation, 0
+        self.ticks += 1
+        return self.ticks % every == 0
+
+    def pop(self) -> CommStats:
+        """The figures since the last pop; then zero them (the counters stay)."""
+        values = [float(e) for e in self.errors]  # the only host sync, off the hot path
+        out = CommStats(
+            self.calls, self.compressed_calls, self.bytes_sent, self.bytes_uncompressed, len(values),
+            sum(values) / len(values) if values else None, max(values) if values else None,
+        )
+        self.calls = self.compressed_calls = self.bytes_sent = self.bytes_uncompressed = 0
+        self.errors = []
+        return out
+
+
+class Ledger:
+    """The `SiteRecord` of every site of one model (or of the process: ``DEFAULT``), by name."""
+
+    def __init__(self) -> None:
+        self._records: dict[str, SiteRecord] = {}
+        _ledgers.add(self)
+
+    def record(self, site: str) -> SiteRecord:
+        """The record of ``site``, created on first use (a site keeps it for its lifetime)."""
+        found = self._records.get(site)
+        if found is None:
+            found = self._records[site] = SiteRecord()
+        return found
+
+    def pop(self) -> dict[str, CommStats]:
+        """The figures of every site that was called since the last pop, by name; then zero them."""
+        return {name: rec.pop() for name, rec in self._records.items() if rec.calls or rec.errors}
+
+    def __repr__(self) -> str:
+        return f"Ledger({len(self._records)} sites)"
+
+
+class _Sampling:
+    every = 0
+    generation = 0
+
+
+_sampling = _Sampling()
+_ledgers: weakref.WeakSet[Ledger] = weakref.WeakSet()
+DEFAULT = Ledger()
 
 
 def set_error_sampling(every: int) -> None:
     """Sample the relative error on every ``every``-th compressed call of each site (0: off).
 
-    Call it with the same value on every rank, before the calls it should affect.
+    Call it with the same value on every rank, before the calls it should affect; the sites'
+    counters start afresh.
     """
-    global _sample_every
     if isinstance(every, bool) or not isinstance(every, int) or every < 0:
         raise ValueError(f"set_error_sampling(every={every!r}): use an int >= 0 (0 turns sampling off)")
-    _sample_every = every
-    _ticks.clear()
+    _sampling.every = every
+    _sampling.generation += 1
 
 
 def error_sampling() -> int:
     """The current ``every`` of `set_error_sampling` (0: off)."""
-    return _sample_every
-
-
-def record(site: str, *, sent: int, uncompressed: int, compressed: bool) -> None:
-    """Count one call of ``site`` that sent ``sent`` bytes (the plain collective: ``uncompressed``)."""
-    acc = _sites.get(site)
-    if acc is None:
-        acc = _sites[site] = _Accumulator()
-    acc.calls += 1
-    acc.compressed_calls += int(compressed)
-    acc.bytes_sent += sent
-    acc.bytes_uncompressed += uncompressed
-
-
-def should_sample(site: str) -> bool:
-    """Advance the compressed-call counter of ``site``; True on the calls to sample."""
-    if not _sample_every:
-        return False
-    tick = _ticks.get(site, 0) + 1
-    _ticks[site] = tick
-    return tick % _sample_every == 0
-
-
-def record_error(site: str, error: torch.Tensor) -> None:
-    """Keep one sampled relative error (a 0-d tensor; read later, not now)."""
-    _sites.setdefault(site, _Accumulator()).errors.append(error.detach())
+    return _sampling.every
 
 
 def pop_comm_stats() -> dict[str, CommStats]:
-    """The figures of every site since the last call, keyed by site name; then reset them."""
-    out = {site: acc.freeze() for site, acc in _sites.items()}
-    _sites.clear()
+    """The figures of every site in this process since the last pop, keyed by site name, then
+    reset: the direct calls' (``DEFAULT``) and every live model's, added up where two models
+    have a site of the same name (``model.taco.sites.pop_stats()`` gives one model's)."""
+    out: dict[str, CommStats] = {}
+    for ledger in [DEFAULT, *(ledger for ledger in list(_ledgers) if ledger is not DEFAULT)]:
+        for name, figures in ledger.pop().items():
+            out[name] = out[name] + figures if name in out else figures
     return out
 
 

@@ -9,7 +9,7 @@ from torch import nn
 from ..tp.mappings import GradSumBucket
 from ..tp.overlap import OverlapState
 from ..tp.regions import SequenceState
-from ..tp.sites import Compression, Site, SiteTable
+from ..tp.sites import Compression, SiteTable
 from .plan import TPPlan
 
 
@@ -55,7 +55,7 @@ class TPContext:
         self.remove_grad_sums()
         params = [p for p in map(model.get_parameter, self.grad_sum_params) if p.requires_grad]
         if params:
-            self._grad_sum_handles = [GradSumBucket(params, Site("replicated_params/grad", self.group, None))]
+            self._grad_sum_handles = [GradSumBucket(params, self.sites.plain("replicated_params/grad"))]
 
     def remove_grad_sums(self) -> None:
         """Drop the gradient-sum hooks, for a wrapper that replaces the parameter objects (FSDP2)

@@ -49,7 +49,7 @@ def parallelize(
         compression: whether and how the TP collectives are compressed. ``"auto"`` (default):
             every site is timed plain against compressed at its real message size on this
             group during its first call (the first training step) and compressed only where
-            that is faster, the same decision on every rank (`taco_accel.tp.auto`); the
+            that is faster, the same decision on every rank (`taco_accel.comm.autotune`); the
             decisions are logged and ``model.taco.sites.decisions()`` returns them as a dict.
             ``"on"``: every message compressed; ``"off"`` or ``None``: plain TP. A `TacoConfig`
             (both directions, compressed from its ``threshold_bytes`` on), a `Compression` or

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..errors import ConfigError
+from ..errors import ConfigError, EnvironmentSettingError
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +27,7 @@ PP_ENV = "TACO_PP_SIZE"
 DP_MODE_ENV = "TACO_DP_MODE"
 TIMEOUT_ENV = "TACO_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600  # a stalled peer fails the run in minutes, not torch's 30
+_MAX_TIMEOUT_S = 1e9  # about 30 years: timedelta's range, and longer than any run
 
 
 def collective_timeout(seconds: float | None = None) -> timedelta:
@@ -38,9 +39,16 @@ def collective_timeout(seconds: float | None = None) -> timedelta:
         try:
             seconds = float(text)
         except ValueError:
-            raise ValueError(f"{TIMEOUT_ENV}={text!r} is not a number of seconds") from None
-    if not seconds > 0:
-        raise ValueError(f"collective timeout {seconds!r} s must be > 0 (set {TIMEOUT_ENV} or --timeout)")
+            raise EnvironmentSettingError(
+                f"{TIMEOUT_ENV}={text!r} is not a number of seconds; set e.g. {TIMEOUT_ENV}=1800 (30 minutes)"
+            ) from None
+        if not 0 < seconds < _MAX_TIMEOUT_S:
+            raise EnvironmentSettingError(
+                f"{TIMEOUT_ENV}={text!r}: the collective timeout must be a positive, finite number of seconds "
+                f"below {_MAX_TIMEOUT_S:.0e}; set e.g. {TIMEOUT_ENV}=1800 (30 minutes)"
+            )
+    if not 0 < seconds < _MAX_TIMEOUT_S:
+        raise ValueError(f"collective timeout {seconds!r} s must be > 0 and finite (set {TIMEOUT_ENV} or --timeout)")
     return timedelta(seconds=seconds)
 
 

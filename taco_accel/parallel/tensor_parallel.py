@@ -9,6 +9,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..codec import TacoConfig
+from ..models import parallelize
+from ..models.state import tp_replicas
 
 logger = logging.getLogger(__name__)
 
@@ -27,11 +29,6 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, compression: TacoConfig | None 
     tp = tp_mesh.size()
     if tp == 1:
         return {n: 1 for n, _ in model.named_parameters()}
-    try:
-        from ..models import parallelize
-        from ..models.state import tp_replicas
-    except ImportError as e:  # pragma: no cover - only while taco_accel.models is missing
-        raise RuntimeError(f"tp={tp_mesh.size()} needs taco_accel.models.parallelize ({e})") from e
     parallelize(model, tp=tp, compression=compression, sequence_parallel=sequence_parallel,
                 device_mesh=tp_mesh, logits=logits)
     replicas = tp_replicas(model, tp)

@@ -13,7 +13,6 @@ from .mappings import (
     gather_from_tp_region,
     reduce_from_tp_region,
     reduce_scatter_to_sp_region,
-    register_grad_sum,
     scatter_to_sp_region,
     sum_replica_grads,
 )
@@ -37,7 +36,6 @@ __all__ = [
     "gather_from_tp_region",
     "reduce_from_tp_region",
     "reduce_scatter_to_sp_region",
-    "register_grad_sum",
     "scatter_to_sp_region",
     "sum_replica_grads",
     "vocab_parallel_cross_entropy",

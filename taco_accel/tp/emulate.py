@@ -26,8 +26,8 @@ exactly as on the real ranks.
     SP gather (final norm)    all-gather the shards                   identity (each rank keeps its part)
 
 With sequence parallelism the residual stream stays whole in memory: the concatenation of the
-ranks' sequence shards, on which per-token work (norms, residual adds) equals the ranks' work
-on their shards.
+ranks' blocks (`mappings`), which is the tensor itself, on which per-token work (norms,
+residual adds) equals the ranks' work on their blocks.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from torch import nn
 
 from ..comm.emulated import EmulatedGroup
 from .cross_entropy import combine_loss_parts, local_loss_parts
-from .mappings import from_blocks, to_blocks
+from .mappings import blocks
 from .regions import SEQ_DIM, HiddenStatesHook, SequenceState
 from .shards import ShardSpec, linear_layout
 from .sites import Site
@@ -49,28 +49,18 @@ from .sites import Site
 
 
 def _all_reduce(group: EmulatedGroup, xs: list[torch.Tensor], site: Site) -> torch.Tensor:
-    for x in xs:
-        site.observe(x)
-    return group.all_reduce(xs, site.call_config("all_reduce", xs[0]), site=site.name)
+    return group.collective("all_reduce", xs, site)
 
 
 def _all_gather_seq(group: EmulatedGroup, x: torch.Tensor, site: Site, dim: int) -> torch.Tensor:
-    """Every rank's shard of ``x`` along ``dim`` through the all-gather; whole again."""
-    shards = [part.contiguous() for part in x.chunk(group.size, dim)]  # (b, s/tp, h) each: the ranks' blocks
-    for shard in shards:
-        site.observe(shard)
-    config = site.call_config("all_gather", shards[0])
-    return from_blocks(group.all_gather([s.unsqueeze(0) for s in shards], config, site=site.name), dim)
+    """Every rank's block of ``x`` through the all-gather; whole again (the blocks in rank order)."""
+    return group.collective("all_gather", list(blocks(x, group.size, dim)), site).view(x.shape)
 
 
 def _reduce_scatter_seq(group: EmulatedGroup, xs: list[torch.Tensor], site: Site, dim: int) -> torch.Tensor:
-    """The sum of the tp partials through the reduce-scatter along ``dim``: the ranks' shards, whole."""
-    blocks = [to_blocks(x, group.size, dim) for x in xs]  # (tp, b, s/tp, h) each
-    for x in blocks:
-        site.observe(x)
-    config = site.call_config("reduce_scatter", blocks[0])
-    shards = group.reduce_scatter(blocks, config, site=site.name)  # tp x (1, b, s/tp, h)
-    return torch.cat([s.squeeze(0) for s in shards], dim=dim)
+    """The sum of the tp partials through the reduce-scatter: every rank's block, whole again."""
+    rows = [x.contiguous().view(group.size, -1, x.shape[-1]) for x in xs]  # (tp, b*s/tp, h): rank r's block at [r]
+    return group.collective("reduce_scatter", rows, site).view(xs[0].shape)
 
 
 # --- autograd functions -----------------------------------------------------------------------

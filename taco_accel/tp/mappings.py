@@ -1,18 +1,26 @@
 """The TP communication functions, one autograd function per Megatron mapping.
 
-Each function moves a tensor through one `Site` (its process group and codec settings) via the
-compressed collectives of `taco_accel.comm`; ``config=None`` at a site is the plain collective.
+Each function moves a tensor through one `Site` (its process group, codec settings, decision and
+statistics; `taco_accel.comm.Site`); a site without settings is the plain collective.
 Conjugate pairs (Megatron-LM mappings.py; "f" and "g" of the Megatron paper, sec. 3):
 
     copy_to_tp_region            forward: identity        backward: all-reduce       (f)
     reduce_from_tp_region        forward: all-reduce      backward: identity         (g)
     gather_from_tp_region        forward: all-gather      backward: keep own part
-    scatter_to_sp_region         forward: keep own part   backward: all-gather
-    gather_from_sp_region        forward: all-gather      backward: reduce-scatter
+    scatter_to_sp_region         forward: keep own block  backward: all-gather
+    gather_from_sp_region        forward: all-gather      backward: reduce-scatter (or keep own block)
     reduce_scatter_to_sp_region  forward: reduce-scatter  backward: all-gather
 
-Tensors are batch-first (b, s, h) as in transformers: sequence-parallel functions split dim 1.
-With one rank every function is the identity.
+Sequence parallelism splits a tensor into P *blocks*: block r is the r-th of P equal
+contiguous parts of its memory, shaped like the tensor with ``dim`` divided by P. Hidden states
+are batch-first (b, s, h) as in transformers, so block r holds rows [r*b*s/P, (r+1)*b*s/P) of
+the (b*s, h) token rows, shaped (b, s/P, h): at batch 1 rank r's part of the sequence, at
+batch > 1 another set of b*s/P tokens, which the per-token work between blocks (norms,
+dropout, residual adds) does not tell apart. Every SP collective then moves contiguous memory:
+no to-and-from layout copies (Megatron gets the same with sequence-first tensors).
+
+The forward all-reduce (g) of a layer reduces in place: its input is the partial product that
+the layer just computed (Megatron's ``_reduce``). With one rank every function is the identity.
 """
 
 from __future__ import annotations
@@ -27,42 +35,49 @@ from .shards import ShardSpec
 from .sites import Site
 
 
-def _all_reduce(x: torch.Tensor, site: Site) -> torch.Tensor:
-    return site.collective("all_reduce", x)
+def _all_reduce(x: torch.Tensor, site: Site, owned: bool = False) -> torch.Tensor:
+    """The sum over ``site``'s group; ``owned``: x is ours to reduce in place."""
+    return site.collective("all_reduce", x, inplace=owned)
 
 
 def _all_gather(x: torch.Tensor, site: Site, dim: int) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim``; the wire carries each rank's ``x`` as one
-    block in its own layout (`to_blocks` / `from_blocks`)."""
-    out = site.collective("all_gather", x.contiguous().unsqueeze(0))
-    return from_blocks(out, dim)  # (P, *x.shape) -> x.shape with dim P times longer
-
-
-def _reduce_scatter(x: torch.Tensor, site: Site, dim: int) -> torch.Tensor:
-    """This rank's part (along ``dim``) of the sum of every rank's ``x``."""
-    blocks = to_blocks(x, site.world, dim)  # (P, *part shape)
-    return site.collective("reduce_scatter", blocks).squeeze(0)
-
-
-def to_blocks(x: torch.Tensor, parts: int, dim: int) -> torch.Tensor:
-    """(..., P*m, ...) -> (P, ..., m, ...) contiguous: block r is rank r's part along ``dim``
-    (no copy when every dim before ``dim`` has size 1, e.g. batch 1 along the sequence)."""
+    """Concatenate every rank's ``x`` along ``dim`` (any dim: a copy reorders the gathered
+    (P, *x.shape) unless every dim before ``dim`` has size 1)."""
+    out = site.collective("all_gather", x.contiguous().unsqueeze(0))  # (P, *x.shape)
     shape = list(x.shape)
-    split = x.reshape(*shape[:dim], parts, shape[dim] // parts, *shape[dim + 1:])
-    return split.movedim(dim, 0).contiguous()
+    shape[dim] *= out.shape[0]
+    return out.movedim(0, dim).reshape(shape)
 
 
-def from_blocks(blocks: torch.Tensor, dim: int) -> torch.Tensor:
-    """(P, ..., m, ...) -> (..., P*m, ...): the blocks concatenated along ``dim`` (one copy at
-    most, none when every dim before ``dim`` has size 1)."""
-    shape = list(blocks.shape[1:])
-    return blocks.movedim(0, dim).reshape(*shape[:dim], blocks.shape[0] * shape[dim], *shape[dim + 1:])
+def _gather_blocks(x: torch.Tensor, site: Site, dim: int) -> torch.Tensor:
+    """Every rank's block ``x`` -> the whole tensor (x's shape, ``dim`` P times longer): the
+    blocks in rank order are its memory, so the gathered buffer is the tensor (no copy)."""
+    out = site.collective("all_gather", x.contiguous())  # (P*x.shape[0], ...): blocks in rank order
+    shape = list(x.shape)
+    shape[dim] *= site.world
+    return out.view(shape)
 
 
-def _split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """This rank's equal part of ``x`` along ``dim``."""
-    size = x.shape[dim] // group_size(group)
-    return x.narrow(dim, group_rank(group) * size, size).contiguous()
+def _reduce_scatter_blocks(x: torch.Tensor, site: Site, dim: int) -> torch.Tensor:
+    """This rank's block of the sum of every rank's ``x`` (x's shape, ``dim`` divided by P)."""
+    world = site.world
+    shape = list(x.shape)
+    shape[dim] //= world
+    blocks = x.contiguous().view(world, -1, x.shape[-1])  # (P, b*s/P, h): rank r's block at [r]
+    return site.collective("reduce_scatter", blocks).view(shape)
+
+
+def blocks(x: torch.Tensor, parts: int, dim: int) -> tuple[torch.Tensor, ...]:
+    """The ``parts`` blocks of ``x`` (module docstring), in rank order: views of its memory (of
+    a contiguous copy if x is not contiguous), each of x's shape with ``dim`` divided by ``parts``."""
+    shape = list(x.shape)
+    shape[dim] //= parts
+    return tuple(block.view(shape) for block in x.contiguous().view(parts, -1))
+
+
+def _block(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """This rank's block of ``x``."""
+    return blocks(x, group_size(group), dim)[group_rank(group)]
 
 
 class _CopyToTPRegion(torch.autograd.Function):
@@ -79,15 +94,20 @@ class _CopyToTPRegion(torch.autograd.Function):
 
 
 class _ReduceFromTPRegion(torch.autograd.Function):
-    """g: forward all-reduce, backward identity."""
+    """g: forward all-reduce (in place on the partial product when ``owned``), backward identity."""
 
     @staticmethod
-    def forward(ctx, x, fwd: Site):
-        return _all_reduce(x, fwd)
+    def forward(ctx, x, fwd: Site, owned: bool):
+        if (not owned or torch.compiler.is_compiling() or not x.is_contiguous() or x._base is not None
+                or (x.is_leaf and x.requires_grad)):
+            return _all_reduce(x, fwd)  # the compiled op is out of place; a view or a parameter is not ours
+        ctx.mark_dirty(x)
+        _all_reduce(x, fwd, owned=True)  # the sum written into x
+        return x
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _GatherFromTPRegion(torch.autograd.Function):
@@ -117,42 +137,45 @@ class _GatherFromTPRegion(torch.autograd.Function):
 
 
 class _ScatterToSPRegion(torch.autograd.Function):
-    """Forward: keep own part of the sequence, backward: all-gather the gradient."""
+    """Forward: keep own block, backward: all-gather the gradient blocks."""
 
     @staticmethod
     def forward(ctx, x, bwd: Site, dim: int):
         ctx.bwd, ctx.dim = bwd, dim
-        return _split(x, bwd.group, dim)
+        return _block(x, bwd.group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.bwd, ctx.dim), None, None
+        return _gather_blocks(grad, ctx.bwd, ctx.dim), None, None
 
 
 class _GatherFromSPRegion(torch.autograd.Function):
-    """Forward: all-gather the sequence, backward: reduce-scatter the gradient."""
+    """Forward: all-gather the blocks, backward: reduce-scatter the gradient (``bwd``), or keep
+    own block (``bwd`` None: what follows is replicated, every rank holds the whole gradient)."""
 
     @staticmethod
-    def forward(ctx, x, fwd: Site, bwd: Site, dim: int):
-        ctx.bwd, ctx.dim = bwd, dim
-        return _all_gather(x, fwd, dim)
+    def forward(ctx, x, fwd: Site, bwd: Site | None, dim: int):
+        ctx.fwd, ctx.bwd, ctx.dim = fwd, bwd, dim
+        return _gather_blocks(x, fwd, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.bwd, ctx.dim), None, None, None
+        if ctx.bwd is None:
+            return _block(grad, ctx.fwd.group, ctx.dim), None, None, None
+        return _reduce_scatter_blocks(grad, ctx.bwd, ctx.dim), None, None, None
 
 
 class _ReduceScatterToSPRegion(torch.autograd.Function):
-    """Forward: reduce-scatter along the sequence, backward: all-gather the gradient."""
+    """Forward: reduce-scatter into blocks, backward: all-gather the gradient blocks."""
 
     @staticmethod
     def forward(ctx, x, fwd: Site, bwd: Site, dim: int):
         ctx.bwd, ctx.dim = bwd, dim
-        return _reduce_scatter(x, fwd, dim)
+        return _reduce_scatter_blocks(x, fwd, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.bwd, ctx.dim), None, None, None
+        return _gather_blocks(grad, ctx.bwd, ctx.dim), None, None, None
 
 
 def copy_to_tp_region(x: torch.Tensor, bwd: Site) -> torch.Tensor:
@@ -160,9 +183,10 @@ def copy_to_tp_region(x: torch.Tensor, bwd: Site) -> torch.Tensor:
     return x if group_size(bwd.group) == 1 else _CopyToTPRegion.apply(x, bwd)
 
 
-def reduce_from_tp_region(x: torch.Tensor, fwd: Site) -> torch.Tensor:
-    """g: leave the TP region by summing the partial results at site ``fwd``."""
-    return x if group_size(fwd.group) == 1 else _ReduceFromTPRegion.apply(x, fwd)
+def reduce_from_tp_region(x: torch.Tensor, fwd: Site, owned: bool = False) -> torch.Tensor:
+    """g: leave the TP region by summing the partial results at site ``fwd``. ``owned``: x is
+    the caller's temporary (a partial product, as in Megatron), reduced in place and returned."""
+    return x if group_size(fwd.group) == 1 else _ReduceFromTPRegion.apply(x, fwd, owned)
 
 
 def gather_from_tp_region(
@@ -175,17 +199,18 @@ def gather_from_tp_region(
 
 
 def scatter_to_sp_region(x: torch.Tensor, bwd: Site, dim: int = 1) -> torch.Tensor:
-    """Enter sequence parallelism: keep this rank's part of the sequence (dim 1)."""
+    """Enter sequence parallelism: keep this rank's block (module docstring), (b, s, h) -> (b, s/P, h)."""
     return x if group_size(bwd.group) == 1 else _ScatterToSPRegion.apply(x, bwd, dim)
 
 
-def gather_from_sp_region(x: torch.Tensor, fwd: Site, bwd: Site, dim: int = 1) -> torch.Tensor:
-    """Sequence shards -> whole sequence before a column-parallel region."""
+def gather_from_sp_region(x: torch.Tensor, fwd: Site, bwd: Site | None = None, dim: int = 1) -> torch.Tensor:
+    """Blocks -> the whole tensor, (b, s/P, h) -> (b, s, h): before a column-parallel region (its
+    input gradient reduce-scattered at ``bwd``), or for a replicated consumer (``bwd=None``)."""
     return x if group_size(fwd.group) == 1 else _GatherFromSPRegion.apply(x, fwd, bwd, dim)
 
 
 def reduce_scatter_to_sp_region(x: torch.Tensor, fwd: Site, bwd: Site, dim: int = 1) -> torch.Tensor:
-    """Partial sums -> this rank's sequence shard of the sum, after a row-parallel region."""
+    """Partial sums -> this rank's block of the sum, (b, s, h) -> (b, s/P, h), after a row-parallel region."""
     return x if group_size(fwd.group) == 1 else _ReduceScatterToSPRegion.apply(x, fwd, bwd, dim)
 
 
@@ -205,7 +230,7 @@ class _SumReplicaGrads(torch.autograd.Function):
         shape[shard.dim] = shard.full_size
         full = grad.new_zeros(shape)  # every rank writes its blocks, the sum adds replicas
         shard.place(grad, rank, full)
-        return shard.take(_all_reduce(full, ctx.bwd), rank), None, None
+        return shard.take(_all_reduce(full, ctx.bwd, owned=True), rank), None, None
 
 
 def sum_replica_grads(weight: torch.Tensor, shard: ShardSpec, bwd: Site) -> torch.Tensor:
@@ -245,7 +270,7 @@ class GradSumBucket:
             by_dtype.setdefault(grads[index].dtype, []).append(index)
         for dtype in sorted(by_dtype, key=str):
             indices = by_dtype[dtype]
-            summed = _all_reduce(torch.cat([grads[i].reshape(-1) for i in indices]), self.site)
+            summed = _all_reduce(torch.cat([grads[i].reshape(-1) for i in indices]), self.site, owned=True)
             for i, part in zip(indices, summed.split([grads[i].numel() for i in indices])):
                 param = self.params[i]
                 if param.grad is None:
@@ -257,13 +282,3 @@ class GradSumBucket:
         for handle in self.handles:
             handle.remove()
         self.handles = []
-
-
-def register_grad_sum(param: torch.nn.Parameter, site: Site):
-    """Sum ``param``'s gradient over the group as backward computes it; returns the hook handle.
-
-    For a replicated parameter that each rank applies to part of the data (a norm on sequence
-    shards, a per-head norm on the local heads). The hook sees one backward's gradient before
-    it is accumulated into ``.grad``, so gradient accumulation stays right.
-    """
-    return param.register_hook(lambda grad: _all_reduce(grad, site))

@@ -9,10 +9,12 @@ backward can overlap as Megatron does::
     for each layer i: grad_W_i = grad_y_i^T x, grad_b_i       # ... while the weight gradients run
     return pending.wait()                                     #     (compressed: a piece per matmul)
 
-With sequence parallelism active (async TP's decomposition, `comm.chunked`):
+With sequence parallelism active (async TP's decomposition, `comm.chunked`; a rank's part is
+its block of the token rows, `mappings`):
 
-    column forward   all-gather of the (b, s/tp, h) shards as one broadcast per rank; each
-                     rank's shard is multiplied by every W_i as soon as it lands
+    column forward   all-gather of the (b, s/tp, h) blocks as one broadcast per rank, each
+                     received straight into its place in the (b, s, h) input; each rank's
+                     block is multiplied by every W_i as soon as it lands
     column backward  the input gradient's rows of rank r computed and sent (a reduction to r)
                      while rank r+1's are computed; the weight gradients while the last travel
     row forward      (`RowSequenceLinear`) rank r's rows of the partial product computed and
@@ -30,9 +32,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import comm
 from ..comm.chunked import GatherChunks, ScatterChunks
 from ..comm.dist_ops import group_size
+from .mappings import blocks
 from .regions import SEQ_DIM, RegionEntry
 
 
@@ -122,14 +124,12 @@ class _ColumnRegionFn(torch.autograd.Function):
         if ctx.sp:
             pending = _scatter_input_grad(x, grad_x, grad_ys, weights, ctx.conv, site)
         else:
-            grad = grad_x
+            grad, owned = grad_x, False  # the incoming gradient is not ours to overwrite
             for gy, w, c in zip(grad_ys, weights, ctx.conv):
                 if gy is not None:
                     term = _input_grad(gy, w, c)
-                    grad = term if grad is None else grad + term
-            site.observe(grad)
-            pending = comm.all_reduce(grad, site.group, site.call_config("all_reduce", grad), site=site.name,
-                                      async_op=True)
+                    grad, owned = (term if grad is None else grad + term), True
+            pending = site.run("all_reduce", grad, inplace=owned, async_op=True)
         grad_w, grad_b = [None] * n, [None] * n
         for i, (gy, c) in enumerate(zip(grad_ys, ctx.conv)):
             if gy is None:
@@ -143,44 +143,48 @@ class _ColumnRegionFn(torch.autograd.Function):
 
 
 def _gather_then_multiply(shard, site, weights, biases, conv):
-    """The sequence all-gather of ``shard`` (b, s/tp, h), each rank's part multiplied as it lands."""
-    site.observe(shard)
-    parts = GatherChunks(shard, site.group, site.call_config("all_gather", shard), site=site.name)
-    world = parts.world
-    xs, ys = [None] * world, [[None] * world for _ in weights]
-    for rank, part in parts:  # (b, s/tp, h) each
-        xs[rank] = part
+    """The all-gather of the block ``shard`` (b, s/tp, h) into the whole (b, s, h), each rank's
+    block multiplied as it lands; returns the whole input and each layer's whole output."""
+    if site.samples is not None:
+        site.observe(shard)
+    world = site.link.world
+    full = shard.new_empty(_whole(shard.shape, world))  # (b, s, h): rank r's block is its r-th tp-th
+    parts = GatherChunks(shard, site, out=full)
+    ys = [[None] * world for _ in weights]
+    for rank, part in parts:  # (b, s/tp, h) each, a view of full
         for y, w, b, c in zip(ys, weights, biases, conv):
             y[rank] = _linear(part, w, b, c)
     parts.finish()
-    return torch.cat(xs, dim=SEQ_DIM), [torch.cat(y, dim=SEQ_DIM) for y in ys]
+    return full, [_join(y) for y in ys]
 
 
-class _Rows:
-    """Rank r's rows along the sequence of (b, s, ...) tensors: ``[:, r*m:(r+1)*m]``."""
+def _whole(shape, world: int) -> tuple[int, ...]:
+    """The shape of the whole tensor whose blocks have ``shape``."""
+    return (shape[0], shape[SEQ_DIM] * world, *shape[SEQ_DIM + 1:])
 
-    def __init__(self, seq: int, world: int) -> None:
-        self.m = seq // world
 
-    def __call__(self, t: torch.Tensor | None, rank: int):
-        return None if t is None else t.narrow(SEQ_DIM, rank * self.m, self.m)
+def _join(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """Every rank's block (b, s/tp, ...) -> the whole tensor (b, s, ...): the blocks in rank order."""
+    return torch.cat([b.reshape(-1) for b in blocks]).view(_whole(blocks[0].shape, len(blocks)))
 
 
 def _scatter_input_grad(x_full, grad_x, grad_ys, weights, conv, site):
-    """Submit rank r's rows of the input gradient of ``x_full`` (b, s, h) to its reduction as
-    soon as they are computed; returns a handle whose ``wait`` gives this rank's (b, s/tp, h)."""
-    world = group_size(site.group)
-    rows = _Rows(x_full.shape[SEQ_DIM], world)
-    block = (world, x_full.shape[0], rows.m, x_full.shape[-1])
-    config = site.call_config_like("reduce_scatter", block, x_full.dtype, x_full.device)
-    sums = ScatterChunks(site.group, config, site=site.name)
+    """Submit rank r's block of the input gradient of ``x_full`` (b, s, h) to its reduction as
+    soon as it is computed; returns a handle whose ``wait`` gives this rank's (b, s/tp, h)."""
+    world = site.link.world
+    block = list(x_full.shape)
+    block[SEQ_DIM] //= world
+    sums = ScatterChunks(site, block, x_full.dtype, x_full.device)
+    grad_x = None if grad_x is None else blocks(grad_x, world, SEQ_DIM)
+    grad_ys = [None if gy is None else blocks(gy, world, SEQ_DIM) for gy in grad_ys]
     for rank in range(world):
-        part, owned = rows(grad_x, rank), False  # a view of the incoming gradient: not ours to overwrite
+        part, owned = (None if grad_x is None else grad_x[rank]), False  # a view of the incoming gradient
         for gy, w, c in zip(grad_ys, weights, conv):
             if gy is not None:
-                term = _input_grad(rows(gy, rank), w, c)
+                term = _input_grad(gy[rank], w, c)
                 part, owned = (term if part is None else part + term), True
-        site.observe(part)
+        if site.samples is not None:
+            site.observe(part)
         sums.submit(rank, part, owned)
     return _Waiting(sums)
 
@@ -201,19 +205,19 @@ class _Waiting:
 class RowSequenceLinear(torch.autograd.Function):
     """A row-parallel product leaving the TP region under sequence parallelism: forward the
     reduce-scatter of ``x W^T`` cut per destination rank, backward the all-gather of the
-    gradient shards, each multiplied as it lands. ``exit`` is the layer's `RegionExit`."""
+    gradient blocks, each multiplied as it lands. ``exit`` is the layer's `RegionExit`."""
 
     @staticmethod
     def forward(ctx, x, weight, conv1d: bool, exit_):
-        site, world = exit_.fwd, group_size(exit_.fwd.group)
-        rows = _Rows(x.shape[SEQ_DIM], world)
-        out_features = weight.shape[1] if conv1d else weight.shape[0]
-        block = (world, x.shape[0], rows.m, out_features)
-        sums = ScatterChunks(site.group, site.call_config_like("reduce_scatter", block, x.dtype, x.device),
-                             site=site.name)
-        for rank in range(world):
-            part = _linear(rows(x, rank), weight, None, conv1d)  # (b, s/tp, out)
-            site.observe(part)
+        site = exit_.fwd
+        world = site.link.world
+        block = list(x.shape[:-1]) + [weight.shape[1] if conv1d else weight.shape[0]]
+        block[SEQ_DIM] //= world
+        sums = ScatterChunks(site, block, x.dtype, x.device)
+        for rank, rows in enumerate(blocks(x, world, SEQ_DIM)):
+            part = _linear(rows, weight, None, conv1d)  # (b, s/tp, out)
+            if site.samples is not None:
+                site.observe(part)
             sums.submit(rank, part, owned=True)
         ctx.save_for_backward(x, weight)
         ctx.conv1d, ctx.site = conv1d, exit_.bwd
@@ -223,13 +227,15 @@ class RowSequenceLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         site = ctx.site
-        site.observe(grad)
-        parts = GatherChunks(grad, site.group, site.call_config("all_gather", grad), site=site.name)
-        grads_x, shards = [None] * parts.world, [None] * parts.world
-        for rank, g in parts:  # (b, s/tp, out) each
-            shards[rank] = g
+        if site.samples is not None:
+            site.observe(grad)
+        world = site.link.world
+        full = grad.new_empty(_whole(grad.shape, world))  # (b, s, out)
+        parts = GatherChunks(grad, site, out=full)
+        grads_x = [None] * world
+        for rank, g in parts:  # (b, s/tp, out) each, a view of full
             grads_x[rank] = _input_grad(g, weight, ctx.conv1d) if ctx.needs_input_grad[0] else None
         parts.finish()
-        grad_x = torch.cat(grads_x, dim=SEQ_DIM) if ctx.needs_input_grad[0] else None
-        grad_w = _weight_grad(torch.cat(shards, dim=SEQ_DIM), x, ctx.conv1d) if ctx.needs_input_grad[1] else None
+        grad_x = _join(grads_x) if ctx.needs_input_grad[0] else None
+        grad_w = _weight_grad(full, x, ctx.conv1d) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None, None

@@ -3,10 +3,12 @@
 Without sequence parallelism the residual stream is replicated: a block enters the TP region
 with f (identity forward, all-reduce backward) and leaves it with g (all-reduce forward).
 With it (Korthikanti et al. 2022, "Reducing Activation Recomputation") the residual stream is
-split along the sequence between blocks, so norms and dropout work on 1/tp of the tokens:
-a block enters with an all-gather (reduce-scatter backward) and leaves with a reduce-scatter
-(all-gather backward). The sequence is split once before the first layer and gathered once
-after the final norm.
+split between blocks, so norms and dropout work on 1/tp of the tokens: a block enters with an
+all-gather (reduce-scatter backward) and leaves with a reduce-scatter (all-gather backward).
+It is split once before the first layer and gathered once after the final norm. Each rank
+holds one *block* of the (b, s, h) hidden states, shaped (b, s/tp, h): the r-th contiguous
+tp-th of its token rows (`mappings`; at batch 1 the r-th part of the sequence), so that no
+collective copies to or from another layout.
 
 `SequenceState` is the one piece of per-forward state: whether this forward pass actually
 runs on sequence shards. A sequence that does not divide by tp (a one-token decoding step of
@@ -21,14 +23,13 @@ import torch
 from .mappings import (
     copy_to_tp_region,
     gather_from_sp_region,
-    gather_from_tp_region,
     reduce_from_tp_region,
     reduce_scatter_to_sp_region,
     scatter_to_sp_region,
 )
 from .sites import Site
 
-SEQ_DIM = 1  # transformers hidden states are (batch, seq, hidden)
+SEQ_DIM = 1  # transformers hidden states are (batch, seq, hidden): a block divides dim 1
 
 
 class SequenceState:
@@ -73,6 +74,7 @@ class RegionExit:
 
     This is the reduction step of a row-parallel layer, kept a separate object so that it can
     be replaced (a single-process emulation of tp ranks, LoRA adding its partial product first).
+    ``partial`` is the caller's temporary: the all-reduce works in it.
     """
 
     def __init__(self, fwd: Site, bwd: Site | None = None, sequence: SequenceState | None = None,
@@ -88,7 +90,7 @@ class RegionExit:
     def __call__(self, partial: torch.Tensor) -> torch.Tensor:
         if self.sequence is not None and self.sequence.active:
             return reduce_scatter_to_sp_region(partial, self.fwd, self.bwd, SEQ_DIM)  # (b, s, h) -> (b, s/tp, h)
-        return reduce_from_tp_region(partial, self.fwd)
+        return reduce_from_tp_region(partial, self.fwd, owned=True)  # the layer's temporary: reduced in place
 
 
 class HiddenStatesHook:
@@ -136,7 +138,7 @@ class SequenceGather:
     def __call__(self, module, args, output):
         if not self.sequence.active:
             return None
-        return gather_from_tp_region(output, self.fwd, SEQ_DIM)  # (b, s/tp, h) -> (b, s, h)
+        return gather_from_sp_region(output, self.fwd, None, SEQ_DIM)  # (b, s/tp, h) -> (b, s, h)
 
 
 class EnterRegionHook(HiddenStatesHook):

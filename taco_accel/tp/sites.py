@@ -1,13 +1,14 @@
 """Communication sites: every TP collective has a stable name and its own codec settings.
 
-A site is named after the module that owns it plus the direction of the tensor it moves:
-``layers.3.mlp.down_proj/fwd`` (the forward all-reduce of a row-parallel output) or
+A site (`comm.Site`) is named after the module that owns it plus the direction of the tensor it
+moves: ``layers.3.mlp.down_proj/fwd`` (the forward all-reduce of a row-parallel output) or
 ``layers.3.self_attn/bwd`` (the backward all-reduce of the attention input gradient).
 `Compression` says which `TacoConfig` each site starts with (per direction, then per-site
-patterns) and whether timing decides if it is used (the auto mode, `taco_accel.tp.auto`);
-`SiteTable` holds the sites of one model, their decisions, and the data-driven reshaping:
-record what each site sends for a few steps, pick its group size with `codec.calibrate`,
-print / save / load the choice.
+patterns) and whether timing decides if it is used (the auto mode, `comm.autotune`);
+`SiteTable` holds the sites of one model with their run-time state (its own `comm.Ledger`:
+statistics and agreement checks, and its own `comm.autotune.AutoDecider`), and the data-driven
+reshaping: record what each site sends for a few steps, pick its group size with
+`codec.calibrate`, print / save / load the choice.
 """
 
 from __future__ import annotations
@@ -23,12 +24,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .. import comm
 from ..codec import TacoConfig, calibrate
 from ..codec.config import GROUP_SIZES
-from ..comm import ops as comm_ops
-from ..comm.dist_ops import group_size
-from .auto import AutoDecider
+from ..comm import CommStats, Ledger, Site
+from ..comm.autotune import AutoDecider
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +52,7 @@ class Compression:
         sites: per-site overrides, ``{pattern: TacoConfig | None}`` with shell-style
             patterns on site names, e.g. ``{"lm_head/*": None, "layers.0.*": cfg}``. When
             several patterns match, the last one wins.
-        auto: decide per site from timings on the real group (`taco_accel.tp.auto`): a
+        auto: decide per site from timings on the real group (`taco_accel.comm.autotune`): a
             forward / backward site with settings is compressed only where the compressed
             collective measured faster than the plain one at that site's message, the same
             decision on every rank. Explicit choices still win: a direction set to ``None`` stays
@@ -124,155 +123,38 @@ class Compression:
                 "sites": {p: conf(c) for p, c in self.sites.items()}, "auto": self.auto}
 
 
-class Site:
-    """One communication site: its name, process group and current codec settings.
-
-    ``config`` is mutable on purpose: calibration and `SiteTable.load` change the group size
-    of a running model. `observe` keeps a small sample of what the site sends while a
-    calibration records. With a ``decider`` (the auto mode) ``config`` is the candidate and
-    the site is plain or compressed by its ``decision`` (None until its first call);
-    `call_config` is what a collective of this site must use.
-    """
-
-    __slots__ = ("name", "group", "world", "handle", "_config", "decider", "decision", "samples", "_max_elements",
-                 "_call", "__weakref__")
-
-    def __init__(self, name: str, group, config: TacoConfig | None, decider=None) -> None:
-        self.name, self.group, self.decider, self.decision = name, group, decider, None
-        self.world = group_size(group)
-        self.handle = comm_ops.register(self)  # how the compiled graph's custom ops find this site
-        self.config = config
-        self.samples: list[torch.Tensor] | None = None  # a list only while calibrating
-        self._max_elements = 0
-        if decider is not None:
-            decider.sites.append(self)
-
-    def collective(self, kind: str, x: torch.Tensor) -> torch.Tensor:
-        """Send ``x`` through the collective ``kind`` ("all_reduce", "all_gather",
-        "reduce_scatter") from this site: `run`, or inside torch.compile the custom op that
-        calls `run` at run time (`comm.ops`: the collective stays in the graph)."""
-        if torch.compiler.is_compiling():
-            if kind == "all_reduce":
-                return torch.ops.taco.all_reduce(x, self.handle)
-            return comm_ops.OPS[kind](x, self.handle, self.world)
-        return self.run(kind, x)
-
-    def run(self, kind: str, x: torch.Tensor) -> torch.Tensor:
-        """The collective, eagerly: calibration sample, settings (the auto decision), statistics."""
-        self.observe(x)
-        return getattr(comm, kind)(x, self.group, self.call_config(kind, x), site=self.name)
-
-    @property
-    def config(self) -> TacoConfig | None:
-        return self._config
-
-    @config.setter
-    def config(self, value: TacoConfig | None) -> None:
-        self._config = value
-        self._call = value if self.decider is None else _decided(value, self.decision)
-
-    def call_config(self, kind: str, x: torch.Tensor) -> TacoConfig | None:
-        """The settings for sending ``x`` through the collective ``kind`` from this site.
-
-        In auto mode the first call (and a call with a message over twice the one timed) decides;
-        timing is a collective call, which every rank makes at the same site in the same order.
-        """
-        return self._settings(kind, x.numel() * x.element_size(), lambda: x)
-
-    def call_config_like(self, kind: str, shape, dtype: torch.dtype, device) -> TacoConfig | None:
-        """`call_config` for a message of ``shape`` and ``dtype`` that is sent in parts (the
-        decomposed collectives); a timing, if one is due, runs on zeros of that shape."""
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        return self._settings(kind, nbytes, lambda: torch.zeros(shape, dtype=dtype, device=device))
-
-    def _settings(self, kind: str, nbytes: int, message) -> TacoConfig | None:
-        if self.decider is None:
-            return self._call
-        decision = self.decision
-        if decision is None or nbytes > 2 * decision.nbytes:
-            self.decision = self.decider.decide(self, kind, message())
-            self._call = _decided(self._config, self.decision)
-            self.decider.decided()
-        return self._call
-
-    def observe(self, x: torch.Tensor) -> None:
-        """Keep evenly spaced rows of ``x`` (at most ``max_elements`` values) for calibration."""
-        if self.samples is None or self.config is None or x.numel() == 0:
-            return
-        rows = x.detach().reshape(-1, x.shape[-1])
-        keep = max(1, min(rows.shape[0], self._max_elements // max(1, rows.shape[1])))
-        pick = torch.linspace(0, rows.shape[0] - 1, keep, device=rows.device).long()
-        self.samples.append(rows[pick].float())
-
-    @property
-    def mode(self) -> str:
-        """``"auto"``, ``"off"`` (plain), ``"on"`` (every message) or ``"size"`` (messages from
-        ``config.threshold_bytes`` on)."""
-        if self.decider is not None:
-            return "auto"
-        if self.config is None:
-            return "off"
-        return "on" if self.config.threshold_bytes == 0 else "size"
-
-    def describe(self) -> str:
-        """One line: the codec and whether it is used."""
-        codec, mode = describe(self.config), self.mode
-        if mode == "auto":
-            return f"{codec}, auto: {'undecided' if self.decision is None else self.decision}"
-        if mode == "size":
-            return f"{codec}, messages from {self.config.threshold_bytes / 2**20:g} MiB"
-        return codec
-
-    def record(self) -> dict:
-        """JSON-ready: mode, codec settings, and the auto decision (``compressed`` None: not yet)."""
-        out = {"mode": self.mode, "config": None if self.config is None else self.config.to_dict()}
-        if self.decider is not None:
-            out["compressed"] = None if self.decision is None else self.decision.compress
-            out["decision"] = None if self.decision is None else self.decision.to_dict()
-        else:
-            out["compressed"] = {"off": False, "on": True, "size": None}[self.mode]
-        return out
-
-    def __repr__(self) -> str:
-        return f"Site({self.name!r}, {self.describe()})"
-
-
-def _decided(config: TacoConfig | None, decision) -> TacoConfig | None:
-    """The settings a decided auto site sends with: compressed from the timed size on, or
-    plain (the codec settings kept for their non-finite policy, the threshold out of reach)."""
-    if config is None or decision is None:
-        return None
-    if decision.compress:
-        return config.replace(threshold_bytes=min(config.threshold_bytes, decision.nbytes))
-    return config.replace(threshold_bytes=NEVER)
-
-
-NEVER = 2**62  # a threshold no message reaches
-
-
-def describe(config: TacoConfig | None) -> str:
-    return "plain" if config is None else f"{config.format} G={config.group_size}"
-
-
 class SiteTable(Mapping[str, Site]):
-    """The sites of one parallelised model, by name, in the order they were created.
+    """The sites of one parallelised model, by name, in the order they were created, and their
+    run-time state: ``ledger`` (statistics, error sampling and agreement checks of this model's
+    sites only) and ``decider`` (the auto decisions and their shared timings).
 
     ``timed=False`` (an emulated model: no real group) makes auto sites decide by size.
-    `decisions` returns what each site does, for logs and run records.
+    `decisions` returns what each site does, for logs and run records; `pop_stats` this model's
+    figures (`comm.pop_comm_stats` returns every model's).
     """
 
     def __init__(self, group, compression: Compression, timed: bool = True) -> None:
         self.group = group
         self.compression = compression
         self.decider = AutoDecider(group, timed) if compression.auto else None
+        self.ledger = Ledger()
         self._sites: dict[str, Site] = {}
 
     def site(self, name: str) -> Site:
         """The site called ``name``, created with its configured settings on first use."""
         if name not in self._sites:
             config, auto = self.compression.rule_for(name)
-            self._sites[name] = Site(name, self.group, config, self.decider if auto else None)
+            self._sites[name] = Site(name, self.group, config, self.decider if auto else None, self.ledger)
         return self._sites[name]
+
+    def plain(self, name: str) -> Site:
+        """A plain site of this model outside the table's compression rules (a bookkeeping sum:
+        replicated gradients, the loss's log-sum-exps), recording into this table's ledger."""
+        return Site(name, self.group, None, ledger=self.ledger)
+
+    def pop_stats(self) -> dict[str, CommStats]:
+        """This model's figures per site since the last pop (`comm.CommStats`); then reset them."""
+        return self.ledger.pop()
 
     def decisions(self) -> dict[str, dict]:
         """``{site: Site.record()}``: JSON-ready, in creation order (``compressed`` True / False,
@@ -341,7 +223,7 @@ class SiteTable(Mapping[str, Site]):
     def start_recording(self, max_elements: int = 2**16) -> None:
         """Every compressed site keeps a sample of what it sends from now on."""
         for site in self._sites.values():
-            site.samples, site._max_elements = [], max_elements
+            site.start_recording(max_elements)
 
     def stop_recording(self) -> None:
         for site in self._sites.values():

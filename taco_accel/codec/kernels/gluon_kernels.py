@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..config import TacoConfig
+from ..config import CodecConfig
 from ..hadamard import device_signs
 from ..layout import FORMAT_CODES, PAYLOAD_DTYPES, WireLayout, signed_header
 from ..tuning import Tuning
@@ -368,7 +368,7 @@ def _wide(layout: WireLayout, values: torch.Tensor) -> bool:
     return max(layout.total_bytes, layout.padded_numel * values.element_size()) >= 2**31
 
 
-def decompress_rows_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor,
+def decompress_rows_into(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig, out: torch.Tensor,
                          tuning: Tuning) -> None:
     """Decode ``buffer`` into the flat contiguous tensor ``out``; G <= `MAX_GROUP`, CUDA only."""
     payload = buffer.view(PAYLOAD_DTYPES[config.format])
@@ -389,7 +389,7 @@ def reads_words(x: torch.Tensor) -> bool:
             and x.storage_offset() % 2 == 0)  # what `Tensor.view(torch.int32)` asks
 
 
-def compress_rows_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, config: TacoConfig,
+def compress_rows_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, config: CodecConfig,
                        tuning: Tuning, split_sms: int = 0) -> None:
     """Encode the flat contiguous tensor ``x`` into ``buffer``; G <= `MAX_GROUP`, CUDA only.
     ``split_sms`` > 0 (G = 128): groups over 2 and 4 lanes (`split_schedule`) for a GPU of that

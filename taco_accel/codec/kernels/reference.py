@@ -1,6 +1,7 @@
 """The TACO codec in plain PyTorch: the specification of the algorithm and the CPU path.
 
-Per group x of G values, in fp32 (TACO_SPEC.md):
+Per group x of G values, in fp32 (the README's "What the codec does" says where it departs
+from the paper):
 
 1. adaptive scale ``a = clamp(QMAX / sqrt(mean(x^2) + 1e-6), 1e-3, 1e3)`` ("dual" only);
 2. transform ``y = a * (x @ W) / sqrt(G)`` (W: signs times Hadamard, applied as butterflies,
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import TacoConfig
+from ..config import CodecConfig
 from ..hadamard import device_signs, walsh_hadamard
 from ..layout import PAYLOAD_DTYPES, WireLayout, signed_header
 
@@ -63,7 +64,7 @@ def quantize(values: torch.Tensor, fmt: str, qmax: float) -> torch.Tensor:
     return values.to(PAYLOAD_DTYPES[fmt])
 
 
-def requantize(z: torch.Tensor, bad: torch.Tensor, config: TacoConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def requantize(z: torch.Tensor, bad: torch.Tensor, config: CodecConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Transformed-domain groups z [n, G] fp32 -> payload [n, G] and scales [num_scales, n].
 
     ``bad`` [n] marks groups that held a non-finite value: their scale becomes NaN.
@@ -91,7 +92,7 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return q.float() * effective[:, None]
 
 
-def encode_groups(groups: torch.Tensor, config: TacoConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_groups(groups: torch.Tensor, config: CodecConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Input groups [n, G] (any float dtype) -> payload [n, G] and scales [num_scales, n]."""
     x = groups.float()
     bad = ~torch.isfinite(x).all(dim=1)
@@ -103,7 +104,7 @@ def encode_groups(groups: torch.Tensor, config: TacoConfig) -> tuple[torch.Tenso
     return requantize(x, bad, config)
 
 
-def decode_groups(q: torch.Tensor, scales: torch.Tensor, config: TacoConfig) -> torch.Tensor:
+def decode_groups(q: torch.Tensor, scales: torch.Tensor, config: CodecConfig) -> torch.Tensor:
     """Payload [n, G] and scales [num_scales, n] -> decoded groups [n, G] fp32."""
     z = dequantize(q, scales)
     if config.hadamard:  # W.T = H D: the butterflies, then the signs
@@ -116,7 +117,7 @@ def decode_groups(q: torch.Tensor, scales: torch.Tensor, config: TacoConfig) -> 
 # --- the backend interface shared with the Triton kernels -------------------------------------
 
 
-def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, config: TacoConfig) -> None:
+def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, config: CodecConfig) -> None:
     """Encode the flat tensor ``x`` into ``buffer`` (uint8, ``layout.total_bytes``)."""
     flat = torch.zeros(layout.padded_numel, dtype=torch.float32, device=x.device)
     flat[: layout.numel] = x.reshape(-1)
@@ -124,7 +125,7 @@ def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, con
     _store(buffer, layout, config, q, scales)
 
 
-def _store(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig, q: torch.Tensor, scales: torch.Tensor) -> None:
+def _store(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig, q: torch.Tensor, scales: torch.Tensor) -> None:
     chunks, gpc = layout.chunks, layout.groups_per_chunk
     layout.payload(buffer, config.format).copy_(q.view(chunks, -1))
     layout.scales(buffer).copy_(scales.view(-1, chunks, gpc).transpose(0, 1))
@@ -132,13 +133,13 @@ def _store(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig, q: torc
     layout.padding(buffer).zero_()
 
 
-def _unpack(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig):
+def _unpack(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig):
     q = layout.payload(buffer, config.format).reshape(-1, layout.group_size)
     scales = layout.scales(buffer).transpose(0, 1).reshape(layout.num_scales, -1)
     return q, scales
 
 
-def decompress_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor) -> None:
+def decompress_into(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig, out: torch.Tensor) -> None:
     """Decode ``buffer`` into the flat tensor ``out`` (``layout.numel`` values, any float dtype)."""
     q, scales = _unpack(buffer, layout, config)
     decoded = decode_groups(q, scales, config).view(-1)[: layout.numel]
@@ -147,7 +148,7 @@ def decompress_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig
     out.copy_(decoded)
 
 
-def sum_into(stacked: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor) -> None:
+def sum_into(stacked: torch.Tensor, layout: WireLayout, config: CodecConfig, out: torch.Tensor) -> None:
     """Dequantise, sum and requantise P packed tensors of one layout, in the transformed domain.
 
     ``stacked`` is [P, layout.total_bytes] uint8; ``out`` receives one buffer of that layout.

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ..config import TacoConfig
+from ..config import CodecConfig
 from ..hadamard import device_signs
 from ..layout import FORMAT_CODES, PAYLOAD_DTYPES, WireLayout, signed_header
 from ..tuning import DotMode, Store, Tuning
@@ -572,7 +572,7 @@ def _launch(layout: WireLayout, group_size: int, launch: tuple, transform: bool)
     return per_chunk * layout.chunks, args
 
 
-def _common(layout: WireLayout, config: TacoConfig, step: str, tuning: Tuning) -> tuple[int, dict]:
+def _common(layout: WireLayout, config: CodecConfig, step: str, tuning: Tuning) -> tuple[int, dict]:
     launch = tuning.launch(step)
     return _launch(layout, config.group_size, (tuning.block_elems, launch.num_warps, launch.num_stages),
                    not step.startswith("sum"))
@@ -639,7 +639,7 @@ def _sum_step(inputs: int) -> str:
     return "sum_pair" if inputs <= 2 else "sum" if inputs <= 4 else "sum_many"
 
 
-def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, config: TacoConfig,
+def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, config: CodecConfig,
                   tuning: Tuning) -> None:
     """Encode the flat tensor ``x`` into ``buffer``; same contract as the reference."""
     x = x.contiguous()
@@ -655,7 +655,7 @@ def compress_into(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayout, con
     ), tuning)
 
 
-def decompress_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor,
+def decompress_into(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig, out: torch.Tensor,
                     tuning: Tuning) -> None:
     """Decode ``buffer`` into the flat contiguous tensor ``out``."""
     signs = device_signs(config, buffer.device)
@@ -671,7 +671,7 @@ def decompress_into(buffer: torch.Tensor, layout: WireLayout, config: TacoConfig
     ), tuning)
 
 
-def sum_into(stacked: torch.Tensor, layout: WireLayout, config: TacoConfig, out: torch.Tensor,
+def sum_into(stacked: torch.Tensor, layout: WireLayout, config: CodecConfig, out: torch.Tensor,
              tuning: Tuning) -> None:
     """Dequantise, sum and requantise the P buffers of ``stacked`` [P, total_bytes] into ``out``."""
     step = _sum_step(stacked.shape[0])

@@ -1,0 +1,181 @@
+"""`Site`: one named call point of a collective, with its group, codec settings, decision and
+statistics.
+
+A site is named after what it moves (layer 3 names them after the module and the direction:
+``layers.3.mlp.down_proj/fwd``). It holds:
+
+- its process group (and the group's `dist_ops.Link`, built on first use);
+- ``config``: a `TacoConfig` (codec settings plus the size threshold and piece size) or None
+  (always plain). Mutable on purpose: calibration and ``SiteTable.load`` change the group size
+  of a running model;
+- how it decides plain or compressed per call (`compresses`): the size rule of its config, or
+  with a ``decider`` (the auto mode, `autotune.AutoDecider`) the timing of its first call, kept
+  as ``decision``. The decision is passed down to the collective explicitly;
+- ``entry``: its `stats.SiteRecord` in a `stats.Ledger` (the model's, or ``stats.DEFAULT``):
+  its statistics, error sampling and agreement checks;
+- ``samples``: what it sends, kept while a calibration records.
+
+`collective` runs it: eagerly `run`, or inside torch.compile the custom op of `ops`, which
+finds the site by its ``handle`` and calls `run` at run time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..codec import CodecConfig, TacoConfig
+from . import dist_ops, ops
+from .collectives import Pending, check_shape
+from .pieces import PIECE_BYTES
+from .stats import DEFAULT, Ledger
+
+
+class Site:
+    """One communication site; see the module docstring."""
+
+    __slots__ = ("name", "group", "world", "handle", "decider", "decision", "entry", "samples", "_max_elements",
+                 "_config", "codec", "piece_bytes", "_threshold", "_link", "__weakref__")
+
+    def __init__(self, name: str, group, config: TacoConfig | None, decider=None, ledger: Ledger | None = None):
+        self.name, self.group, self.decider, self.decision = name, group, decider, None
+        self.world = dist_ops.group_size(group)
+        self.entry = (ledger or DEFAULT).record(name)
+        self.handle = ops.register(self)  # how the compiled graph's custom ops find this site
+        self.config = config
+        self.samples: list[torch.Tensor] | None = None  # a list only while calibrating
+        self._max_elements = 0
+        self._link = None
+        if decider is not None:
+            decider.sites.append(self)
+
+    @property
+    def config(self) -> TacoConfig | None:
+        return self._config
+
+    @config.setter
+    def config(self, value: TacoConfig | None) -> None:
+        if value is not None and not isinstance(value, CodecConfig):
+            raise TypeError(f"Site {self.name!r}: config={value!r} must be a TacoConfig or None")
+        self._config = value
+        self.codec = None if value is None else value.codec
+        policy = isinstance(value, TacoConfig)
+        self._threshold = value.threshold_bytes if policy else 0
+        self.piece_bytes = value.piece_bytes if policy else PIECE_BYTES
+
+    @property
+    def link(self):
+        """The `dist_ops.Link` of this site's group (built on first use)."""
+        if self._link is None:
+            self._link = dist_ops.link(self.group)
+        return self._link
+
+    def collective(self, kind: str, x: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
+        """Send ``x`` through the collective ``kind`` ("all_reduce", "all_gather",
+        "reduce_scatter") from this site: `run`, or inside torch.compile the custom op that
+        calls `run` at run time (`ops`: the collective stays in the graph, out of place)."""
+        if torch.compiler.is_compiling():
+            if kind == "all_reduce":
+                return torch.ops.taco.all_reduce(x, self.handle)
+            return ops.OPS[kind](x, self.handle, self.world)
+        return self.run(kind, x, inplace=inplace)
+
+    def run(self, kind: str, x: torch.Tensor, *, inplace: bool = False, async_op: bool = False):
+        """The collective, eagerly: calibration sample, decision, statistics. ``inplace``: x is
+        the caller's to give away (all_reduce writes the sum into it). ``async_op``: the
+        `collectives.Pending`."""
+        if x.requires_grad:
+            x = x.detach()
+        if self.samples is not None:
+            self.observe(x)
+        link = self._link or self.link
+        if kind != "all_reduce":
+            check_shape(kind, x, link.world)
+        if self.decider is None:  # the size rule, inline: this is every plain site's path
+            nbytes = x.numel() * x.element_size()
+            compress = self.codec is not None and nbytes >= self._threshold and nbytes > 0
+        else:
+            compress = self.compresses(kind, x)
+        pending = Pending(kind, x, link, self.codec, compress, self.piece_bytes, self.entry, self.name, inplace)
+        return pending if async_op else pending.wait()
+
+    # -- the decision ------------------------------------------------------------------------
+
+    def size_rule(self, nbytes: int) -> bool:
+        """The config's size rule: a message of ``nbytes`` from ``threshold_bytes`` on is compressed."""
+        return self.codec is not None and nbytes >= self._threshold and nbytes > 0
+
+    def compresses(self, kind: str, x: torch.Tensor) -> bool:
+        """Whether sending ``x`` through ``kind`` from this site is compressed.
+
+        In auto mode the first call (and a call with a message over twice the one timed) decides;
+        timing is a collective call, which every rank makes at the same site in the same order.
+        """
+        return self._decide(kind, x.numel() * x.element_size(), lambda: x)
+
+    def compresses_like(self, kind: str, shape, dtype: torch.dtype, device) -> bool:
+        """`compresses` for a message of ``shape`` and ``dtype`` sent in parts (the decomposed
+        collectives of `chunked`); a timing, if one is due, runs on zeros of that shape."""
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        return self._decide(kind, nbytes, lambda: torch.zeros(shape, dtype=dtype, device=device))
+
+    def _decide(self, kind: str, nbytes: int, message: Callable[[], torch.Tensor]) -> bool:
+        if self.decider is None or self.codec is None:
+            return self.size_rule(nbytes)
+        decision = self.decision
+        if decision is None or nbytes > 2 * decision.nbytes:
+            decision = self.decision = self.decider.decide(self, kind, message())
+            self.decider.decided()
+        # compressed from the timed size on (smaller messages were never shown to pay), or never
+        return decision.compress and nbytes >= min(self._threshold, decision.nbytes) and nbytes > 0
+
+    # -- calibration and reports -------------------------------------------------------------
+
+    def observe(self, x: torch.Tensor) -> None:
+        """Keep evenly spaced rows of ``x`` (at most ``max_elements`` values) for calibration."""
+        if self.samples is None or self.config is None or x.numel() == 0:
+            return
+        rows = x.detach().reshape(-1, x.shape[-1])
+        keep = max(1, min(rows.shape[0], self._max_elements // max(1, rows.shape[1])))
+        pick = torch.linspace(0, rows.shape[0] - 1, keep, device=rows.device).long()
+        self.samples.append(rows[pick].float())
+
+    def start_recording(self, max_elements: int) -> None:
+        self.samples, self._max_elements = [], max_elements
+
+    @property
+    def mode(self) -> str:
+        """``"auto"``, ``"off"`` (plain), ``"on"`` (every message) or ``"size"`` (messages from
+        ``config.threshold_bytes`` on)."""
+        if self.decider is not None:
+            return "auto"
+        if self.config is None:
+            return "off"
+        return "on" if self._threshold == 0 else "size"
+
+    def describe(self) -> str:
+        """One line: the codec and whether it is used."""
+        codec, mode = describe(self.config), self.mode
+        if mode == "auto":
+            return f"{codec}, auto: {'undecided' if self.decision is None else self.decision}"
+        if mode == "size":
+            return f"{codec}, messages from {self._threshold / 2**20:g} MiB"
+        return codec
+
+    def record(self) -> dict:
+        """JSON-ready: mode, codec settings, and the auto decision (``compressed`` None: not yet)."""
+        out = {"mode": self.mode, "config": None if self.config is None else self.config.to_dict()}
+        if self.decider is not None:
+            out["compressed"] = None if self.decision is None else self.decision.compress
+            out["decision"] = None if self.decision is None else self.decision.to_dict()
+        else:
+            out["compressed"] = {"off": False, "on": True, "size": None}[self.mode]
+        return out
+
+    def __repr__(self) -> str:
+        return f"Site({self.name!r}, {self.describe()})"
+
+
+def describe(config: CodecConfig | None) -> str:
+    return "plain" if config is None else f"{config.format} G={config.group_size}"
