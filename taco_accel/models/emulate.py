@@ -64,7 +64,7 @@ def emulate_tp(model: nn.Module, plan: TPPlan, tp, compression, sequence_paralle
         SequenceState(bool(sequence_parallel), tp), logits=logits, emulator=group,
     )
     head = EmulatedRewrite(model, plan, context).install()
-    loss = EmulatedCausalLMLoss(head, Site("loss/lse", None, None), getattr(model, "_loss_function", None))
+    loss = EmulatedCausalLMLoss(head, context.sites.plain("loss/lse"), getattr(model, "_loss_function", None))
     install_loss(model, loss)
     model.taco = context
     logger.info(

@@ -200,7 +200,7 @@ class TPRewrite(Rewrite):
             self.pre_hooks.append((module, EnterRegionHook(region)))
         elif isinstance(style, Colwise):
             shard = self.shard(style, module, name)
-            replicas = Site(f"{self.ctx.short(name)}/replica_grad", group, None) if shard.replicas > 1 else None
+            replicas = self.ctx.sites.plain(f"{self.ctx.short(name)}/replica_grad") if shard.replicas > 1 else None
             new = ColumnParallelLinear.from_module(module, shard=shard, group=group, replica_site=replicas)
             if name.rpartition(".")[0] in self.regions:  # computed by its region, which overlaps its backward
                 self.regions[name.rpartition(".")[0]].layers.append(new)
@@ -221,7 +221,7 @@ class TPRewrite(Rewrite):
         tied = head.weight is self.model.get_submodule(self.plan.embedding).weight
         region = ColumnRegion(RegionEntry(None, self.site(name, "bwd")), self.ctx.overlap)
         new = ColumnParallelLinear.from_module(
-            head, shard=embedding.shard, group=group, entry=region, gather=Site(f"{name}/logits", group, None),
+            head, shard=embedding.shard, group=group, entry=region, gather=self.ctx.sites.plain(f"{name}/logits"),
         )
         region.layers.append(new)
         if tied:
@@ -238,7 +238,7 @@ def _apply_plan(model: nn.Module, plan: TPPlan, ctx: TPContext) -> None:
     gather = LogitsGather(ctx)
     head.register_forward_hook(gather)
     fallback = getattr(model, "_loss_function", None)
-    install_loss(model, CausalLMLoss(head, Site("loss/lse", ctx.group, None), fallback, gather))
+    install_loss(model, CausalLMLoss(head, ctx.sites.plain("loss/lse"), fallback, gather))
     model.register_forward_pre_hook(LogitsModeHook(model, gather, ctx), with_kwargs=True)
 
 
