@@ -18,6 +18,8 @@ first `run_ranks` call, or set ``TACO_TEST_START_METHOD=spawn`` for fresh interp
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import pickle
 import queue
@@ -114,6 +116,27 @@ def case(results: list, key: Hashable) -> list:
         report = "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in failed)
         raise AssertionError(f"case {key!r} raised on {len(failed)} rank(s):\n{report}")
     return [r[key][1] for r in results]
+
+
+@contextlib.contextmanager
+def timed_verdicts(rule: Callable[[str, Any, Any], bool]):
+    """In a rank: the auto compression mode's timings (`comm.autotune.time_collective` as
+    `tp.auto` calls it) still run, but their verdict is ``rule(kind, x, config)`` (True:
+    compressed), so that a test takes the code path it chooses whatever the machine's speed."""
+    from taco_accel.tp import auto
+
+    measure = auto.time_collective
+
+    def fixed(kind, x, group, config, *args, **kwargs):
+        timing = measure(kind, x, group, config, *args, **kwargs)
+        compress = bool(rule(kind, x, config))
+        return dataclasses.replace(timing, plain_s=1e-3, compressed_s=0.5e-3 if compress else 2e-3, compress=compress)
+
+    auto.time_collective = fixed
+    try:
+        yield
+    finally:
+        auto.time_collective = measure
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S, env: dict | None = None, **kwargs) -> list:
