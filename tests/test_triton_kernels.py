@@ -14,6 +14,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from taco_accel.bench.codec import CHECK_CASES, VARIANTS  # noqa: E402
+from taco_accel.bench.codec import DTYPES as NAMED_DTYPES  # noqa: E402
 from taco_accel.codec import (  # noqa: E402
     NonFiniteError, Packed, TacoConfig, Tuning, WireLayout, compress, decompress, dispatch, sum_packed,
 )
@@ -22,15 +24,6 @@ from taco_accel.codec.kernels import sm_count  # noqa: E402
 from taco_accel.codec.layout import signed_header  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-VARIANTS = {
-    "default": {},
-    "dual": dict(scales="dual"),
-    "dual-no-adaptive": dict(scales="dual", adaptive_scale=False),
-    "no-hadamard": dict(hadamard=False),
-    "int8": dict(format="int8"),
-    "e5m2": dict(format="e5m2"),
-    "signs": dict(random_signs=True),
-}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Values next to a rounding tie (common with bf16 inputs and no Hadamard step) may land on
 # either side, one fp8 step apart: the interpreter multiplies in wider precision, and on an
@@ -67,20 +60,8 @@ def assert_payload_close(ref: Packed, tri: Packed, fmt: str, max_mismatch: float
     torch.testing.assert_close(st, sr, rtol=1e-5, atol=0, equal_nan=True)
 
 
-# One case per code path, not the grid of group sizes x variants x dtypes (each a compiled
-# specialisation on a GPU): every group size (the tile kernels' transform takes 1, 2, 4 or 8
-# sub-blocks of 64 at G = 32/64, 128, 256, 512; on a GPU G <= 128 runs the Gluon kernels), every
-# variant's flags at G = 128, the flags that enter the transform (no Hadamard, signs) also at
-# the other sub-block counts, every payload format through the tile decoder's payload products
-# (G >= 256 on a GPU), every input dtype at several of them.
-MATCH_CASES = [
-    (32, "default", torch.float32), (64, "default", torch.bfloat16), (128, "default", torch.float16),
-    (256, "default", torch.bfloat16), (512, "default", torch.float32),
-    (128, "dual", torch.bfloat16), (128, "dual-no-adaptive", torch.float32), (128, "int8", torch.bfloat16),
-    (128, "e5m2", torch.float16), (128, "no-hadamard", torch.bfloat16), (128, "signs", torch.float32),
-    (32, "signs", torch.float16), (64, "no-hadamard", torch.float32), (256, "no-hadamard", torch.float16),
-    (512, "signs", torch.bfloat16), (256, "int8", torch.float32), (512, "e5m2", torch.float16),
-]
+# One case per code path (bench.codec.CHECK_CASES), not the grid of group sizes x variants x dtypes
+MATCH_CASES = [(g, v, NAMED_DTYPES[d]) for g, v, d in CHECK_CASES]
 
 
 @pytest.mark.parametrize("group_size, variant, dtype", MATCH_CASES,
