@@ -13,6 +13,7 @@ import json
 import math
 import os
 import tempfile
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -178,19 +179,26 @@ def main() -> None:
     checks = args.checks.split(",")
     taco_accel.Accelerator(compression=None)  # starts the processes' group, as any first Accelerator does
     result = {}
+
+    def run(key: str, check, *args) -> None:  # each check's error is its own result (per test)
+        try:
+            result[key] = check(*args)
+        except Exception:  # noqa: BLE001 - reported by the test of this check
+            result[key] = {"error": traceback.format_exc()}
+
     if "parity" in checks:
-        result["off"] = parity(None)
-        result["on"] = parity(taco_accel.TacoConfig(group_size=32, threshold_bytes=0))
+        run("off", parity, None)
+        run("on", parity, taco_accel.TacoConfig(group_size=32, threshold_bytes=0))
     with tempfile.TemporaryDirectory() as tmp:
         shared = [tmp if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(shared, src=0)
         if "resume" in checks:
-            result["resume"] = resume(shared[0])
+            run("resume", resume, shared[0])
         dist.barrier()
     if "metrics" in checks:
-        result["metrics"] = metrics()
+        run("metrics", metrics)
     if "refusals" in checks:
-        result["refusals"] = refusals()
+        run("refusals", refusals)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(result, f, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x))

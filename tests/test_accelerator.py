@@ -3,8 +3,8 @@ like a user would, against the same training on one process: tp=2, dp=2 x tp=2 (
 and dp=2 x tp=2 with FSDP2; compression off (equal to fp32 rounding) and on (within the codec's
 bound); resume from ``save_state``; ``gather_for_metrics``; ``save_model``; the unsafe paths.
 
-One launch per mesh runs every check (`accelerate_loop_worker.py`); the launches take most
-of this module's time (process start-up and imports).
+One launch per mesh runs every check (`accelerate_loop_worker.py`), each check's error kept
+as its own result; the launches take most of this module's time (process start-up and imports).
 """
 
 from __future__ import annotations
@@ -64,9 +64,16 @@ def run(request, tmp_path_factory):
     return name, json.loads((tmp / "out.json").read_text())
 
 
+def _check(result: dict, key: str) -> dict:
+    """The figures of one check of the launch; that check's own error if it raised."""
+    r = result[key]
+    assert "error" not in r, r["error"]
+    return r
+
+
 def test_compression_off_equals_one_process(run):
     name, result = run
-    r = result["off"]
+    r = _check(result, "off")
     assert r["local_gate_rows"] == (32 if name == "fsdp2_tp2" else 64)  # 128 rows / tp 2 (/ 2 FSDP shards)
     assert r["keys_equal"]
     assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) < 2e-5
@@ -81,7 +88,7 @@ def test_compression_off_equals_one_process(run):
 
 def test_compression_on_stays_within_the_codec_bound(run):
     _, result = run
-    r = result["on"]
+    r = _check(result, "on")
     rel = [abs(a - b) / b for a, b in zip(r["losses"], r["ref_losses"])]
     assert rel[0] < 5e-3 and max(rel) < 2e-2, rel
     assert r["losses"] != pytest.approx(r["ref_losses"], abs=1e-7)  # the codec really ran
@@ -92,7 +99,7 @@ def test_save_state_resume_repeats_the_losses(run):
     name, result = run
     if "resume" not in result:
         pytest.skip(f"{name} runs parity only")
-    r = result["resume"]
+    r = _check(result, "resume")
     assert r["resumed"] == r["straight"][3:]  # steps 4-6, bit for bit
     assert "meta.json" in r["files"] and "state.pt" in r["files"]
 
@@ -101,14 +108,16 @@ def test_gather_for_metrics_covers_the_set_once(run):
     name, result = run
     if "metrics" not in result:
         pytest.skip(f"{name} runs parity only")
-    assert result["metrics"]["seen"] == list(range(13))  # over dp only, the padding dropped
-    assert result["metrics"]["reduce_sum"] == (2 if name == "dp2_tp2" else 1)
+    r = _check(result, "metrics")
+    assert r["seen"] == list(range(13))  # over dp only, the padding dropped
+    assert r["reduce_sum"] == (2 if name == "dp2_tp2" else 1)
 
 
 def test_unsafe_paths_fail_loudly(run):
     name, result = run
     if "refusals" not in result:
         pytest.skip(f"{name} runs parity only")
-    plain, mismatch = result["refusals"]["plain"], result["refusals"]["mismatch"]
+    r = _check(result, "refusals")
+    plain, mismatch = r["plain"], r["mismatch"]
     assert plain is not None and "tensor-parallel" in plain and "from taco_accel import Accelerator" in plain, plain
     assert mismatch is not None and "tp=2" in mismatch and "tp=1" in mismatch, mismatch
