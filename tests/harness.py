@@ -118,6 +118,17 @@ def case(results: list, key: Hashable) -> list:
     return [r[key][1] for r in results]
 
 
+UNIT = 2.0**-24  # fp32 unit roundoff
+
+
+def fp32_bound(terms: int, magnitude: float) -> float:
+    """How far two fp32 evaluations, in any order, of one sum of ``terms`` terms whose
+    magnitudes add up to ``magnitude`` can differ: each is within gamma_n * magnitude of the exact
+    sum (gamma_n = n u / (1 - n u), u = 2**-24), whatever the order, thread count or vector width."""
+    gamma = terms * UNIT / (1 - terms * UNIT)
+    return 2 * gamma * magnitude
+
+
 @contextlib.contextmanager
 def timed_verdicts(rule: Callable[[str, Any, Any], bool]):
     """In a rank: the auto compression mode's timings (`comm.autotune.time_collective` as

@@ -28,7 +28,7 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from harness import case, per_case, run_ranks
+from harness import case, fp32_bound, per_case, run_ranks
 
 import taco_accel
 from taco_accel import comm
@@ -45,7 +45,6 @@ MIXED = taco_accel.Compression(
     backward=CFG.replace(scales="dual", random_signs=True),
     sites={"layers.0.*": CFG.replace(group_size=32, format="int8"), "lm_head/*": CFG.replace(format="e5m2")},
 )
-UNIT = 2.0**-24  # fp32 unit roundoff
 
 
 def _batch(vocab: int, seed: int = 1):
@@ -126,7 +125,7 @@ def _lockstep(arch: str, sp: bool) -> dict:
             bound = 0.0
             if n in terms:  # N terms summed in any two orders: each within gamma_N * sum |term| of the exact sum
                 total, count = terms[n]
-                bound = 2 * count * UNIT / (1 - count * UNIT) * total
+                bound = fp32_bound(count, 1.0) * total
                 terms[n] = [torch.zeros_like(total), 0]  # the next step's terms
             if (diff > bound).any():  # a parameter without known terms (bound 0): bit for bit
                 excess[n] = float((diff - bound).max())

@@ -22,7 +22,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from harness import case, per_case, run_ranks
+from harness import UNIT, case, fp32_bound, per_case, run_ranks
 
 import taco_accel
 from taco_accel import comm
@@ -32,7 +32,6 @@ from taco_accel.tp.layers import ColumnParallelLinear
 
 ON = taco_accel.TacoConfig(threshold_bytes=0, group_size=32)
 ARCHS = ("qwen3", "gpt2", "llama")
-UNIT = 2.0**-24  # fp32 unit roundoff
 # The codec's worst case for one group, relative in L2 (tests/test_codec.py worst_case_error):
 # E4M3 rounding to nearest moves a normal value by at most 2**-4 of itself, a subnormal by half a
 # subnormal step (2**-10 of the scale) while the group's norm is at least 448 steps of it.
@@ -74,8 +73,7 @@ def _fp32_excess(a: torch.Tensor, b: torch.Tensor, terms: int) -> float:
     """How far |a - b| exceeds the difference of two fp32 evaluations (any order) of sums of
     ``terms`` values: 2 gamma_terms sum|value|, the sum of magnitudes taken as max(|b|, 1) (the
     tiny models' activations, weights and gradients are O(1)); <= 0: within."""
-    bound = 2 * terms * UNIT * max(float(b.abs().max()), 1.0)
-    return float((a - b).abs().max()) - bound
+    return float((a - b).abs().max()) - fp32_bound(terms, max(float(b.abs().max()), 1.0))
 
 
 def _model_case(arch: str, sp: bool, label: str) -> dict:
