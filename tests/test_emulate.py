@@ -177,11 +177,14 @@ def test_runs_without_distributed_and_matches_the_model_uncompressed():
     out, expected = model(ids, labels=labels), ref(ids, labels=labels)
     out.loss.backward()
     expected.loss.backward()
-    assert abs(out.loss.item() - expected.loss.item()) < 1e-5
-    assert float((out.logits - expected.logits).detach().abs().max()) < 1e-5
+    # the same products, sums split over the virtual ranks: fp32 sums of n <= 256 terms whose
+    # magnitudes add up to a few units, in any thread count
+    tol = fp32_bound(256, 10.0)
+    assert abs(out.loss.item() - expected.loss.item()) < tol
+    assert float((out.logits - expected.logits).detach().abs().max()) < tol
     for name, param in model.named_parameters():
         assert param.shape == ref.get_parameter(name).shape  # whole parameters, transformers names
-        assert float((param.grad - ref.get_parameter(name).grad).abs().max()) < 1e-5, name
+        assert float((param.grad - ref.get_parameter(name).grad).abs().max()) < tol, name
     assert model.taco.emulated and model.taco.tp == 4 and "tp=4, emulated" in repr(model.model.layers[0].mlp.down_proj)
 
 
@@ -197,6 +200,8 @@ def test_compressed_emulation_is_close_and_counts_every_site():
     finally:
         comm.set_error_sampling(0)
     stats = comm.pop_comm_stats()
+    # a sanity bound (every message within the codec's few percent; the loss, a mean of smooth
+    # functions of them, moves by a small fraction of that): the per-message bound is below
     assert abs(loss.item() - ref(ids, labels=labels).loss.item()) < 5e-3 * loss.item()
     assert set(model.taco.sites.group_sizes()) <= {s for s, v in stats.items() if v.compressed_calls}
     assert all(v.bytes_sent < v.bytes_uncompressed for v in stats.values())
@@ -235,6 +240,7 @@ def test_emulated_group_matches_its_contract():
     cfg = CFG.replace(group_size=32)
     total = sum(xs)
     assert torch.allclose(group.all_reduce(xs, None), total)
+    # E4M3: about 2.6% rms per encoding, two encodings in a sum (tests/test_comm.py BOUND): 5%
     assert (group.all_reduce(xs, cfg) - total).norm() < 0.05 * total.norm()
     rows = group.reduce_scatter(xs, cfg)
     assert [r.shape for r in rows] == [torch.Size([2, 64])] * 4
