@@ -444,10 +444,10 @@ def _resume_with_changed_settings(out: str, cache: str) -> dict:
     return {"lrs": [r["lr"] for r in history], "log": "\n".join(records)}
 
 
-def test_resume_applies_changed_hyper_parameters_and_says_so(tmp_path):
+def test_resume_applies_changed_hyper_parameters_and_says_so(tmp_path, token_cache):
     from taco_accel.integrations.trainer import TrainConfig, lr_lambda
 
-    r = run_ranks(_resume_with_changed_settings, 1, str(tmp_path / "run"), str(tmp_path / "cache"))[0]
+    r = run_ranks(_resume_with_changed_settings, 1, str(tmp_path / "run"), token_cache)[0]
     factor = lr_lambda(TrainConfig(steps=4, warmup_steps=0))
     assert r["lrs"][:2] == pytest.approx([1e-2 * factor(0), 1e-2 * factor(1)])  # from the checkpoint's history
     assert r["lrs"][2:] == pytest.approx([1e-3 * factor(2), 1e-3 * factor(3)])  # the new peak, same schedule

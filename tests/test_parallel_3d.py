@@ -27,9 +27,9 @@ def _three_d(out: str, cache: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def three_d(tmp_path_factory):
-    out, cache = tmp_path_factory.mktemp("3d"), tmp_path_factory.mktemp("cache3d")
-    return run_ranks(_three_d, 8, str(out), str(cache)), str(cache)
+def three_d(tmp_path_factory, token_cache):
+    out = tmp_path_factory.mktemp("3d")
+    return run_ranks(_three_d, 8, str(out), token_cache), token_cache
 
 
 def _losses(three_d, name: str) -> list[float]:

@@ -83,9 +83,9 @@ def _two_rank_suite(out: str, cache: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def suite(tmp_path_factory):
-    out, cache = tmp_path_factory.mktemp("pp_out"), tmp_path_factory.mktemp("cache")
-    return run_ranks(_two_rank_suite, 2, str(out), str(cache)), str(cache)
+def suite(tmp_path_factory, token_cache):
+    out = tmp_path_factory.mktemp("pp_out")
+    return run_ranks(_two_rank_suite, 2, str(out), token_cache), token_cache
 
 
 def losses(suite, name: str):
