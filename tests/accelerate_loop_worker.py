@@ -13,6 +13,7 @@ import json
 import math
 import os
 import tempfile
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -42,9 +43,10 @@ def loader(data=DATA, batch: int = BATCH):
     return DataLoader(TensorDataset(data), batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(7))
 
 
-def train(compression, *, seed: int = 0, save: str | None = None, resume: str | None = None):
-    """STEPS optimizer steps of ACCUM micro-batches (from step SAVE_AT when resuming)."""
-    acc = taco_accel.Accelerator(gradient_accumulation_steps=ACCUM, compression=compression)
+def train(compression, *, seed: int = 0, save: str | None = None, resume: str | None = None, sizes=None):
+    """STEPS optimizer steps of ACCUM micro-batches (from step SAVE_AT when resuming); ``sizes``: a
+    ParallelismConfig instead of the launch config's."""
+    acc = taco_accel.Accelerator(gradient_accumulation_steps=ACCUM, compression=compression, parallelism_config=sizes)
     model = fresh_model(seed)
     opt, sched = optimizer_and_schedule(model)
     model, opt, data, sched = acc.prepare(model, opt, loader(), sched)
@@ -96,8 +98,8 @@ def reference(rows: list[dict], replicas: int) -> tuple[list[dict], dict]:
     return out, model.state_dict()
 
 
-def parity(compression) -> dict:
-    acc, model, rows = train(compression)
+def parity(compression, sizes=None) -> dict:
+    acc, model, rows = train(compression, sizes=sizes)
     stats = acc.compression_stats()
     ref_rows, ref_state = reference(rows, acc.parallel_dims.dp)
     full = acc.get_state_dict(model)
@@ -178,19 +180,32 @@ def main() -> None:
     checks = args.checks.split(",")
     taco_accel.Accelerator(compression=None)  # starts the processes' group, as any first Accelerator does
     result = {}
+
+    def run(key: str, check, *args) -> None:  # each check's error is its own result (per test)
+        try:
+            result[key] = check(*args)
+        except Exception:  # noqa: BLE001 - reported by the test of this check
+            result[key] = {"error": traceback.format_exc()}
+
     if "parity" in checks:
-        result["off"] = parity(None)
-        result["on"] = parity(taco_accel.TacoConfig(group_size=32, threshold_bytes=0))
+        run("off", parity, None)
+        run("on", parity, taco_accel.TacoConfig(group_size=32, threshold_bytes=0))
+    if "fsdp_parity" in checks:  # the same processes, the sizes passed in Python: dp=2 FSDP2 shards x tp=2
+        from accelerate import ParallelismConfig
+
+        sizes = ParallelismConfig(tp_size=2, dp_shard_size=2, dp_replicate_size=1)  # not the launch's dp_replicate_size
+        run("fsdp_off", parity, None, sizes)
+        run("fsdp_on", parity, taco_accel.TacoConfig(group_size=32, threshold_bytes=0), sizes)
     with tempfile.TemporaryDirectory() as tmp:
         shared = [tmp if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(shared, src=0)
         if "resume" in checks:
-            result["resume"] = resume(shared[0])
+            run("resume", resume, shared[0])
         dist.barrier()
     if "metrics" in checks:
-        result["metrics"] = metrics()
+        run("metrics", metrics)
     if "refusals" in checks:
-        result["refusals"] = refusals()
+        run("refusals", refusals)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(result, f, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x))

@@ -14,3 +14,13 @@ except ImportError:  # pragma: no cover
     _has_cuda = False
 if not _has_cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def token_cache(tmp_path_factory) -> str:
+    """One tokenizer and token cache for the whole session (``TrainConfig.cache_dir``): the
+    training tests share the shipped corpus's tokens, built once (several seconds) instead of
+    once per module; entries are keyed by a hash of the tokenizer and the text."""
+    return str(tmp_path_factory.mktemp("token_cache"))

@@ -4,6 +4,12 @@ Every distributed test calls `run_ranks`. The worker must be a module-level func
 pickled by reference); its return values come back as a list indexed by rank, and an exception
 on any rank fails the test with that rank's traceback.
 
+Several cases in one launch (one start-up, one model build shared): the worker runs them through
+`per_case`, which keeps each case's value or error apart, and each test takes its own case's
+values with `case`, which fails that test alone with the rank's traceback. A case that raises on
+every rank (a library error) leaves the others intact; one that raises on some ranks only can
+leave its peers waiting in a collective, and then the launch's timeout fails the whole file.
+
 Ranks start from a fork server that has already imported torch, transformers' model modules
 and taco_accel (about 0.1 s per launch instead of several seconds for a fresh interpreter). ``env`` is applied in each rank before ``fn`` runs, i.e.
 after torch was imported: a variable that torch reads at import time must be set before the
@@ -12,12 +18,16 @@ first `run_ranks` call, or set ``TACO_TEST_START_METHOD=spawn`` for fresh interp
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import pickle
 import queue
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -84,6 +94,58 @@ def _collect(results, procs, timeout: float, outputs: dict, errors: dict) -> Non
             continue
         (outputs if status == "ok" else errors)[rank] = value  # on an error, the other ranks are
         # likely blocked in a collective: stop waiting for them
+
+
+def per_case(cases: Mapping[Hashable, Callable[[], Any]]) -> dict:
+    """In a rank: run every case (a callable without arguments) in order; ``{key: (ok, value or
+    traceback)}`` for `case` to unpack, an exception of one case kept as that case's result."""
+    out = {}
+    for key, run in cases.items():
+        try:
+            out[key] = (True, run())
+        except Exception:  # the case's own failure, reported by its own test
+            out[key] = (False, traceback.format_exc())
+    return out
+
+
+def case(results: list, key: Hashable) -> list:
+    """The values of case ``key`` on every rank (``results``: `run_ranks` of a `per_case` worker);
+    an AssertionError with the rank's traceback where the case raised."""
+    failed = [(rank, r[key][1]) for rank, r in enumerate(results) if not r[key][0]]
+    if failed:
+        report = "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in failed)
+        raise AssertionError(f"case {key!r} raised on {len(failed)} rank(s):\n{report}")
+    return [r[key][1] for r in results]
+
+
+UNIT = 2.0**-24  # fp32 unit roundoff
+
+
+def fp32_bound(terms: int, magnitude: float) -> float:
+    """How far two fp32 evaluations, in any order, of one sum of ``terms`` terms whose
+    magnitudes add up to ``magnitude`` can differ: each is within gamma_n * magnitude of the exact
+    sum (gamma_n = n u / (1 - n u), u = 2**-24), whatever the order, thread count or vector width."""
+    gamma = terms * UNIT / (1 - terms * UNIT)
+    return 2 * gamma * magnitude
+
+
+@contextlib.contextmanager
+def timed_verdicts(rule: Callable[[str, Any, Any], bool]):
+    """In a rank: the auto compression mode's timings (`comm.autotune.AutoDecider.timer`, its
+    injection point) still run, but their verdict is ``rule(kind, x, config)`` (True:
+    compressed), so that a test takes the code path it chooses whatever the machine's speed."""
+    from taco_accel.comm.autotune import AutoDecider, time_collective
+
+    def fixed(kind, x, group, config, *args, **kwargs):
+        timing = time_collective(kind, x, group, config, *args, **kwargs)
+        compress = bool(rule(kind, x, config))
+        return dataclasses.replace(timing, plain_s=1e-3, compressed_s=0.5e-3 if compress else 2e-3, compress=compress)
+
+    AutoDecider.timer = staticmethod(fixed)
+    try:
+        yield
+    finally:
+        AutoDecider.timer = staticmethod(time_collective)
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S, env: dict | None = None, **kwargs) -> list:

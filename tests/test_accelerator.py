@@ -3,8 +3,8 @@ like a user would, against the same training on one process: tp=2, dp=2 x tp=2 (
 and dp=2 x tp=2 with FSDP2; compression off (equal to fp32 rounding) and on (within the codec's
 bound); resume from ``save_state``; ``gather_for_metrics``; ``save_model``; the unsafe paths.
 
-One launch per mesh runs every check (`accelerate_loop_worker.py`); the launches take most
-of this module's time (process start-up and imports).
+One launch per mesh runs every check (`accelerate_loop_worker.py`), each check's error kept
+as its own result; the launches take most of this module's time (process start-up and imports).
 """
 
 from __future__ import annotations
@@ -20,12 +20,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("accelerate_loop_worker.py")
 
+# one launch per process count (the start-up of the processes is most of the time): the 4-process
+# launch runs dp=2 x tp=2 with the launch config's sizes, then FSDP2 dp=2 x tp=2 with sizes given as
+# Accelerator(parallelism_config=...)
 MESHES = {
     "tp2": (2, {"parallelism_config_tp_size": 2}),
     "dp2_tp2": (4, {"parallelism_config_tp_size": 2, "parallelism_config_dp_replicate_size": 2}),
-    "fsdp2_tp2": (4, {"parallelism_config_tp_size": 2, "parallelism_config_dp_shard_size": 2}),
 }
-CHECKS = {"tp2": "parity,resume,metrics,refusals", "dp2_tp2": "parity,resume,metrics", "fsdp2_tp2": "parity"}
+CHECKS = {"tp2": "parity,resume,metrics,refusals", "dp2_tp2": "parity,fsdp_parity,resume,metrics"}
+# (launch, its checks of compression off and on) of each mesh
+PARITY = {"tp2": ("tp2", "off", "on"), "dp2_tp2": ("dp2_tp2", "off", "on"), "fsdp2_tp2": ("dp2_tp2", "fsdp_off", "fsdp_on")}
 
 
 def launch_config(path: Path, processes: int, sizes: dict) -> Path:
@@ -59,20 +63,46 @@ def accelerate_launch(config: Path, script: Path, *args: str, cwd: Path, env: di
     return subprocess.run(cmd, env=launch_env(**(env or {})), cwd=cwd, capture_output=True, text=True, timeout=600)
 
 
-@pytest.fixture(scope="module", params=list(MESHES))
-def run(request, tmp_path_factory):
-    name = request.param
-    tmp = tmp_path_factory.mktemp(name)
-    processes, sizes = MESHES[name]
-    done = accelerate_launch(launch_config(tmp / "config.yaml", processes, sizes), WORKER, "--out", str(tmp / "out.json"),
-                             "--checks", CHECKS[name], cwd=tmp)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    return name, json.loads((tmp / "out.json").read_text())
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory) -> dict:
+    """Each launch's results, launched when a test first asks for it."""
+    done = {}
+
+    def get(name: str) -> dict:
+        if name not in done:
+            tmp = tmp_path_factory.mktemp(name)
+            processes, sizes = MESHES[name]
+            out = accelerate_launch(launch_config(tmp / "config.yaml", processes, sizes), WORKER,
+                                    "--out", str(tmp / "out.json"), "--checks", CHECKS[name], cwd=tmp)
+            assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+            done[name] = json.loads((tmp / "out.json").read_text())
+        return done[name]
+
+    return get
 
 
-def test_compression_off_equals_one_process(run):
-    name, result = run
-    r = result["off"]
+@pytest.fixture(params=list(PARITY))
+def parity(request, launches):
+    """(mesh, figures with compression off, figures with compression on)."""
+    launch, off, on = PARITY[request.param]
+    result = launches(launch)
+    return request.param, _check(result, off), _check(result, on)
+
+
+@pytest.fixture(params=list(MESHES))
+def run(request, launches):
+    return request.param, launches(request.param)
+
+
+def _check(result: dict, key: str) -> dict:
+    """The figures of one check of the launch; that check's own error if it raised."""
+    r = result[key]
+    assert "error" not in r, r["error"]
+    return r
+
+
+def test_compression_off_equals_one_process(parity):
+    name, r, _ = parity
     assert r["local_gate_rows"] == (32 if name == "fsdp2_tp2" else 64)  # 128 rows / tp 2 (/ 2 FSDP shards)
     assert r["keys_equal"]
     assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) < 2e-5
@@ -85,9 +115,8 @@ def test_compression_off_equals_one_process(run):
     assert r["distinct_batches"] == 6 * 2  # 6 steps x 2 micro-batches: no global batch repeats
 
 
-def test_compression_on_stays_within_the_codec_bound(run):
-    _, result = run
-    r = result["on"]
+def test_compression_on_stays_within_the_codec_bound(parity):
+    _, _, r = parity
     rel = [abs(a - b) / b for a, b in zip(r["losses"], r["ref_losses"])]
     assert rel[0] < 5e-3 and max(rel) < 2e-2, rel
     assert r["losses"] != pytest.approx(r["ref_losses"], abs=1e-7)  # the codec really ran
@@ -98,7 +127,7 @@ def test_save_state_resume_repeats_the_losses(run):
     name, result = run
     if "resume" not in result:
         pytest.skip(f"{name} runs parity only")
-    r = result["resume"]
+    r = _check(result, "resume")
     assert r["resumed"] == r["straight"][3:]  # steps 4-6, bit for bit
     assert "taco_checkpoint.json" in r["files"]
 
@@ -107,14 +136,16 @@ def test_gather_for_metrics_covers_the_set_once(run):
     name, result = run
     if "metrics" not in result:
         pytest.skip(f"{name} runs parity only")
-    assert result["metrics"]["seen"] == list(range(13))  # over dp only, the padding dropped
-    assert result["metrics"]["reduce_sum"] == (2 if name == "dp2_tp2" else 1)
+    r = _check(result, "metrics")
+    assert r["seen"] == list(range(13))  # over dp only, the padding dropped
+    assert r["reduce_sum"] == (2 if name == "dp2_tp2" else 1)
 
 
 def test_unsafe_paths_fail_loudly(run):
     name, result = run
     if "refusals" not in result:
         pytest.skip(f"{name} runs parity only")
-    plain, mismatch = result["refusals"]["plain"], result["refusals"]["mismatch"]
+    r = _check(result, "refusals")
+    plain, mismatch = r["plain"], r["mismatch"]
     assert plain is not None and "tensor-parallel" in plain and "from taco_accel import Accelerator" in plain, plain
     assert mismatch is not None and "tp=2" in mismatch and "tp=1" in mismatch, mismatch

@@ -3,12 +3,13 @@ reads only the local slices of any transformers checkpoint. One 2-rank launch, e
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_ranks
+from harness import case, fp32_bound, per_case, run_ranks
 
 import taco_accel
 from taco_accel.models.state import gather_state_dict, shard_specs
@@ -94,11 +95,16 @@ def _from_hf(arch: str, root: str) -> dict:
 
 
 def _worker(root: str) -> dict:
-    results = {}
+    cases = {}
     for arch in ARCHS:
-        results[arch, "round_trip"] = _round_trip(arch, root)
-        results[arch, "from_hf"] = _from_hf(arch, root)
-    return results
+        cases[arch, "round_trip"] = functools.partial(_round_trip, arch, root)
+        cases[arch, "from_hf"] = functools.partial(_from_hf, arch, root)
+    return per_case(cases)
+
+
+# a loaded model against the one it came from, the same weights, its sums split over other ranks:
+# fp32 sums of n <= 256 terms whose magnitudes add up to a few units in these tiny models
+FP32 = fp32_bound(256, 10.0)
 
 
 @pytest.fixture(scope="module")
@@ -108,24 +114,22 @@ def measured(tmp_path_factory):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_save_is_a_plain_transformers_checkpoint(measured, arch):
-    r = measured[0][arch, "round_trip"]
+    r = case(measured, (arch, "round_trip"))[0]
     assert "model.safetensors" in r["files"] and "config.json" in r["files"]
-    assert r["plain"] < 1e-5, r
+    assert r["plain"] < FP32, r
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_from_pretrained_at_any_tp(measured, arch):
-    for result in measured:
-        r = result[arch, "round_trip"]
-        assert r["taco_tp2"] < 1e-5 and r["taco_tp1"] < 1e-5, r
+    for r in case(measured, (arch, "round_trip")):
+        assert r["taco_tp2"] < FP32 and r["taco_tp1"] < FP32, r
         assert r["keys_equal"] and r["state_dict"] == 0.0, r
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_from_pretrained_reads_transformers_checkpoints_and_trains(measured, arch):
-    for result in measured:
-        r = result[arch, "from_hf"]
-        assert r["loss"] < 1e-5 and r["grad"] < 1e-5, r
+    for r in case(measured, (arch, "from_hf")):
+        assert r["loss"] < FP32 and r["grad"] < FP32, r
         assert r["local_shapes_ok"] and r["bf16"] and not r["training_mode_after_load"], r
 
 

@@ -4,8 +4,9 @@ train silently on wrong numbers nor hang.
 Sections: what `parallelize` takes; token ids and labels; the same model and batch on every
 TP rank (gloo ranks); data files. Multi-rank cases catch the error on each rank and return
 it, so that a test sees every rank's error (`run_ranks` alone stops at the first one), and
-run under a short timeout: a rank left waiting in a collective fails the test instead of
-hanging it.
+run under a launch timeout (FAST_S) well below the library's own collective timeout (10 minutes):
+an error that came from a rank left waiting in a collective fails the launch instead of hanging
+it, and the errors asserted are of their own kinds, not timeouts. No test measures a duration.
 """
 
 from __future__ import annotations
@@ -26,18 +27,19 @@ from taco_accel.data.supervised import SFTBatches, tokenize_records
 from taco_accel.models.checks import fingerprint, verify_same_model
 from taco_accel.models.tiny import tiny_config, tiny_model
 
-FAST_S = 60  # a multi-rank launch that takes longer hangs somewhere
+# a launch that takes longer waits in a collective somewhere: generous for a loaded machine's
+# start-up, far below the 10-minute collective timeout an error path must not wait for
+FAST_S = 180
 
 
 def _error(call) -> dict:
-    """``{"type", "message", "seconds"}`` of what ``call()`` raised (type None if nothing)."""
-    start = time.perf_counter()
+    """``{"type", "message"}`` of what ``call()`` raised (type None if nothing)."""
     try:
         call()
         kind, message = None, ""
     except Exception as error:  # the test asserts on the type
         kind, message = type(error).__name__, str(error)
-    return {"type": kind, "message": message, "seconds": time.perf_counter() - start}
+    return {"type": kind, "message": message}
 
 
 # -- parallelize: what it takes (one process) ------------------------------------------------
@@ -231,7 +233,6 @@ def _on_every_rank(results: list, case: str, kind: str | None, *fragments: str) 
         got = result[case]
         assert got["type"] == kind, (rank, got)
         assert all(f in got["message"] for f in fragments), (rank, got)
-        assert got["seconds"] < 10, (rank, got)
 
 
 def test_different_seeds_raise_on_every_rank(rank_faults):
@@ -342,10 +343,10 @@ def _resume_with_changed_settings(out: str, cache: str) -> dict:
     return {"lrs": [r["lr"] for r in history], "log": "\n".join(records)}
 
 
-def test_resume_applies_changed_hyper_parameters_and_says_so(tmp_path):
+def test_resume_applies_changed_hyper_parameters_and_says_so(tmp_path, token_cache):
     from taco_accel.integrations.trainer import TrainConfig, lr_lambda
 
-    r = run_ranks(_resume_with_changed_settings, 1, str(tmp_path / "run"), str(tmp_path / "cache"))[0]
+    r = run_ranks(_resume_with_changed_settings, 1, str(tmp_path / "run"), token_cache)[0]
     factor = lr_lambda(TrainConfig(steps=4, warmup_steps=0))
     assert r["lrs"][:2] == pytest.approx([1e-2 * factor(0), 1e-2 * factor(1)])  # from the checkpoint's history
     assert r["lrs"][2:] == pytest.approx([1e-3 * factor(2), 1e-3 * factor(3)])  # the new peak, same schedule
@@ -390,23 +391,33 @@ def test_ranks_that_disagree_about_a_collective_raise_on_every_rank(disagreement
         r = rank[case]
         assert r["type"] == "CollectiveMismatch", r
         assert f"case/{case}" in r["message"] and field in r["message"], r["message"]
-        assert r["seconds"] < 10
 
 
-def _stalled_peer() -> dict:
+def _stalled_peer(released: str) -> dict:
+    """Rank 1 stops answering after one good collective and comes back only once rank 0's next
+    collective has failed (rank 0 writes ``released``), or after FAST_S: an order of events, not a
+    duration. Rank 0 can only fail first by its group's own timeout."""
+    import os
+
     from taco_accel.parallel import ParallelDims, build_mesh
 
     group = build_mesh(ParallelDims(tp=2), "cpu")["tp"].get_group()  # its timeout: TACO_TIMEOUT_S
     x, config = torch.ones(4096), taco_accel.TacoConfig(threshold_bytes=0)
     taco_accel.all_reduce(x, group, config, site="layers.0.mlp.down_proj/fwd")  # checked, and fine
-    if dist.get_rank() == 1:
-        time.sleep(8)  # a peer that stopped answering
-        return {"type": None}
-    return _error(lambda: taco_accel.all_reduce(x, group, config, site="layers.0.mlp.down_proj/fwd"))
+    if dist.get_rank() == 1:  # a peer that stopped answering
+        deadline = time.monotonic() + FAST_S
+        while not os.path.exists(released) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"released": os.path.exists(released)}
+    error = _error(lambda: taco_accel.all_reduce(x, group, config, site="layers.0.mlp.down_proj/fwd"))
+    with open(released, "w"):
+        pass
+    return error
 
 
-def test_a_stalled_peer_fails_the_collective_with_its_site_named():
-    r = run_ranks(_stalled_peer, 2, timeout=FAST_S, env={"TACO_TIMEOUT_S": "3"})[0]
+def test_a_stalled_peer_fails_the_collective_with_its_site_named(tmp_path):
+    # the group's timeout: 3 s, not torch's 30 minutes nor the launch's FAST_S
+    r, peer = run_ranks(_stalled_peer, 2, str(tmp_path / "released"), timeout=2 * FAST_S, env={"TACO_TIMEOUT_S": "3"})
     assert r["type"] == "CollectiveTimeout", r
     assert "layers.0.mlp.down_proj/fwd" in r["message"] and "TACO_TIMEOUT_S" in r["message"], r["message"]
-    assert r["seconds"] < 7  # the group's 3 s, not torch's 30 minutes
+    assert peer["released"]  # rank 0 failed while its peer still was not answering

@@ -200,14 +200,25 @@ def test_lora_recipe_from_a_checkpoint_folder(base_checkpoint, tmp_path):
     assert float((_logits(base, ids) - _logits(merged, ids)).abs().max()) > 1e-3  # the adapter did something
 
 
-@pytest.mark.slow
+def _recipe_in_ranks(argv: list[str]) -> None:
+    """gpt_finetune.py's main in a rank of `run_ranks` (the launch environment is the other
+    recipe test's): the recipe's code from its command line on, without a fresh interpreter."""
+    import runpy
+
+    recipe = runpy.run_path(str(ROOT / "recipes" / "gpt_finetune.py"))  # defines main; runs nothing
+    recipe["main"]("gpt2", recipe["__doc__"].splitlines()[1], argv=argv, default_data=str(SAMPLE))
+
+
 def test_full_finetune_recipe_with_chat_data(tmp_path):
-    """gpt_finetune.py, full fine-tuning of the tiny default GPT-2 on conversations (ChatML), no compression."""
+    """gpt_finetune.py's command line, full fine-tuning of the tiny default GPT-2 on conversations
+    (ChatML), no compression, tp=2."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run = tmp_path / "run"
-    _launch("gpt_finetune.py", tmp_path, "--method", "full", "--data", str(CHAT), "--format", "chat",
-            "--compression", "off", "--output-dir", str(run), "--trackers", "none", "--no-plot")
+    argv = ["--steps", "3", "--eval-every", "3", "--max-len", "96", "--micro-batch-size", "2",
+            "--max-eval-examples", "8", "--no-progress", "--device", "cpu", "--method", "full", "--data", str(CHAT),
+            "--format", "chat", "--compression", "off", "--output-dir", str(run), "--trackers", "none", "--no-plot"]
+    run_ranks(_recipe_in_ranks, 2, argv, env={"HF_HUB_OFFLINE": "1"})
     assert json.loads((run / "eval_results.json").read_text())["eval_tokens"] > 0
     model = AutoModelForCausalLM.from_pretrained(run / "final")
     tokenizer = AutoTokenizer.from_pretrained(run / "final")

@@ -51,9 +51,9 @@ def _fsdp_tp_sp(out: str, cache: str):
 
 
 @pytest.fixture(scope="module")
-def fsdp_tp(tmp_path_factory):
-    out, cache = tmp_path_factory.mktemp("fsdp_tp"), tmp_path_factory.mktemp("cache")
-    return run_ranks(_fsdp_tp_sp, 4, str(out), str(cache)), str(cache)
+def fsdp_tp(tmp_path_factory, token_cache):
+    out = tmp_path_factory.mktemp("fsdp_tp")
+    return run_ranks(_fsdp_tp_sp, 4, str(out), token_cache), token_cache
 
 
 def test_replicated_norms_stay_identical_across_tp_ranks(fsdp_tp):

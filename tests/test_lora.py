@@ -9,12 +9,13 @@ Misuse (unsupported LoRA options, targets that are not parallel linears) is chec
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_ranks
+from harness import case, fp32_bound, per_case, run_ranks
 
 import taco_accel
 from taco_accel.models.state import shard_specs
@@ -137,14 +138,20 @@ def _exports(path: str, root: str) -> dict:
 
 
 def _worker(folders: dict, root: str) -> dict:
-    results = {}
+    cases = {}
     for arch, path in folders.items():
-        results[arch, "exact"] = _against_reference(path)
-        results[arch, "exports"] = _exports(path, os.path.join(root, arch))
-    results["qwen3", "sequence_parallel"] = _against_reference(folders["qwen3"], sequence_parallel=True)
-    results["qwen2", "compressed"] = _against_reference(folders["qwen2"], compression=COMPRESSED)
-    results["gpt2", "compressed"] = _against_reference(folders["gpt2"], compression=COMPRESSED, sequence_parallel=True)
-    return results
+        cases[arch, "exact"] = functools.partial(_against_reference, path)
+        cases[arch, "exports"] = functools.partial(_exports, path, os.path.join(root, arch))
+    cases["qwen3", "sequence_parallel"] = functools.partial(_against_reference, folders["qwen3"], sequence_parallel=True)
+    cases["qwen2", "compressed"] = functools.partial(_against_reference, folders["qwen2"], compression=COMPRESSED)
+    cases["gpt2", "compressed"] = functools.partial(_against_reference, folders["gpt2"], compression=COMPRESSED,
+                                                    sequence_parallel=True)
+    return per_case(cases)
+
+
+# TP LoRA against peft on one process, compression off: sums split over the ranks, of n <= 256
+# terms whose magnitudes add up to a few units in these tiny models
+FP32 = fp32_bound(256, 10.0)
 
 
 @pytest.fixture(scope="module")
@@ -159,23 +166,20 @@ def measured(tmp_path_factory):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tp_lora_equals_peft_on_one_process(measured, arch):
-    for rank in measured:
-        m = rank[arch, "exact"]
+    for m in case(measured, (arch, "exact")):
         assert m["same_names"] and m["sharded"] > 0, m
         assert m["init"] == 0.0, m  # the same adapter as peft draws from the same seed
-        assert m["loss"] < 1e-5 and m["grad"] < 1e-5, m
+        assert m["loss"] < FP32 and m["grad"] < FP32, m
 
 
 def test_tp_lora_with_sequence_parallelism(measured):
-    for rank in measured:
-        m = rank["qwen3", "sequence_parallel"]
-        assert m["loss"] < 1e-5 and m["grad"] < 1e-5, m
+    for m in case(measured, ("qwen3", "sequence_parallel")):
+        assert m["loss"] < FP32 and m["grad"] < FP32, m
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
 def test_tp_lora_compressed_is_close(measured, arch):
-    for rank in measured:
-        m = rank[arch, "compressed"]
+    for m in case(measured, (arch, "compressed")):
         # FP8 on every TP collective: ~0.05% on the loss, ~10% on the (small) adapter gradients
         # of a random tiny model, about twice the full model's gradient error in the same setting
         assert m["init"] == 0.0 and m["loss_rel"] < 5e-3 and m["grad_rel_all"] < 0.25, m
@@ -183,12 +187,15 @@ def test_tp_lora_compressed_is_close(measured, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_adapter_and_merged_exports_load_in_plain_peft_and_transformers(measured, arch):
-    first = measured[0][arch, "exports"]
+    ranks = case(measured, (arch, "exports"))
+    first = ranks[0]
     assert "adapter_model.safetensors" in first["adapter_files"] and "adapter_config.json" in first["adapter_files"]
-    assert first["peft_logits"] < 1e-4 and first["merged_logits"] < 1e-4 and first["merged_keys"], first
-    for rank in measured:
-        m = rank[arch, "exports"]
-        assert m["load_adapter_logits"] < 1e-5 and m["merged_tp_logits"] < 1e-4, m
+    # merged weights W + s B A, each rounded to fp32 once more (relative 2**-24), then the same
+    # products: the same bound as the unmerged sums
+    merged = FP32
+    assert first["peft_logits"] < merged and first["merged_logits"] < merged and first["merged_keys"], first
+    for m in ranks:
+        assert m["load_adapter_logits"] < FP32 and m["merged_tp_logits"] < merged, m
 
 
 # -- misuse, one process (tp=1) -----------------------------------------------------------

@@ -8,12 +8,13 @@ multi-rank errors, and returns what it measured; the tests assert on that.
 from __future__ import annotations
 
 import copy
+import functools
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_ranks
+from harness import case, fp32_bound, per_case, run_ranks
 
 import taco_accel
 from taco_accel import comm
@@ -24,6 +25,9 @@ ARCHS = tuple(tiny_model_types())  # every registered family: one parity suite
 TPS = (2, 4)
 WORLD = 4
 COMPRESSED = taco_accel.TacoConfig(threshold_bytes=0)  # tiny tensors compress too
+# compressed parity: every family at tp=4 (the world); on the two-rank groups one family, its
+# subgroup collectives compressed (the codec path does not depend on the family)
+COMPRESSED_TP2 = ("gpt2",)
 
 
 def _batch(vocab: int, seed: int = 1):
@@ -167,17 +171,18 @@ def _worker() -> dict:
     rank = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
     groups = {4: dist.group.WORLD, 2: pairs[rank // 2]}
-    results = {}
+    cases = {}
     for tp, group in groups.items():
         for arch in ARCHS:
             for sp in (False, True):
-                results[tp, arch, sp, "exact"] = _exact(arch, sp, group)
-                results[tp, arch, sp, "compressed"] = _compressed(arch, sp, group)
-        results[tp, "calibration"] = _calibration(group)
-        results[tp, "checkpointing"] = _checkpointing("qwen3" if tp == 2 else "gpt2", group)
-    results["errors"] = _errors(groups[2])
-    results["subgroup"] = _subgroup_default(2)
-    return results
+                cases[tp, arch, sp, "exact"] = functools.partial(_exact, arch, sp, group)
+                if tp == WORLD or arch in COMPRESSED_TP2:
+                    cases[tp, arch, sp, "compressed"] = functools.partial(_compressed, arch, sp, group)
+        cases[tp, "calibration"] = functools.partial(_calibration, group)
+        cases[tp, "checkpointing"] = functools.partial(_checkpointing, "qwen3" if tp == 2 else "gpt2", group)
+    cases["errors"] = functools.partial(_errors, groups[2])
+    cases["subgroup"] = functools.partial(_subgroup_default, 2)
+    return per_case(cases)
 
 
 @pytest.fixture(scope="module")
@@ -185,56 +190,65 @@ def measured():
     return run_ranks(_worker, WORLD)
 
 
+# parallel against one process, compression off: the same products, sums split over the ranks
+# (and the vocabulary's log-sum-exp over its slices): sums of n <= 256 terms (the MLP's inner
+# size; 16 tokens of a weight gradient) whose magnitudes add up to a few units in these tiny models
+FP32 = fp32_bound(256, 10.0)
+
+
 @pytest.mark.parametrize("tp", TPS)
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
 def test_matches_single_process(measured, tp, arch, sp):
-    for result in measured:
-        r = result[tp, arch, sp, "exact"]
-        assert r["loss"] < 1e-5, r
-        assert r["labels_logits"] < 1e-5 and r["local_logits"] < 1e-5 and r["full_logits"] < 1e-5, r
-        assert r["grad"] < 1e-5, r
+    for r in case(measured, (tp, arch, sp, "exact")):
+        assert r["loss"] < FP32, r
+        assert r["labels_logits"] < FP32 and r["local_logits"] < FP32 and r["full_logits"] < FP32, r
+        assert r["grad"] < FP32, r
         assert r["generate_equal"], r
         assert r["local_vocab"] <= -(-tiny_config(arch).vocab_size // tp)  # logits="local": never gathered
         assert r["layer_seq_len"] == (8 // tp if sp else 8), r
 
 
-@pytest.mark.parametrize("tp", TPS)
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tp, arch", [(WORLD, a) for a in ARCHS] + [(2, a) for a in COMPRESSED_TP2])
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
 def test_compressed_stays_close(measured, tp, arch, sp):
-    for result in measured:
-        r = result[tp, arch, sp, "compressed"]
+    for r in case(measured, (tp, arch, sp, "compressed")):
         assert r["sites_not_compressed"] == [], r
+        # every activation and gradient message moved by the codec (E4M3 at G=128: 2.5% rms per
+        # value, 6.25% at most); the loss, a mean over 14 tokens of smooth functions of them,
+        # moves by a small fraction of that: 0.5% at the first step (measured 0.1-0.2% over the
+        # families), 2% after two AdamW steps taken on the compressed gradients. These are
+        # sanity bounds, deterministic on a machine; the per-message bound is test_comm's.
         assert r["first_rel"] < 5e-3, r
         assert r["max_rel"] < 2e-2, r
 
 
 @pytest.mark.parametrize("tp", TPS)
 def test_calibration_agrees_across_ranks(measured, tp, tmp_path):
-    chosen = [result[tp, "calibration"]["after"] for result in measured]
+    results = case(measured, (tp, "calibration"))
+    chosen = [r["after"] for r in results]
     assert all(c == chosen[0] for c in chosen)  # one wire layout per collective
-    assert set(chosen[0].values()) <= {32, 64} and set(chosen[0]) == set(measured[0][tp, "calibration"]["before"])
-    assert "layers.1.mlp.down_proj/fwd" in measured[0][tp, "calibration"]["table"]
+    assert set(chosen[0].values()) <= {32, 64} and set(chosen[0]) == set(results[0]["before"])
+    assert "layers.1.mlp.down_proj/fwd" in results[0]["table"]
 
 
 @pytest.mark.parametrize("tp", TPS)
 def test_activation_checkpointing_with_sequence_parallel(measured, tp):
-    for result in measured:
-        r = result[tp, "checkpointing"]
-        assert r["loss"] < 1e-5 and r["grad"] < 1e-5, r
+    for r in case(measured, (tp, "checkpointing")):
+        assert r["loss"] < FP32 and r["grad"] < FP32, r
 
 
 def test_multi_rank_errors(measured):
-    errors = measured[0]["errors"]
+    errors = case(measured, "errors")[0]
     assert "tp=8 does not divide the world size 4" in errors["world"]
     assert "tp=4 but the tp group of device_mesh has 2 ranks" in errors["mesh"]
     assert "already parallelised (tp=2)" in errors["twice"]
 
 
 def test_tp_below_world_size_makes_consecutive_groups(measured):
-    assert [r["subgroup"]["members"] for r in measured] == [[0, 1], [0, 1], [2, 3], [2, 3]]
-    assert [r["subgroup"]["rank"] for r in measured] == [0, 1, 0, 1]
+    results = case(measured, "subgroup")
+    assert [r["members"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["rank"] for r in results] == [0, 1, 0, 1]
 
 
 # -- single process ------------------------------------------------------------------------

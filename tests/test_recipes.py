@@ -100,7 +100,7 @@ def test_the_simple_launchers_ignored_process_count_is_detected():
 
 
 @pytest.mark.slow
-def test_tiny_recipe_through_accelerate_launch(tmp_path):
+def test_tiny_recipe_through_accelerate_launch(tmp_path, token_cache):
     """`accelerate launch` with the CPU tp=2 config: 3 steps of the nano preset, evaluation,
     tensorboard, the loss curve and an export that transformers loads."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
@@ -108,7 +108,8 @@ def test_tiny_recipe_through_accelerate_launch(tmp_path):
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes/configs/cpu_tp2.yaml"),
         str(ROOT / "recipes/qwen_pretrain.py"), "--preset", "nano", "--steps", "3", "--eval-every", "3",
-        "--eval-batches", "1", "--seq-len", "32", "--output-dir", str(tmp_path / "run"), "--no-progress", "--device", "cpu",
+        "--eval-batches", "1", "--seq-len", "32", "--output-dir", str(tmp_path / "run"), "--cache-dir", token_cache,
+        "--no-progress", "--device", "cpu",
     ]
     done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]

@@ -7,7 +7,6 @@ disagree by one fp8 step on a few values; on a GPU the same tests run the compil
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
@@ -15,6 +14,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from taco_accel.bench.codec import CHECK_CASES, VARIANTS  # noqa: E402
+from taco_accel.bench.codec import DTYPES as NAMED_DTYPES  # noqa: E402
 from taco_accel.codec import (  # noqa: E402
     NonFiniteError, Packed, TacoConfig, Tuning, WireLayout, compress, decompress, dispatch, sum_packed,
 )
@@ -23,15 +24,6 @@ from taco_accel.codec.kernels import sm_count  # noqa: E402
 from taco_accel.codec.layout import signed_header  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-VARIANTS = {
-    "default": {},
-    "dual": dict(scales="dual"),
-    "dual-no-adaptive": dict(scales="dual", adaptive_scale=False),
-    "no-hadamard": dict(hadamard=False),
-    "int8": dict(format="int8"),
-    "e5m2": dict(format="e5m2"),
-    "signs": dict(random_signs=True),
-}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Values next to a rounding tie (common with bf16 inputs and no Hadamard step) may land on
 # either side, one fp8 step apart: the interpreter multiplies in wider precision, and on an
@@ -68,9 +60,12 @@ def assert_payload_close(ref: Packed, tri: Packed, fmt: str, max_mismatch: float
     torch.testing.assert_close(st, sr, rtol=1e-5, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("group_size", [32, 64, 128, 256, 512])
+# One case per code path (bench.codec.CHECK_CASES), not the grid of group sizes x variants x dtypes
+MATCH_CASES = [(g, v, NAMED_DTYPES[d]) for g, v, d in CHECK_CASES]
+
+
+@pytest.mark.parametrize("group_size, variant, dtype", MATCH_CASES,
+                         ids=[f"G{g}-{v}-{str(d).removeprefix('torch.')}" for g, v, d in MATCH_CASES])
 def test_compress_decompress_match_reference(group_size, variant, dtype):
     ref_cfg, tri_cfg = configs(group_size, variant)
     x = sample((6, 1000 + group_size // 3), dtype)  # numel not a multiple of G
@@ -90,9 +85,11 @@ def test_compress_decompress_match_reference(group_size, variant, dtype):
     assert (row_err <= tol).all(), row_err
 
 
-@pytest.mark.parametrize("variant", ["default", "dual", "int8", "e5m2", "no-hadamard"])
-@pytest.mark.parametrize("peers", [2, 3, 8])
+@pytest.mark.parametrize("variant, peers", [("default", 2), ("default", 3), ("default", 8), ("dual", 2),
+                                           ("int8", 3), ("e5m2", 8)])
 def test_sum_packed_matches_reference(variant, peers):
+    """The sum kernel: every peer count's launch step (2, up to 4, more), each format and scale
+    layout once (the sum does not transform: Hadamard or not, the same code)."""
     ref_cfg, tri_cfg = configs(128, variant)
     layout = WireLayout.for_tensor(5000, ref_cfg)
     stacked = torch.stack([compress(sample((5, 1000), torch.float32, seed=p), ref_cfg).buffer for p in range(peers)])
@@ -215,15 +212,19 @@ def test_extreme_magnitudes():
 # The interpreter runs the kernels as Python; it does not type-check them the way the compiler
 # does (globals, constexpr use, dot shapes). Compiling for sm_90 needs only triton's own
 # toolchain, so CI catches a kernel that would not build on the H100/H200. It runs in a fresh
-# process because this one defined the kernels for the interpreter.
+# process because this one defined the kernels for the interpreter: one process for every case
+# (triton and torch imported once), each case's result reported on its own.
 
-HOPPER_PRELUDE = """
-import sys, json
+HOPPER_SCRIPT = """
+import sys, json, traceback
 import triton
 from triton.backends.compiler import GPUTarget
+from taco_accel.codec import dispatch
 from taco_accel.codec.layout import FORMAT_CODES
+from taco_accel.codec.tuning import STEPS, DotMode, Store, Tuning
 
 FMT = {"fp8e4nv": FORMAT_CODES["e4m3"], "fp8e5": FORMAT_CODES["e5m2"], "i8": FORMAT_CODES["int8"]}  # by payload type
+BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 def compile_for_hopper(source_cls, fn, signature, constexprs, num_warps, **options):
     signature = dict(signature, **{k: "constexpr" for k in constexprs})
@@ -232,86 +233,47 @@ def compile_for_hopper(source_cls, fn, signature, constexprs, num_warps, **optio
              if v != "constexpr"}
     return triton.compile(source_cls(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, **options})
-"""
 
-COMPILE_SCRIPT = HOPPER_PRELUDE + """
-from triton.compiler import ASTSource
-from taco_accel.codec.kernels import triton_kernels as tk
-from taco_accel.codec.tuning import STEPS, DotMode, Store, Tuning
+def tiles(G, dtype, fmt, extra):
+    from triton.compiler import ASTSource
+    from taco_accel.codec.kernels import triton_kernels as tk
 
-G, dtype, fmt, extra = json.loads(sys.argv[1])
-code = FMT[fmt]
-flags = {"HADAMARD": True, "SIGNS": False, "DUAL": False, **extra}
-sub, bg = min(G, tk.SUB_MAX), max(64, min(8192 // G, 256))
-tuning = Tuning()  # the launcher's warps per kernel for tiles of block_elems (sums of 2 / 4 / 8 inputs: own steps)
-warps = {k: min(8, tuning.launch(k).num_warps * max(1, bg * G // tuning.block_elems)) for k in STEPS}
-ints = dict(chunks="i32", gpc="i32", chunk_bytes="i32", tiles_per_chunk="i32")
-launch = dict(TAIL=8, HEADER=-123456789, NUM_STAGES=2)  # a header word with its top bit set
+    code = FMT[fmt]
+    flags = {"HADAMARD": True, "SIGNS": False, "DUAL": False, **extra}
+    sub, bg = min(G, tk.SUB_MAX), max(64, min(8192 // G, 256))
+    tuning = Tuning()  # the launcher's warps per kernel for tiles of block_elems (sums of 2 / 4 / 8 inputs: own steps)
+    warps = {k: min(8, tuning.launch(k).num_warps * max(1, bg * G // tuning.block_elems)) for k in STEPS}
+    ints = dict(chunks="i32", gpc="i32", chunk_bytes="i32", tiles_per_chunk="i32")
+    launch = dict(TAIL=8, HEADER=-123456789, NUM_STAGES=2)  # a header word with its top bit set
 
-def build(fn, signature, constexprs, step):
-    return compile_for_hopper(ASTSource, fn, signature, constexprs, warps[step])
+    def build(fn, signature, constexprs, step):
+        return compile_for_hopper(ASTSource, fn, signature, constexprs, warps[step])
 
-k = build(tk.compress_kernel,
-          dict(x_ptr="*" + dtype, q_ptr="*" + fmt, s_ptr="*fp32", sign_ptr="*fp32", numel="i32", **ints),
-          dict(G=G, SUB=sub, BG=bg, FMT=code, QMAX=448.0, ADAPTIVE=True, ZERO_NONFINITE=False,
-               DOT_MODE=int(DotMode.BF16X2), EMULATE_ROUND=False, **flags, **launch), "compress")
-assert "mma" in k.asm["ptx"], "the transform should run on the tensor cores"
-assert "cp.async" in k.asm["ptx"], "the next tile's input should be fetched while this one is transformed"
-k = build(tk.decompress_kernel,
-          dict(q_ptr="*" + fmt, s_ptr="*fp32", out_ptr="*" + dtype, sign_ptr="*fp32", numel="i32", **ints),
-          dict(G=G, SUB=sub, BG=bg, DOT_MODE=int(DotMode.PAYLOAD), NUM_STAGES=2, STORE=int(Store.PLAIN), **flags),
-          "decompress")
-payload = ("e4m3", "e5m2", "s8")[code]
-assert f".{payload}.{payload}" in k.asm["ptx"], "decoding should multiply the payload bytes as they are"
-for P, step in ((2, "sum_pair"), (4, "sum"), (8, "sum_many")):
-    warps[step] = tuning.launch(step).num_warps  # the sum kernel is not transforming
-    build(tk.sum_kernel,
-          dict(q_ptr="*" + fmt, s_ptr="*fp32", out_q_ptr="*" + fmt, out_s_ptr="*fp32", input_stride="i32",
-               **ints),
-          dict(P=P, G=G, BG=max(16, min(8192 // G, 256)), FMT=code, QMAX=448.0, DUAL=flags["DUAL"], ADAPTIVE=True,
-               EMULATE_ROUND=False, **launch), step)
-print("compiled")
-"""
+    k = build(tk.compress_kernel,
+              dict(x_ptr="*" + dtype, q_ptr="*" + fmt, s_ptr="*fp32", sign_ptr="*fp32", numel="i32", **ints),
+              dict(G=G, SUB=sub, BG=bg, FMT=code, QMAX=448.0, ADAPTIVE=True, ZERO_NONFINITE=False,
+                   DOT_MODE=int(DotMode.BF16X2), EMULATE_ROUND=False, **flags, **launch), "compress")
+    assert "mma" in k.asm["ptx"], "the transform should run on the tensor cores"
+    assert "cp.async" in k.asm["ptx"], "the next tile's input should be fetched while this one is transformed"
+    k = build(tk.decompress_kernel,
+              dict(q_ptr="*" + fmt, s_ptr="*fp32", out_ptr="*" + dtype, sign_ptr="*fp32", numel="i32", **ints),
+              dict(G=G, SUB=sub, BG=bg, DOT_MODE=int(DotMode.PAYLOAD), NUM_STAGES=2, STORE=int(Store.PLAIN), **flags),
+              "decompress")
+    payload = ("e4m3", "e5m2", "s8")[code]
+    assert f".{payload}.{payload}" in k.asm["ptx"], "decoding should multiply the payload bytes as they are"
+    for P, step in ((2, "sum_pair"), (4, "sum"), (8, "sum_many")):
+        warps[step] = tuning.launch(step).num_warps  # the sum kernel is not transforming
+        build(tk.sum_kernel,
+              dict(q_ptr="*" + fmt, s_ptr="*fp32", out_q_ptr="*" + fmt, out_s_ptr="*fp32", input_stride="i32",
+                   **ints),
+              dict(P=P, G=G, BG=max(16, min(8192 // G, 256)), FMT=code, QMAX=448.0, DUAL=flags["DUAL"], ADAPTIVE=True,
+                   EMULATE_ROUND=False, **launch), step)
 
+def gluon_decoder(G, fmt, out, flags):
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from taco_accel.codec.kernels import gluon_kernels as gk
 
-@pytest.mark.skipif(DEVICE.type == "cuda", reason="the GPU run compiles them for real")
-@pytest.mark.parametrize(
-    "case",
-    [(128, "bf16", "fp8e4nv", {}), (512, "fp32", "fp8e5", dict(DUAL=True, SIGNS=True)), (32, "fp16", "i8", {})],
-    ids=["G128-bf16-e4m3", "G512-fp32-e5m2-dual-signs", "G32-fp16-int8"],
-)
-def test_kernels_compile_for_hopper(case):
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-    except ImportError:
-        pytest.skip("this triton cannot compile ahead of time")
-    compile_in_fresh_process(COMPILE_SCRIPT, case)
-
-
-def compile_in_fresh_process(script: str, arg) -> None:
-    """Run ``script`` (prints "compiled") with ``arg`` as JSON, without the interpreter."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    done = subprocess.run([sys.executable, "-c", script, json.dumps(arg)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
-
-
-GLUON_COMPILE_SCRIPT = HOPPER_PRELUDE + """
-from triton.experimental.gluon._runtime import GluonASTSource
-from taco_accel.codec.kernels import gluon_kernels as gk
-from taco_accel.codec.tuning import Tuning
-
-NW = Tuning().rows_warps
-
-BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-decode, encode = json.loads(sys.argv[1])
-for G, fmt, out, flags in decode:
+    NW = Tuning().rows_warps
     constexprs = dict(G=G, NW=NW, Q_BYTES=1, OUT_BYTES=BYTES[out],
                       **{"HADAMARD": True, "SIGNS": False, "DUAL": False, "CHUNKED": False, "WIDE": False, **flags})
     signature = dict(q_ptr="*" + fmt, s_ptr="*fp32", out_ptr="*" + out, sign_ptr="*fp32", numel="i32", gpc="i32",
@@ -321,7 +283,12 @@ for G, fmt, out, flags in decode:
     # 16 bytes per lane and access: the payload and the output move whole rows per warp
     assert ptx.count("ld.global.v4") >= G // 16 and ptx.count("st.global.v4") >= G * BYTES[out] // 16, ptx
     assert ".local" not in ptx, "a group per thread should stay in registers"
-for G, x, fmt, flags in encode:
+
+def gluon_encoder(G, x, fmt, flags):
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from taco_accel.codec.kernels import gluon_kernels as gk
+
+    NW = Tuning().rows_warps
     words = flags.get("WORDS", False)
     constexprs = dict(G=G, NW=NW, X_BYTES=BYTES[x], FMT=FMT[fmt], QMAX=127.0,
                       **{"WORDS": False, "HADAMARD": True, "SIGNS": False, "DUAL": False, "ADAPTIVE": True,
@@ -339,66 +306,148 @@ for G, x, fmt, flags in encode:
     assert ".local" not in ptx, "a group should stay in registers"
     # the last stages cross lanes by shuffles: log2(4) of them with 4 lanes, one with 2
     assert (ptx.count("shfl.sync.bfly") >= G // 4 * 2 + G // 2) == split, ptx.count("shfl.sync.bfly")
-print("compiled")
+
+results = {}
+for kind, args in json.loads(sys.argv[1]):
+    key = json.dumps([kind, args])
+    if kind != "tiles" and not dispatch.gluon_available():
+        results[key] = "skip: this triton has no Gluon"
+        continue
+    try:
+        {"tiles": tiles, "gluon_decoder": gluon_decoder, "gluon_encoder": gluon_encoder}[kind](*args)
+        results[key] = "compiled"
+    except Exception:
+        results[key] = traceback.format_exc()[-3000:]
+print("RESULTS " + json.dumps(results))
 """
+
+# the tile kernels (compress, decompress, the three sums) per payload format, with each flag
+HOPPER_TILES = [[128, "bf16", "fp8e4nv", {}], [512, "fp32", "fp8e5", dict(DUAL=True, SIGNS=True)],
+                [32, "fp16", "i8", {}]]
+# the Gluon decoder and encoder at every group size they serve, each payload format, input and
+# output type, with signs, dual scales, chunks, 64-bit offsets and bf16 read as words or as values
+GLUON_DECODERS = [[128, "fp8e4nv", "bf16", {}], [64, "fp8e5", "fp32", dict(HADAMARD=False, CHUNKED=True)],
+                  [32, "i8", "fp16", dict(DUAL=True, SIGNS=True, WIDE=True)],
+                  [128, "fp8e4nv", "fp32", dict(DUAL=True, SIGNS=True, CHUNKED=True)]]
+GLUON_ENCODERS = [[128, "bf16", "fp8e4nv", dict(WORDS=True)], [128, "bf16", "fp8e4nv", dict(DUAL=True, ADAPTIVE=False)],
+                  [128, "bf16", "fp8e4nv", dict(WORDS=True, SPLIT=True)],
+                  [128, "fp32", "i8", dict(SPLIT=True, DUAL=True, SIGNS=True, CHUNKED=True, ZERO_NONFINITE=True)],
+                  [64, "fp32", "fp8e5", dict(DUAL=True, SIGNS=True, CHUNKED=True)],
+                  [32, "bf16", "i8", dict(WORDS=True, SIGNS=True, ZERO_NONFINITE=True, WIDE=True, CHUNKED=True)],
+                  [128, "fp16", "i8", dict(HADAMARD=False, ZERO_NONFINITE=True)]]
+HOPPER_CASES = ([["tiles", c] for c in HOPPER_TILES] + [["gluon_decoder", c] for c in GLUON_DECODERS]
+                + [["gluon_encoder", c] for c in GLUON_ENCODERS])
+
+
+@pytest.fixture(scope="module")
+def hopper_builds() -> dict:
+    """Every case of HOPPER_CASES compiled for sm_90 in one fresh process: {case: "compiled",
+    "skip: ..." or the error}."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+    except ImportError:
+        pytest.skip("this triton cannot compile ahead of time")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    done = subprocess.run([sys.executable, "-c", HOPPER_SCRIPT, json.dumps(HOPPER_CASES)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    return json.loads(lines[-1].removeprefix("RESULTS "))
+
+
+def _built(builds: dict, kind: str, case) -> None:
+    import json
+
+    result = builds[json.dumps([kind, case])]
+    if result.startswith("skip: "):
+        pytest.skip(result.removeprefix("skip: "))
+    assert result == "compiled", result
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="the GPU run compiles them for real")
-def test_gluon_kernels_compile_for_hopper():
-    """The one-group-per-thread decoder and encoder (Gluon, which the interpreter cannot run) build
-    for sm_90 at every group size they serve, each payload format, input and output type, with
-    signs, dual scales, chunks, 64-bit offsets and bf16 read as words or as values."""
-    if not dispatch.gluon_available():
-        pytest.skip("this triton has no Gluon")
-    decode = [(128, "fp8e4nv", "bf16", {}), (64, "fp8e5", "fp32", dict(HADAMARD=False, CHUNKED=True)),
-              (32, "i8", "fp16", dict(DUAL=True, SIGNS=True, WIDE=True)),
-              (128, "fp8e4nv", "fp32", dict(DUAL=True, SIGNS=True, CHUNKED=True))]
-    encode = [(128, "bf16", "fp8e4nv", dict(WORDS=True)), (128, "bf16", "fp8e4nv", dict(DUAL=True, ADAPTIVE=False)),
-              (128, "bf16", "fp8e4nv", dict(WORDS=True, SPLIT=True)),
-              (128, "fp32", "i8", dict(SPLIT=True, DUAL=True, SIGNS=True, CHUNKED=True, ZERO_NONFINITE=True)),
-              (64, "fp32", "fp8e5", dict(DUAL=True, SIGNS=True, CHUNKED=True)),
-              (32, "bf16", "i8", dict(WORDS=True, SIGNS=True, ZERO_NONFINITE=True, WIDE=True, CHUNKED=True)),
-              (128, "fp16", "i8", dict(HADAMARD=False, ZERO_NONFINITE=True))]
-    compile_in_fresh_process(GLUON_COMPILE_SCRIPT, [decode, encode])
+@pytest.mark.parametrize("case", HOPPER_TILES, ids=["G128-bf16-e4m3", "G512-fp32-e5m2-dual-signs", "G32-fp16-int8"])
+def test_kernels_compile_for_hopper(hopper_builds, case):
+    _built(hopper_builds, "tiles", case)
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the GPU run compiles them for real")
+@pytest.mark.parametrize("kind, case", [("gluon_decoder", c) for c in GLUON_DECODERS]
+                         + [("gluon_encoder", c) for c in GLUON_ENCODERS])
+def test_gluon_kernels_compile_for_hopper(hopper_builds, kind, case):
+    """The one-group-per-thread decoder and encoder (Gluon, which the interpreter cannot run)."""
+    _built(hopper_builds, kind, case)
+
+
+# (group size, variant, chunks, output dtype): every group size the Gluon decoder serves, every
+# variant's flags, chunked and not, every output type; one compiled kernel pair per case
+DECODER_CASES = [
+    (32, "default", 1, torch.bfloat16), (64, "e5m2", 3, torch.float32), (128, "default", 3, torch.float16),
+    (128, "dual", 1, torch.float32), (128, "int8", 1, torch.bfloat16), (128, "no-hadamard", 3, torch.float32),
+    (32, "signs", 3, torch.float16), (128, "signs", 1, torch.bfloat16), (64, "dual-no-adaptive", 1, torch.float16),
+]
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="Gluon kernels run on a GPU only")
-@pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_gluon_decoder_matches_tensor_core_decoder(group_size):
-    """Both decoders of one buffer (1 or 3 chunks, a partial last group, a NaN group) agree for every
-    variant and output type: equal NaNs, values within the tensor-core kernel's fp8 accumulation
-    (a few 1e-5 relative) and a few values one output rounding step apart."""
+@pytest.mark.parametrize("group_size, variant, chunks, dtype", DECODER_CASES,
+                         ids=[f"G{g}-{v}-{c}-{str(d).removeprefix('torch.')}" for g, v, c, d in DECODER_CASES])
+def test_gluon_decoder_matches_tensor_core_decoder(group_size, variant, chunks, dtype):
+    """Both decoders of one buffer (1 or 3 chunks, a partial last group, a NaN group) agree:
+    equal NaNs, values within the tensor-core kernel's fp8 accumulation (a few 1e-5 relative)
+    and a few values one output rounding step apart."""
     x = sample((6, (3 * 45 * group_size - 3) // 6), torch.float32).reshape(-1)
     x[5] = float("nan")
     tiles_only = Tuning(rows_max_group=0)
-    for variant, chunks in itertools.product(VARIANTS, (1, 3)):
-        ref_cfg, tri_cfg = configs(group_size, variant)
-        layout = WireLayout.for_tensor(x.numel(), tri_cfg, chunks)
-        assert dispatch.select("decompress", tri_cfg, x.device, layout, Tuning()) is Kernel.ROWS
-        assert dispatch.select("decompress", tri_cfg, x.device, layout, tiles_only) is Kernel.TILES
-        for dtype in DTYPES:
-            packed = as_triton(compress(x.to(dtype), ref_cfg, chunks=chunks), tri_cfg)
-            rows = torch.full((x.numel(),), 7.0, dtype=dtype, device=DEVICE)
-            decompress(packed, rows)
-            tiles = torch.full_like(rows, 7.0)
-            decompress(packed, tiles, tuning=tiles_only)
-            assert torch.equal(rows.isnan(), tiles.isnan()) and rows[:group_size].isnan().all(), (variant, chunks, dtype)
-            rows, tiles = rows.float().nan_to_num(), tiles.float().nan_to_num()
-            tol = {torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 4e-3}[dtype]
-            assert (rows - tiles).norm() <= tol * tiles.norm(), (variant, chunks, dtype)
+    ref_cfg, tri_cfg = configs(group_size, variant)
+    layout = WireLayout.for_tensor(x.numel(), tri_cfg, chunks)
+    assert dispatch.select("decompress", tri_cfg, x.device, layout, Tuning()) is Kernel.ROWS
+    assert dispatch.select("decompress", tri_cfg, x.device, layout, tiles_only) is Kernel.TILES
+    packed = as_triton(compress(x.to(dtype), ref_cfg, chunks=chunks), tri_cfg)
+    rows = torch.full((x.numel(),), 7.0, dtype=dtype, device=DEVICE)
+    decompress(packed, rows)
+    tiles = torch.full_like(rows, 7.0)
+    decompress(packed, tiles, tuning=tiles_only)
+    assert torch.equal(rows.isnan(), tiles.isnan()) and rows[:group_size].isnan().all()
+    rows, tiles = rows.float().nan_to_num(), tiles.float().nan_to_num()
+    # fp32: the tensor-core decoder's fp8 products accumulate in fewer bits (H200: 2e-5); bf16 and
+    # fp16: a few values one output rounding (2**-8, 2**-11) apart
+    tol = {torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 4e-3}[dtype]
+    assert (rows - tiles).norm() <= tol * tiles.norm()
+
+
+# (group size, schedule, variant, chunks, inputs): the one-lane encoder at each group size, the
+# split encoder (4 and 2 lanes a group) and its short waves; every variant's flags at least once
+# per schedule kind where they change the kernel (the transform's flags under both); every input
+# kind: fp32, fp16, bf16 read as words (aligned), as values (odd start or length), nonfinite="zero"
+ENCODER_CASES = [
+    (32, "one-lane", "signs", 3, ("bf16-words", "fp16")),
+    (64, "one-lane", "e5m2", 1, ("fp32", "bf16-values")),
+    (128, "one-lane", "default", 1, ("fp32", "fp16", "bf16-words", "bf16-values", "bf16-odd", "zero")),
+    (128, "one-lane", "int8", 3, ("bf16-words", "zero")),
+    (128, "one-lane", "dual-no-adaptive", 1, ("fp16",)),
+    (128, "split", "dual", 3, ("fp32", "bf16-words", "bf16-values")),
+    (128, "split", "no-hadamard", 1, ("bf16-words", "zero")),
+    (128, "split", "signs", 1, ("fp16", "bf16-odd")),
+    (128, "split", "int8", 3, ("fp32",)),
+    (128, "split-short-waves", "default", 1, ("bf16-words", "fp32")),
+    (128, "split-short-waves", "e5m2", 3, ("bf16-words",)),
+]
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="Gluon kernels run on a GPU only")
-@pytest.mark.parametrize("group_size, schedule", [(32, "one-lane"), (64, "one-lane"), (128, "one-lane"), (128, "split"),
-                                                   (128, "split-short-waves")])
-def test_gluon_encoder_matches_reference(group_size, schedule):
+@pytest.mark.parametrize("group_size, schedule, variant, chunks, inputs", ENCODER_CASES,
+                         ids=[f"G{g}-{s}-{v}-{c}" for g, s, v, c, _ in ENCODER_CASES])
+def test_gluon_encoder_matches_reference(group_size, schedule, variant, chunks, inputs):
     """The Gluon encoder, a group in one lane or split over 4 and 2 lanes (`split_schedule`; at
     this size all 4-lane, so also with waves of 66 groups: 4-lane head, 2-lane body, 4-lane
-    tail), against the reference (1 or 3 chunks, a partial last group, a NaN group,
-    an Inf group, a group past fp32's range once transformed) for every variant and input type,
-    bf16 read as words and, from an odd start or of odd length, as values; also under
-    nonfinite="zero". The payload equals the reference's but for values at a rounding tie; each
-    chunk's header and padding are written."""
+    tail), against the reference (1 or 3 chunks, a partial last group, a NaN group, an Inf
+    group, a group past fp32's range once transformed). The payload equals the reference's but
+    for values at a rounding tie; each chunk's header and padding are written."""
     from taco_accel.codec.kernels import gluon_kernels
 
     split = schedule != "one-lane"
@@ -413,23 +462,23 @@ def test_gluon_encoder_matches_reference(group_size, schedule):
     words = x.to(torch.bfloat16)
     assert gluon_kernels.reads_words(words)
     assert not gluon_kernels.reads_words(words[1:-1]) and not gluon_kernels.reads_words(odd.to(torch.bfloat16))
-    for variant, chunks in itertools.product(VARIANTS, (1, 3)):
-        ref_cfg, tri_cfg = configs(group_size, variant)
-        layout = WireLayout.for_tensor(x.numel(), tri_cfg, chunks)
-        expected = Kernel.SPLIT_ROWS if split else Kernel.ROWS
-        assert dispatch.select("compress", tri_cfg, x.device, layout, tuning) is expected
-        if schedule == "split-short-waves":
-            head, body, _ = gluon_kernels.split_schedule(layout, sm_count(x.device), tuning)
-            assert body > 0 and head + body < layout.groups_per_chunk and (head > 0) == (chunks == 1)
-        cases = [(x.to(dtype), tri_cfg) for dtype in DTYPES] + [(x.to(torch.bfloat16)[1:-1], tri_cfg),
-                                                                (odd.to(torch.bfloat16), tri_cfg),
-                                                                (x, tri_cfg.replace(nonfinite="zero"))]
-        for values, cfg in cases:
-            ref = compress(values, ref_cfg.replace(nonfinite=cfg.nonfinite), chunks=chunks)
-            got = compress(values, cfg, chunks=chunks, tuning=tuning)
-            assert_payload_close(ref, got, cfg.format)
-            assert not ref.layout.padding(got.buffer).any(), (variant, chunks, values.dtype)
-            assert (ref.layout.headers(got.buffer) == signed_header(cfg)).all(), (variant, chunks, values.dtype)
+    ref_cfg, tri_cfg = configs(group_size, variant)
+    layout = WireLayout.for_tensor(x.numel(), tri_cfg, chunks)
+    expected = Kernel.SPLIT_ROWS if split else Kernel.ROWS
+    assert dispatch.select("compress", tri_cfg, x.device, layout, tuning) is expected
+    if schedule == "split-short-waves":
+        head, body, _ = gluon_kernels.split_schedule(layout, sm_count(x.device), tuning)
+        assert body > 0 and head + body < layout.groups_per_chunk and (head > 0) == (chunks == 1)
+    values = {"fp32": (x, tri_cfg), "fp16": (x.half(), tri_cfg), "bf16-words": (words, tri_cfg),
+              "bf16-values": (words[1:-1], tri_cfg), "bf16-odd": (odd.to(torch.bfloat16), tri_cfg),
+              "zero": (x, tri_cfg.replace(nonfinite="zero"))}
+    for name in inputs:
+        v, cfg = values[name]
+        ref = compress(v, ref_cfg.replace(nonfinite=cfg.nonfinite), chunks=chunks)
+        got = compress(v, cfg, chunks=chunks, tuning=tuning)
+        assert_payload_close(ref, got, cfg.format)
+        assert not ref.layout.padding(got.buffer).any(), name
+        assert (ref.layout.headers(got.buffer) == signed_header(cfg)).all(), name
 
 
 # --- which kernel runs: dispatch.select's table ---------------------------------------------------
@@ -635,8 +684,7 @@ def test_decompress_tiles_end_at_chunk_ends(group_size):
     assert (got - expect).norm() <= 1e-4 * expect.norm()
 
 
-@pytest.mark.parametrize("variant", ["default", "dual"])
-@pytest.mark.parametrize("group_size", [64, 128])
+@pytest.mark.parametrize("group_size, variant", [(64, "dual"), (128, "default")])
 def test_compress_and_sum_tiles_end_at_chunk_ends(group_size, variant):
     """Compress and the sum walk each chunk in tiles of their own too (71 groups per chunk: at
     G = 128 two tiles, the second partial): into a poisoned buffer they write every payload

@@ -1,6 +1,7 @@
 """Codec throughput: fused Triton kernels against the same steps as separate PyTorch ops.
 
     python -m taco_accel.bench.codec                 # CUDA: check, sweep kernel variants, time
+    python -m taco_accel.bench.codec --check         # CUDA: the kernels against the reference only
     python -m taco_accel.bench.codec --sizes 1M,16M --group-sizes 128 --no-sweep
 
 Prints GB/s (bytes read + bytes written over the median time) and that figure as a fraction
@@ -144,15 +145,45 @@ def bench_case(numel: int, config: TacoConfig, dtype: torch.dtype, device: torch
     return rows
 
 
-def check_kernels(device: torch.device, group_sizes: tuple = (32, 64, 128, 256, 512), tuning: Tuning = Tuning()) -> bool:
-    """The kernels (launched with ``tuning``) against the reference on this device: payload
-    agreement, scales, decoded values."""
+# The codec's variants by name: each sets the flags of one code path in the kernels.
+VARIANTS = {
+    "default": {},
+    "dual": dict(scales="dual"),
+    "dual-no-adaptive": dict(scales="dual", adaptive_scale=False),
+    "no-hadamard": dict(hadamard=False),
+    "int8": dict(format="int8"),
+    "e5m2": dict(format="e5m2"),
+    "signs": dict(random_signs=True),
+}
+# One (group size, variant, input dtype) per code path of the kernels, not their grid (each
+# point a compiled specialisation on a GPU): every group size (the tile kernels' transform takes
+# 1, 2, 4 or 8 sub-blocks at G = 32/64, 128, 256, 512; on an NVIDIA GPU G <= 128 runs the Gluon
+# kernels), every variant at G = 128, the flags that enter the transform (no Hadamard, signs)
+# also at other sub-block counts, every payload format through the tile decoder's payload
+# products (G >= 256), every input dtype at several of them. tests/test_triton_kernels.py runs
+# the same cases.
+CHECK_CASES = (
+    (32, "default", "fp32"), (64, "default", "bf16"), (128, "default", "fp16"), (256, "default", "bf16"),
+    (512, "default", "fp32"), (128, "dual", "bf16"), (128, "dual-no-adaptive", "fp32"), (128, "int8", "bf16"),
+    (128, "e5m2", "fp16"), (128, "no-hadamard", "bf16"), (128, "signs", "fp32"), (32, "signs", "fp16"),
+    (64, "no-hadamard", "fp32"), (256, "no-hadamard", "fp16"), (512, "signs", "bf16"), (256, "int8", "fp32"),
+    (512, "e5m2", "fp16"),
+)
+
+
+def check_kernels(device: torch.device, group_sizes: tuple | None = None, tuning: Tuning = Tuning()) -> bool:
+    """The kernels (launched with ``tuning``) against the reference on this device, one case of
+    `CHECK_CASES` per code path (those of ``group_sizes`` only, if given): payload agreement,
+    scales, decoded values; the sum of 4 inputs once per distinct sum kernel."""
     ok = True
     print("check: triton vs torch reference on", device)
     print(f"{'config':44s} {'dtype':5s} {'payload!=':>9s} {'scale rel':>9s} {'decode rel':>10s} {'sum!=':>7s}")
     torch.manual_seed(0)
-    variants = [{}, dict(scales="dual"), dict(hadamard=False), dict(format="int8"), dict(format="e5m2"), dict(random_signs=True)]
-    for g, kw, (dname, dtype) in itertools.product(group_sizes, variants, DTYPES.items()):
+    summed = set()  # (G, format, scales): the sum kernel reads only these
+    for g, variant, dname in CHECK_CASES:
+        if group_sizes is not None and g not in group_sizes:
+            continue
+        kw, dtype = VARIANTS[variant], DTYPES[dname]
         ref = TacoConfig(group_size=g, backend="torch", **kw)
         tri = ref.replace(backend="triton")
         x = (torch.randn(7, 4099, device=device) * torch.logspace(-3, 1, 7, device=device)[:, None]).to(dtype)
@@ -166,13 +197,16 @@ def check_kernels(device: torch.device, group_sizes: tuple = (32, 64, 128, 256, 
         dr = decompress(pr).float()
         dt = decompress(Packed(pr.buffer, pr.shape, pr.dtype, tri, pr.layout), tuning=tuning).float()
         drel = ((dr - dt).norm() / dr.norm()).item()
-        stacked = torch.stack([compress(x * (i + 1), ref).buffer for i in range(4)])
-        one = WireLayout.for_tensor(x.numel(), ref)
-        s_r, s_t = sum_packed(stacked, one, ref), sum_packed(stacked, one, tri, tuning=tuning)
-        smis = (one.payload(s_r, ref.format).float() != one.payload(s_t, ref.format).float()).float().mean().item()
+        smis = 0.0
+        if (g, ref.format, ref.scales) not in summed:
+            summed.add((g, ref.format, ref.scales))
+            stacked = torch.stack([compress(x * (i + 1), ref).buffer for i in range(4)])
+            one = WireLayout.for_tensor(x.numel(), ref)
+            s_r, s_t = sum_packed(stacked, one, ref), sum_packed(stacked, one, tri, tuning=tuning)
+            smis = (one.payload(s_r, ref.format).float() != one.payload(s_t, ref.format).float()).float().mean().item()
         bad = mism > 2e-3 or srel > 1e-5 or drel > 1e-2 or smis > 2e-3 or dt.isnan().any().item()
         ok &= not bad
-        name = f"G={g} " + (",".join(f"{k}={v}" for k, v in kw.items()) or "default")
+        name = f"G={g} {variant}"
         print(f"{name:44s} {dname:5s} {mism:9.2e} {srel:9.2e} {drel:10.2e} {smis:7.1e}{'  FAIL' if bad else ''}")
     return ok
 
@@ -258,8 +292,9 @@ def main(argv=None) -> None:
     parser.add_argument("--group-sizes", default="64,128,256")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--peers", default="2,4,8", help="P values for dequant-sum-requant")
+    parser.add_argument("--check", action="store_true", help="run the triton-vs-reference check only (CUDA)")
     parser.add_argument("--no-check", action="store_true", help="skip the triton-vs-reference check")
-    parser.add_argument("--check-group-sizes", default="32,64,128,256,512", help="group sizes of the check")
+    parser.add_argument("--check-group-sizes", default=None, help="only these group sizes of the check's cases")
     parser.add_argument("--no-sweep", action="store_true", help="skip the kernel variant sweep")
     parser.add_argument("--sweep-sizes", default="16M,64M", help="sizes of the kernel variant sweep")
     parser.add_argument("--sweep-variants", help="comma-separated names of the sweep's variants (default: all)")
@@ -276,9 +311,13 @@ def main(argv=None) -> None:
         print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
         if args.tuning:
             print("tuning:", tuning)
-        checked = tuple(int(g) for g in args.check_group_sizes.split(","))
+        checked = tuple(int(g) for g in args.check_group_sizes.split(",")) if args.check_group_sizes else None
         if not args.no_check and not check_kernels(device, checked, tuning):
             raise SystemExit("kernel check failed")
+        if args.check:
+            return
+    elif args.check:
+        raise SystemExit("--check compares the Triton kernels with the reference on a CUDA device; this machine has none")
     copy_bw = copy_bandwidth(device)
     print(f"\ncopy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write)")
     same_size = {}  # a copy of each size's input, timed like the kernels: what launch and tail leave

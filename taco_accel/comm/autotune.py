@@ -140,7 +140,13 @@ class Decision:
 
 
 class AutoDecider:
-    """Takes the decisions of the auto sites of one site table (shared timings, logging)."""
+    """Takes the decisions of the auto sites of one site table (shared timings, logging).
+
+    ``timer`` is the measurement, `time_collective` (a collective call); a test injects another
+    (same signature, the same `Timing` on every rank) to take a chosen code path on any machine.
+    """
+
+    timer = staticmethod(time_collective)
 
     def __init__(self, group, timed: bool = True, reps: int = REPS, margin: float = MARGIN) -> None:
         self.group, self.timed, self.reps, self.margin = group, timed, reps, margin
@@ -156,8 +162,8 @@ class AutoDecider:
             return Decision(site.size_rule(nbytes), kind, nbytes, "size")
         key = (kind, tuple(x.shape), x.dtype, x.device.type, site.config)
         if key not in self._timings:
-            timing = time_collective(kind, x, site.group, site.config, self.reps, self.margin, record=site.entry,
-                                     site=site.name)
+            timing = self.timer(kind, x, site.group, site.config, self.reps, self.margin, record=site.entry,
+                                site=site.name)
             self._timings[key] = (timing, site.name)
             self._log(logging.INFO, "auto compression: %s %s", site.name, timing_text(timing))
         timing, first = self._timings[key]
