@@ -613,6 +613,7 @@ def test_collectives_in_flight_together(ranks):
 
 
 def test_each_table_checks_and_counts_its_own_sites(ranks):
+    ranks = _view(ranks, "run_state")
     for per_rank in ranks:
         state = per_rank["run_state"]
         assert "called all_reduce differently" in state["second_table"] and "elements" in state["second_table"], state
@@ -620,6 +621,7 @@ def test_each_table_checks_and_counts_its_own_sites(ranks):
 
 
 def test_check_collectives_set_on_one_rank_fails_at_the_first_check(ranks):
+    ranks = _view(ranks, "run_state")
     for per_rank in ranks:
         state = per_rank["run_state"]
         assert "disagree about TACO_CHECK_COLLECTIVES" in state["debug"], state["debug"]
@@ -628,11 +630,13 @@ def test_check_collectives_set_on_one_rank_fails_at_the_first_check(ranks):
 
 
 def test_plain_path_reads_no_data_the_options_do_not_ask_for(ranks):
+    ranks = _view(ranks, "run_state")
     names = ranks[0]["run_state"]["plain_ops"]
     assert not any(n in names for n in ("isfinite", "nan_to_num", "copy_", "clone", "empty")), names
 
 
 def test_steady_calls_allocate_nothing_but_a_new_output(ranks):
+    ranks = _view(ranks, "run_state")
     for per_rank in ranks:
         own = per_rank["run_state"]["own"]
         assert own["plain, in place"]["collectives"] == 1 and own["plain, in place"]["allocations"] == 0, own

@@ -346,8 +346,7 @@ def test_column_row_pair_matches_dense(measured, name):
 
 
 def test_g_reduces_in_place_and_sp_blocks_are_views(measured):
-    for result in measured:
-        r = result["in_place"]
+    for r in case(measured, "in_place"):
         assert r["in_place"] and r["block_is_view"] and r["block"] and r["whole"], r
         assert r["sum"] < 1e-5 and r["grad"] == 0, r  # 3 fp32 sums of |x| < 20: a few ulps at most
 
