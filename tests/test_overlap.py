@@ -29,6 +29,7 @@ from taco_accel import comm
 from taco_accel.models.tiny import tiny_model
 from taco_accel.tp import overlap
 from taco_accel.tp.layers import ColumnParallelLinear
+from taco_accel.tp.mappings import blocks
 
 ON = taco_accel.TacoConfig(threshold_bytes=0, group_size=32)
 ARCHS = ("qwen3", "gpt2", "llama")
@@ -102,8 +103,8 @@ def _mlp_case(arch: str, sp: bool) -> dict:
     mlp = (model.transformer.h if arch == "gpt2" else model.model.layers)[1].mlp
     gen = torch.Generator().manual_seed(5)  # the same on every rank
     x, grad_out = torch.randn(2, 8, 64, generator=gen), torch.randn(2, 8, 64, generator=gen)
-    if sp:  # this rank's sequence shard, in and out
-        x, grad_out = x.chunk(world, dim=1)[rank], grad_out.chunk(world, dim=1)[rank]
+    if sp:  # this rank's sequence-parallel block (the r-th 1/tp of the token rows), in and out
+        x, grad_out = blocks(x, world, 1)[rank], blocks(grad_out, world, 1)[rank]
     columns = [m for m in mlp.modules() if isinstance(m, ColumnParallelLinear)]
     runs = {}
     for fused in (True, False):
@@ -132,7 +133,7 @@ def _mlp_case(arch: str, sp: bool) -> dict:
     partials = [torch.empty_like(partial) for _ in range(world)]
     dist.all_gather(partials, partial)
     if sp:  # the reduce-scatter returns this rank's rows of the sum
-        partials = [p.chunk(world, dim=1)[rank] for p in partials]
+        partials = [blocks(p, world, 1)[rank] for p in partials]
     exact = sum(partials)
     # two-shot: each rank's chunk encoded (CODEC of its norm), summed, the sum encoded again
     # (CODEC of its norm, itself within CODEC * sum |partial| of the exact one), decoded in fp32;
