@@ -13,8 +13,8 @@ the same scripts on one process with Accelerate's own Accelerator on the same gl
 Every run: the learning rate of each optimizer step equal to one process's, the losses of each
 step within fp32 rounding (compression off) or the codec's bound (on), the reported total
 batch size and the evaluation metric the same. The scripts run unchanged through
-``user_scripts/observe.py``, which records steps, losses and log lines. One launch per
-configuration; the three one-process references share one interpreter.
+``user_scripts/observe.py``, which records steps, losses and log lines. One launch runs
+every configuration, one after the other; the one-process references share one interpreter.
 """
 
 from __future__ import annotations
@@ -93,14 +93,26 @@ def references(workdir):
     return {name: _read(workdir / f"ref_{name}.rank0.json", done) for name in RUNS}
 
 
+@pytest.fixture(scope="module")
+def launched(workdir, references):
+    """Every run through one ``accelerate launch`` of tp=2, one after the other in the same
+    processes (a launch's start-up is most of its time), each with a fresh Accelerator."""
+    processes, sizes = TP2
+    argv = []
+    for name, (mesh, compression, args, _) in RUNS.items():
+        assert mesh == TP2, "one launch runs every configuration"
+        argv += (["--next"] if argv else []) + [f"--compression={compression}", name, *args]
+    config = launch_config(workdir / "tp2.yaml", processes, sizes)
+    done = accelerate_launch(config, OBSERVE, *argv, cwd=workdir)
+    return {name: (done, processes) for name in RUNS}
+
+
 @pytest.fixture(scope="module", params=list(RUNS))
-def run(request, workdir, references):
+def run(request, workdir, launched, references):
     name = request.param
-    (processes, sizes), compression, args, _ = RUNS[name]
-    config = launch_config(workdir / f"{name}.yaml", processes, sizes)
-    done = accelerate_launch(config, OBSERVE, name, *args, cwd=workdir, env={"TACO_OBSERVE_COMPRESSION": compression})
+    done, processes = launched[name]
     ranks = [_read(workdir / f"{name}.rank{r}.json", done) for r in range(processes)]
-    return name, compression, ranks, references[name]
+    return name, RUNS[name][1], ranks, references[name]
 
 
 def _read(path: Path, done: subprocess.CompletedProcess) -> dict:

@@ -6,28 +6,30 @@ observes: per optimizer step the learning rate the step uses and the losses of i
 micro-batches (``outputs.loss`` of every training forward), and every log line and
 ``accelerator.print``. Nothing in the script changes; the records go to a JSON file per rank.
 
-    accelerate launch --config_file CFG tests/user_scripts/observe.py OUT SCRIPT [ARGS...]
-        -> OUT.rank<r>.json on every rank, with taco_accel's Accelerator
-    python tests/user_scripts/observe.py --reference OUT SCRIPT [ARGS...] [--next OUT2 SCRIPT2 ARGS2...]
-        -> OUT.rank0.json per run, one process, with Accelerate's own Accelerator (the reference),
-           the runs one after the other in this one interpreter
+    accelerate launch --config_file CFG tests/user_scripts/observe.py RUN [--next RUN2 ...]
+        -> OUT.rank<r>.json per run on every rank, with taco_accel's Accelerator
+    python tests/user_scripts/observe.py --reference RUN [--next RUN2 ...]
+        -> OUT.rank0.json per run, one process, with Accelerate's own Accelerator (the reference)
 
-``TACO_OBSERVE_COMPRESSION`` (``off`` or ``on``) is the compression taco_accel's Accelerator gets
-(a script's own default, ``"auto"``, decides by timing: not reproducible in a test).
+    RUN = [--compression=on|off] OUT SCRIPT [ARGS...]
+
+The runs go one after the other in the same processes, each with a fresh Accelerator as a new
+process would have (Accelerate's state reset between them). ``--compression`` (default
+``off``) is the compression taco_accel's Accelerator gets (a script's own default, ``"auto"``,
+decides by timing: not reproducible in a test).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import runpy
 import sys
 import traceback
 
 import torch
 
-COMPRESSION = os.environ.get("TACO_OBSERVE_COMPRESSION", "off")
+COMPRESSION = "off"  # of the run in progress
 
 
 class Record(logging.Handler):
@@ -100,15 +102,15 @@ def _record_loss(module, args, kwargs, output) -> None:
         RECORD.micro.append(float(loss.detach()))
 
 
-def run(script: str, argv: list[str], out: str, reference: bool) -> None:
+def run(script: str, argv: list[str], out: str, reference: bool, compression: str = "off") -> None:
     """Run ``script`` with ``argv`` as ``__main__``; its records (and the error, if it raised)
     go to ``OUT.rank<r>.json``."""
     import accelerate
 
     import taco_accel
 
-    global RECORD
-    RECORD = Record()
+    global RECORD, COMPRESSION
+    RECORD, COMPRESSION = Record(), compression
     logging.getLogger().addHandler(RECORD)
     original = taco_accel.Accelerator
     taco_accel.Accelerator = _observer(accelerate.Accelerator if reference else original)
@@ -125,23 +127,25 @@ def run(script: str, argv: list[str], out: str, reference: bool) -> None:
 
 
 def main() -> None:
-    args = sys.argv[1:]
-    if args[0] != "--reference":
-        run(args[1], args[2:], args[0], reference=False)
-        return
     from accelerate.state import AcceleratorState, GradientState
 
+    args = sys.argv[1:]
+    reference = args[:1] == ["--reference"]
     runs, current = [], []
-    for arg in args[1:]:
+    for arg in args[1:] if reference else args:
         if arg == "--next":
             runs.append(current)
             current = []
         else:
             current.append(arg)
     runs.append(current)
-    for out, script, *argv in runs:  # one failing run leaves its error in its file; the next still runs
+    for spec in runs:  # one failing run leaves its error in its file; the next still runs
+        compression = "off"
+        if spec[0].startswith("--compression="):
+            compression = spec.pop(0).partition("=")[2]
+        out, script, *argv = spec
         try:
-            run(script, argv, out, reference=True)
+            run(script, argv, out, reference, compression)
         except Exception:  # noqa: BLE001 - recorded in the run's file
             pass
         AcceleratorState._reset_state(True)  # the next run starts a fresh Accelerator, as a new process would
