@@ -95,13 +95,14 @@ def reference(rows: list[dict], replicas: int) -> tuple[list[dict], dict]:
         for _ in range(replicas):
             sched.step()
         out.append({"loss": sum(losses) / len(losses), "grad_norm": norm.item(), "lr": sched.get_last_lr()[0]})
-    return out, model.state_dict()
+    return out, model
 
 
 def parity(compression, sizes=None) -> dict:
     acc, model, rows = train(compression, sizes=sizes)
     stats = acc.compression_stats()
-    ref_rows, ref_state = reference(rows, acc.parallel_dims.dp)
+    ref_rows, ref_model = reference(rows, acc.parallel_dims.dp)
+    ref_state = ref_model.state_dict()
     full = acc.get_state_dict(model)
     layer = acc.unwrap_model(model).model.layers[0].mlp.gate_proj
     with tempfile.TemporaryDirectory() as tmp:
@@ -109,18 +110,22 @@ def parity(compression, sizes=None) -> dict:
         dist.broadcast_object_list(folder, src=0)
         acc.save_model(model, os.path.join(folder[0], "save_model"))
         acc.unwrap_model(model).save_pretrained(os.path.join(folder[0], "habit"))  # the transformers habit
-        loaded_diff = None
+        loaded_diff = final_loss = None
         if dist.get_rank() == 0:
             loaded_diff = 0.0
             for name in ("save_model", "habit"):
-                loaded = AutoModelForCausalLM.from_pretrained(os.path.join(folder[0], name)).state_dict()
-                loaded_diff = max([loaded_diff] + [(loaded[k] - full[k]).abs().max().item() for k in full])
+                loaded = AutoModelForCausalLM.from_pretrained(os.path.join(folder[0], name))
+                loaded_diff = max([loaded_diff] + [(v - full[k]).abs().max().item() for k, v in loaded.state_dict().items()])
+            with torch.no_grad():  # the trained weights, as saved, against the reference's, on every batch seen
+                batches = [ids for r in rows for ids in r["batches"]]
+                final_loss = [(loaded(input_ids=ids, labels=ids).loss.item(), ref_model(input_ids=ids, labels=ids).loss.item())
+                              for ids in batches]
         dist.barrier()
     return {
         "losses": [r["loss"] for r in rows], "ref_losses": [r["loss"] for r in ref_rows],
         "grad_norms": [r["grad_norm"] for r in rows], "ref_grad_norms": [r["grad_norm"] for r in ref_rows],
         "lrs": [r["lr"] for r in rows], "ref_lrs": [r["lr"] for r in ref_rows],
-        "weight_diff": max((full[k].float() - ref_state[k]).abs().max().item() for k in ref_state),
+        "final_losses": final_loss,
         "keys_equal": sorted(full) == sorted(ref_state),
         "local_gate_rows": layer.weight.shape[0] if not hasattr(layer.weight, "to_local") else layer.weight.to_local().shape[0],
         "saved_model_diff": loaded_diff,

@@ -105,10 +105,18 @@ def test_compression_off_equals_one_process(parity):
     name, r, _ = parity
     assert r["local_gate_rows"] == (32 if name == "fsdp2_tp2" else 64)  # 128 rows / tp 2 (/ 2 FSDP shards)
     assert r["keys_equal"]
+    # fp32 losses of about 5.5 (ulp 4.8e-7): the runs differ only in the order of fp32 sums, a
+    # few ulps of each loss; AdamW's steps carry that only through coordinates the loss barely
+    # feels (see below): 2e-5, 40 ulps
     assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) < 2e-5
     assert max(abs(a - b) / b for a, b in zip(r["grad_norms"], r["ref_grad_norms"])) < 1e-5
     assert r["lrs"] == pytest.approx(r["ref_lrs"], rel=1e-12)  # the schedule steps once per replica
-    assert r["weight_diff"] < 2e-4  # 6 AdamW steps of lr 1e-2: fp32 rounding of near-zero gradients, normalised
+    # The trained weights are compared through the loss they give, not element by element: AdamW
+    # normalises each gradient, so a coordinate whose gradient is rounding noise (k_proj's bias,
+    # to which attention is invariant: exact gradient 0) moves by up to lr per step on either
+    # side, a difference no fp32 bound covers but one that moves the loss by ~g * dw ~ 0. The
+    # saved model's losses on every batch of the run: the same bound as the step losses.
+    assert max(abs(a - b) for a, b in r["final_losses"]) < 2e-5, r["final_losses"]
     assert r["saved_model_diff"] == 0.0  # save_model and model.save_pretrained wrote the gathered weights
     assert r["bytes_saved"] == 0.0
     assert len(r["losses"]) == 6
