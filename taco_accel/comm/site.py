@@ -104,7 +104,7 @@ class Site:
 
     # -- the decision ------------------------------------------------------------------------
 
-    def size_rule(self, nbytes: int) -> bool:
+    def floor_allows(self, nbytes: int) -> bool:
         """The config's floor: a message of ``nbytes`` from ``threshold_bytes`` on may be compressed."""
         return self.codec is not None and nbytes >= self._threshold and nbytes > 0
 
@@ -126,7 +126,7 @@ class Site:
         return self._decide(kind, nbytes, lambda: torch.zeros(shape, dtype=dtype, device=device))
 
     def _decide(self, kind: str, nbytes: int, message: Callable[[], torch.Tensor]) -> bool:
-        allowed = self.size_rule(nbytes)
+        allowed = self.floor_allows(nbytes)
         if not allowed or self.decider is None:
             return allowed
         compress = None if self.decision is None else self.decision.covers(nbytes)
