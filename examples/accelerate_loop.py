@@ -33,9 +33,9 @@ parser.add_argument("--compression", choices=("on", "off"), default="on")
 parser.add_argument("--output-dir", default="runs/accelerate_loop")
 args = parser.parse_args()
 
-# Compression settings: a tiny model's messages are far below the default 8 MiB threshold, so
-# compress every one (threshold 0) to show TACO's numerics; on a CPU the codec never pays.
-compression = TacoConfig(group_size=64, threshold_bytes=0) if args.compression == "on" else None
+# Compression: on (a TacoConfig) compresses every message, to show TACO's numerics on a tiny model
+# whose messages are far too small for the codec to pay; a real run keeps the default "auto".
+compression = TacoConfig(group_size=64) if args.compression == "on" else None
 if args.tp is None and os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG") != "true":
     args.tp = max(int(os.environ.get("WORLD_SIZE", "1")), 2)  # no sizes from the launch: this example's default
 sizes = ParallelismConfig(tp_size=args.tp) if args.tp else None  # None: the launch config's

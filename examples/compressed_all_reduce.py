@@ -16,7 +16,7 @@ x = torch.randn(8, 1024, 1024, device=device)
 
 exact = x.clone()
 dist.all_reduce(exact)
-approx = taco_accel.all_reduce(x, config=taco_accel.TacoConfig(threshold_bytes=0), site="example/fwd")
+approx = taco_accel.all_reduce(x, config=taco_accel.TacoConfig(), site="example/fwd")
 error = ((approx - exact).norm() / exact.norm()).item()
 stats = taco_accel.pop_comm_stats()["example/fwd"]
 if rank == 0:

@@ -40,9 +40,9 @@ args = parser.parse_args()
 if args.tp is None and os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG") != "true":
     args.tp = 2  # no sizes from the launch: this example's default
 sizes = ParallelismConfig(tp_size=args.tp) if args.tp else None  # None: the launch config's
-# A tiny model's messages are far below the default 8 MiB threshold: compress every one
-# (threshold 0) to show TACO's numerics; on a CPU the codec never pays.
-compression = TacoConfig(group_size=64, threshold_bytes=0) if args.compression == "on" else None
+# On (a TacoConfig) compresses every message, to show TACO's numerics on a tiny model whose messages
+# are far too small for the codec to pay; a real run keeps the default "auto".
+compression = TacoConfig(group_size=64) if args.compression == "on" else None
 
 tokenizer = build_tokenizer("byte")  # 256 bytes + <|endoftext|>, nothing to download
 set_seed(0)  # a model built from a config: the same weights on every rank (from_pretrained needs no seed)

@@ -18,7 +18,7 @@ model = Qwen2ForCausalLM(config)
 reference = Qwen2ForCausalLM(config)
 reference.load_state_dict(model.state_dict())
 
-taco_accel.parallelize(model, compression=taco_accel.TacoConfig(threshold_bytes=0))  # tp = world size
+taco_accel.parallelize(model, compression="on")  # tp = world size; every message compressed
 ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1))
 loss = model(ids, labels=ids).loss
 loss.backward()  # backward collectives are compressed too

@@ -65,13 +65,13 @@ def _explicit_choices_win() -> dict:
     the same choices."""
     ref = tiny_model("qwen2")
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
-    forced = {"forward": taco_accel.TacoConfig(), "backward": taco_accel.TacoConfig(group_size=64), "auto": True,
+    forced = {"mode": "auto", "forward": taco_accel.TacoConfig(), "backward": taco_accel.TacoConfig(group_size=64),
               "sites": {"lm_head/*": ON, "layers.0.mlp/bwd": None}}
     with timed_verdicts(lambda kind, x, config: config.group_size == 128):
         mixed = taco_accel.parallelize(copy.deepcopy(ref), compression=forced)
         losses = _steps(mixed, ids)
     explicit = taco_accel.parallelize(copy.deepcopy(ref), compression=taco_accel.Compression(
-        forward=ON, backward=None, sites={"lm_head/*": ON}))
+        "on", forward=ON, backward=None, sites={"lm_head/*": ON}))
     return {"decisions": {name: (r["mode"], r["compressed"]) for name, r in mixed.taco.sites.decisions().items()},
             "losses": losses, "explicit_losses": _steps(explicit, ids)}
 

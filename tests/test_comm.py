@@ -114,7 +114,7 @@ def _plain() -> dict:
         _REDUCE_SCATTER(ref_rs, x)
         ref_ag = torch.empty(world * world * 3, 5, dtype=dtype)
         _ALL_GATHER(ref_ag, x)
-        for name, cfg in (("none", None), ("threshold", TacoConfig())):
+        for name, cfg in (("none", None), ("threshold", TacoConfig(threshold_bytes=1 << 20))):  # 1 MiB floor
             same[(str(dtype), name)] = (
                 torch.equal(comm.all_reduce(x, None, cfg), ref_ar)
                 and torch.equal(comm.reduce_scatter(x, None, cfg), ref_rs)
@@ -193,7 +193,7 @@ def _nonfinite() -> dict:
             if rank == 1:
                 x[1, 5] = bad  # group 2 of rank 1's input (row 0 of block 0 for reduce_scatter)
             for policy in ("propagate", "zero", "raise"):
-                for label, cfg in (("compressed", CFG), ("plain", TacoConfig())):
+                for label, cfg in (("compressed", CFG), ("plain", TacoConfig(threshold_bytes=1 << 20))):  # plain: under the floor
                     cfg = cfg.replace(nonfinite=policy)
                     try:
                         y = getattr(comm, op)(x, None, cfg)
@@ -407,7 +407,7 @@ def _run_state() -> dict:
 
     x = torch.ones(64)
     with Ops() as ops:
-        comm.all_reduce(x, None, TacoConfig(), inplace=True)  # under the threshold: plain, nonfinite "propagate"
+        comm.all_reduce(x, None, TacoConfig(threshold_bytes=1 << 20), inplace=True)  # under the floor: plain
     out["plain_ops"] = ops.names
     out["own"] = own_costs(1024, 2, 1, torch.device("cpu"))  # transfers and codec kernels stubbed
     return out

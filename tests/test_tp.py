@@ -67,54 +67,50 @@ def test_shard_spec_fused_take_assemble():
     assert torch.equal(torch.cat([full[i] for i in fused.index(1)], dim=1), parts[1])
 
 
-def test_compression_forms():
+def test_compression_rules_per_site():
     cfg = TacoConfig(group_size=64)
-    assert Compression.resolve(None).config_for("a/fwd") is None
-    assert Compression.resolve(cfg).config_for("a/bwd") == cfg
-    c = Compression.resolve({"forward": cfg, "backward": None, "sites": {"lm_head/*": None, "lm_head/bwd": cfg}})
+    c = Compression("on", forward=cfg, backward=None, sites={"lm_head/*": None, "lm_head/bwd": cfg})
     assert c.config_for("layers.0.mlp/fwd") == cfg and c.config_for("layers.0.mlp/bwd") is None
     assert c.config_for("lm_head/bwd") == cfg  # the last matching pattern wins
-    with pytest.raises(ValueError, match="unknown keys"):
-        Compression.resolve({"fwd": cfg})
-    with pytest.raises(ValueError, match="must be a TacoConfig or None"):
-        Compression(forward="e4m3")
-
-
-def test_compression_modes_and_record():
     auto = Compression.resolve("auto")
-    assert auto.auto and auto.rule_for("layers.0.mlp/bwd") == (TacoConfig(piece_bytes=PIECE_BYTES), True)
+    assert auto == Compression() and auto.rule_for("layers.0.mlp/bwd") == (TacoConfig(piece_bytes=PIECE_BYTES), True)
     assert PIECE_BYTES == 32 * 2**20  # bench.projection's choice (comm.pieces)
-    assert Compression.resolve("on").config_for("x/fwd").threshold_bytes == 0
-    assert Compression.resolve("off").config_for("x/fwd") is None
-    on = TacoConfig(threshold_bytes=0)
-    mixed = Compression.resolve({"forward": TacoConfig(), "backward": None, "auto": True, "sites": {"lm_head/*": on}})
+    on = TacoConfig(group_size=32)
+    mixed = Compression("auto", forward=TacoConfig(), backward=None, sites={"lm_head/*": on})
     assert mixed.rule_for("layers.0.mlp.down_proj/fwd") == (TacoConfig(), True)
     assert mixed.rule_for("layers.0.mlp/bwd") == (None, False)  # explicit off wins
-    assert mixed.rule_for("lm_head/bwd") == (on, False)  # explicit on wins
-    assert Compression.resolve(mixed.to_dict() | {"forward": TacoConfig(), "sites": {}}).auto
-    with pytest.raises(ValueError, match="compression='fp8' is not supported; pass 'auto', 'on', 'off'"):
-        Compression.resolve("fp8")
+    assert mixed.rule_for("lm_head/bwd") == (on, False)  # explicit on wins, untimed
+    off = Compression("off", sites={"lm_head/*": on})
+    assert off.rule_for("lm_head/fwd") == (None, False) and off.rule_for("x/bwd") == (None, False)  # off: all plain
 
 
 def test_auto_sites_decide_once_and_record():
-    """Without a group to time (emulation), an auto site decides by its size threshold."""
-    table = SiteTable(None, Compression.resolve({"forward": TacoConfig(threshold_bytes=1000), "auto": True,
-                                                 "sites": {"b/*": None}}), timed=False)
+    """Without a group to time (emulation), an auto site decides by the auto mode's size rule
+    (`UNTIMED_BYTES`, per message); under its config's floor it stays plain, undecided."""
+    from taco_accel.comm.autotune import UNTIMED_BYTES
+
+    floor = 2 * UNTIMED_BYTES
+    table = SiteTable(None, Compression("auto", backward=TacoConfig(threshold_bytes=floor), sites={"b/*": None}),
+                      timed=False)
     small, big = table.site("a/fwd"), table.site("c/fwd")
     off, bwd = table.site("b/fwd"), table.site("a/bwd")
     assert "3 decided by timing in the first steps (auto), 1 plain" in table.summary()
     assert small.decision is None and table.decisions()["a/fwd"]["compressed"] is None
+    at, under = torch.ones(UNTIMED_BYTES // 4), torch.ones(UNTIMED_BYTES // 4 - 1)  # fp32 messages
     assert not small.compresses("all_reduce", torch.ones(100))  # 400 B: plain
-    assert big.compresses("all_reduce", torch.ones(1000))  # 4000 B: compressed
+    assert big.compresses("all_reduce", at)  # 8 MiB: compressed
     assert small.decision.rule == "size" and not small.decision.compress and big.decision.compress
-    assert small.compresses("all_reduce", torch.ones(800)) and small.decision.compress  # over 2x: decided again
-    assert not off.compresses("all_reduce", torch.ones(1000)) and off.mode == "off" and off.codec is None
+    assert small.compresses("all_reduce", at) and small.decision.compress  # the rule, per message
+    assert not bwd.compresses("all_reduce", at) and bwd.decision is None  # under the floor: plain, untimed
+    assert not off.compresses("all_reduce", at) and off.mode == "off" and off.codec is None
     record = table.decisions()
     assert record["a/fwd"]["compressed"] and record["b/fwd"] == {"mode": "off", "config": None, "compressed": False}
-    assert record["a/bwd"]["compressed"] is None and bwd.mode == "auto"  # never called
+    assert record["a/bwd"]["compressed"] is None and bwd.mode == "auto"  # never decided
     assert "auto: compressed (size rule" in str(table) and "auto: undecided" in str(table)
     table.set_group_sizes({"c/fwd": 32})  # calibration keeps the decision
-    assert big.compresses("all_reduce", torch.ones(1000)) and big.codec.group_size == 32
+    assert big.compresses("all_reduce", at) and big.codec.group_size == 32
+    assert not big.compresses("all_reduce", under) and not big.decision.compress  # the rule, per message
+    assert bwd.compresses("all_reduce", torch.ones(floor // 4)) and bwd.decision.compress  # from the floor on
 
 
 def test_site_table_print_and_sizes(tmp_path):
@@ -281,14 +277,16 @@ def _auto_sites() -> dict:
     torch.manual_seed(dist.get_rank())
     decider = AutoDecider(None)
     first, second = (Site(f"blk{i}/bwd", None, TacoConfig(group_size=32), decider) for i in range(2))
+    floor = Site("blk2/bwd", None, TacoConfig(group_size=32, threshold_bytes=4 * 64 * 4 + 1), decider)
     comm.pop_comm_stats()
-    for site in (first, second):
+    for site in (first, second, floor):
         x = torch.randn(4, 64, requires_grad=True)
         RegionEntry(None, site)(x).mul(torch.randn(4, 64)).sum().backward()
     stats = comm.pop_comm_stats()
     return {
         "decisions": [s.decision.to_dict() for s in (first, second)],
-        "compressed_calls": [stats[s.name].compressed_calls for s in (first, second)],
+        "compressed_calls": [stats[s.name].compressed_calls for s in (first, second, floor)],
+        "floor": {"decision": floor.decision, "calls": stats[floor.name].calls},
     }
 
 
@@ -369,7 +367,8 @@ def test_auto_sites_agree_share_timings_and_report_what_ran(measured):
     first, second = auto["decisions"]
     assert first["rule"] == "timed" and first["timed_at"] is None and first["nbytes"] == 4 * 64 * 4
     assert second["timed_at"] == "blk0/bwd" and second["compress"] == first["compress"]  # one timing
-    assert auto["compressed_calls"] == [int(first["compress"])] * 2  # stats say what was sent
+    assert auto["compressed_calls"] == [int(first["compress"])] * 2 + [0]  # stats say what was sent
+    assert auto["floor"] == {"decision": None, "calls": 1}  # under its config's floor: plain, never timed
 
 
 def test_compressed_site_goes_through_the_codec(measured):

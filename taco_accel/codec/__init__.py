@@ -2,8 +2,8 @@
 
 `compress` / `decompress` a tensor to and from one uint8 wire buffer (`layout`), `sum_packed`
 for the reduce step of the two-shot all-reduce, and `calibrate` to pick a group size from data.
-`CodecConfig` holds the codec's settings; `TacoConfig` adds the collectives' policy (size threshold,
-pieces) for the layers above.
+`CodecConfig` holds the codec's settings; `TacoConfig` adds the collectives' policy (an opt-in size
+floor, pieces) for the layers above.
 `dispatch` picks the implementation (`kernels/`: the PyTorch reference, Triton and Gluon
 kernels) per call; `Tuning` holds the kernels' launch settings.
 """

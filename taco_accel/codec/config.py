@@ -1,11 +1,12 @@
 """The settings of TACO: `CodecConfig` (how the codec encodes) and `TacoConfig` (that plus the
-collective policy: when a message is compressed, in what pieces), each validated once.
+collective policy: an opt-in size floor, the piece size), each validated once. Which sites of a
+model compress at all (off / on / auto) is `taco_accel.Compression`'s business, a layer above.
 
 The codec (`codec.api`, the kernels, the wire header) reads only `CodecConfig`'s fields. The
 policy fields of `TacoConfig` (``threshold_bytes``, ``piece_bytes``) are read where a collective
 is started: `comm` takes the codec settings, the plain-or-compressed decision and the piece size
 as separate, explicit values (``config.codec``, ``compress=``, ``piece_bytes``), and layer 3's
-sites take the decision (the size rule, or the auto mode's timing) before they call it.
+sites take the decision (the floor, then the auto mode's timing where asked) before they call it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ SCALE_LAYOUTS = ("single", "dual")
 NONFINITE_POLICIES = ("propagate", "raise", "zero")
 BACKENDS = ("auto", "triton", "torch")
 GROUP_SIZES = (32, 64, 128, 256, 512)
-THRESHOLD_BYTES = 8 * 2**20  # default size threshold of `TacoConfig`
 PIECE_BYTES = 32 * 2**20  # default piece size of the compressed collectives (see `comm.pieces`)
 
 # Largest finite magnitude of each payload format (E5M2 has its own bound: the original
@@ -154,12 +154,16 @@ CODEC_FIELDS = tuple(f.name for f in dataclasses.fields(CodecConfig))
 @dataclass(frozen=True)
 class TacoConfig(CodecConfig):
     """Settings of a compressed collective: the codec's (every field of `CodecConfig`) and the
-    collective policy, when a message is compressed and in what pieces.
+    collective policy, from what size a message is compressed and in what pieces. ``TacoConfig()``
+    compresses every message.
 
     Args:
-        threshold_bytes: messages smaller than this go through the plain collective in their
-            own dtype, where the codec would cost more than it saves. Default 8 MiB; 0
-            compresses every message.
+        threshold_bytes: an opt-in size floor: messages smaller than this go through the
+            plain collective in their own dtype, wherever this config is used (a direct
+            ``comm.all_reduce(x, config=...)``, a site of a `taco_accel.Compression` in any
+            mode). Default 0: every message is compressed. Whether compression pays on a
+            given link is the ``"auto"`` mode's question (`taco_accel.Compression`), not this
+            field's.
         piece_bytes: the collectives split larger messages into pieces of about this size so
             that encoding one piece overlaps sending another; 0 disables the split. Default
             32 MiB, chosen with the cost model (``python -m taco_accel.bench.projection
@@ -168,7 +172,7 @@ class TacoConfig(CodecConfig):
     ``codec`` is the `CodecConfig` of the codec fields alone: what the codec and the wire see.
     """
 
-    threshold_bytes: int = THRESHOLD_BYTES
+    threshold_bytes: int = 0
     piece_bytes: int = PIECE_BYTES
 
     def __post_init__(self) -> None:
@@ -185,5 +189,6 @@ class TacoConfig(CodecConfig):
         return self._codec
 
     def compresses(self, nbytes: int) -> bool:
-        """The size rule: whether a message of ``nbytes`` input bytes is compressed."""
+        """The size floor: whether a message of ``nbytes`` input bytes may be compressed (all
+        but empty ones under the default ``threshold_bytes=0``)."""
         return nbytes >= self.threshold_bytes and nbytes > 0

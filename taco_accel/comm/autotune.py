@@ -28,8 +28,9 @@ message (the same collective, size, dtype and codec settings: e.g. the down proj
 layer) share one timing. A message more than twice as large as the one timed (a longer
 sequence) is timed again. After a "compress" decision, messages at least as large as the timed
 one are compressed and smaller ones are not (they were never shown to pay). Without a real group
-to time (an emulated model), a site decides by the size rule of its `TacoConfig`
-(``threshold_bytes``) instead, and says so in its decision.
+to time (an emulated model), the auto mode's size rule decides instead: messages from
+`UNTIMED_BYTES` on are compressed (a decision with ``rule="size"``). A message under the site
+config's ``threshold_bytes`` floor is plain and never timed (`site.Site`).
 
 The timing runs the collectives a few extra times (``2 + 2 * reps`` calls) once per distinct
 message (kind, size, dtype, settings), during the first steps; warm up in eager mode before
@@ -41,6 +42,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -54,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 REPS = 3
 MARGIN = 0.05
+UNTIMED_BYTES = 8 * 2**20  # "auto" with no group to time (emulated): compressed from this message size on
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,7 @@ class Decision:
     """Plain or compressed for one site, and why.
 
     ``rule``: ``"timed"`` (this site's message was timed, or ``timed_at`` names the site whose
-    identical message was) or ``"size"`` (no group to time: the config's threshold decided).
+    identical message was) or ``"size"`` (no group to time: `UNTIMED_BYTES` decided).
     """
 
     compress: bool
@@ -131,10 +134,20 @@ class Decision:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def covers(self, nbytes: int) -> bool | None:
+        """Whether a message of ``nbytes`` is compressed under this decision, or None when it
+        must be decided again: timed, a message over twice the timed one; by size, one on the
+        other side of `UNTIMED_BYTES`."""
+        if self.rule == "size":
+            return self.compress if (nbytes >= UNTIMED_BYTES) == self.compress else None
+        if nbytes > 2 * self.nbytes:
+            return None
+        return self.compress and nbytes >= self.nbytes
+
     def __str__(self) -> str:
         verdict = "compressed" if self.compress else "plain"
         if self.rule == "size":
-            return f"{verdict} (size rule, {self.nbytes / 2**20:.3g} MiB)"
+            return f"{verdict} (size rule, {self.nbytes / 2**20:.3g} MiB; from {UNTIMED_BYTES / 2**20:g} MiB on)"
         return (f"{verdict} ({self.kind} {self.nbytes / 2**20:.3g} MiB: compressed {self.compressed_us:.0f} us, "
                 f"plain {self.plain_us:.0f} us)")
 
@@ -154,12 +167,12 @@ class AutoDecider:
         self._timings: dict[tuple, tuple] = {}  # message key -> (Timing, first site timed)
         self._summarised = False
 
-    def decide(self, site, kind: str, x: torch.Tensor) -> Decision:
-        """The decision for ``site`` (a `site.Site`) sending ``x`` through ``kind`` (a collective
-        call when timed)."""
-        nbytes = x.numel() * x.element_size()
+    def decide(self, site, kind: str, nbytes: int, message: Callable[[], torch.Tensor]) -> Decision:
+        """The decision for ``site`` (a `site.Site`) sending a message of ``nbytes`` through
+        ``kind``; ``message()`` gives the tensor to time (a collective call when timed)."""
         if not self.timed:
-            return Decision(site.size_rule(nbytes), kind, nbytes, "size")
+            return Decision(nbytes >= UNTIMED_BYTES, kind, nbytes, "size")
+        x = message()
         key = (kind, tuple(x.shape), x.dtype, x.device.type, site.config)
         if key not in self._timings:
             timing = self.timer(kind, x, site.group, site.config, self.reps, self.margin, record=site.entry,

@@ -5,12 +5,14 @@ A site is named after what it moves (layer 3 names them after the module and the
 ``layers.3.mlp.down_proj/fwd``). It holds:
 
 - its process group (and the group's `dist_ops.Link`, built on first use);
-- ``config``: a `TacoConfig` (codec settings plus the size threshold and piece size) or None
+- ``config``: a `TacoConfig` (codec settings plus the size floor and piece size) or None
   (always plain). Mutable on purpose: calibration and ``SiteTable.load`` change the group size
   of a running model;
-- how it decides plain or compressed per call (`compresses`): the size rule of its config, or
-  with a ``decider`` (the auto mode, `autotune.AutoDecider`) the timing of its first call, kept
-  as ``decision``. The decision is passed down to the collective explicitly;
+- how it decides plain or compressed per call (`compresses`): a message under its config's
+  ``threshold_bytes`` floor (default 0) is plain; any other is compressed, or with a ``decider``
+  (the auto mode, `autotune.AutoDecider`) compressed where the timing of its first call says so
+  (kept as ``decision``; with no group to time, the auto mode's size rule). The decision is
+  passed down to the collective explicitly;
 - ``entry``: its `stats.SiteRecord` in a `stats.Ledger` (the model's, or ``stats.DEFAULT``):
   its statistics, error sampling and agreement checks;
 - ``samples``: what it sends, kept while a calibration records.
@@ -92,7 +94,7 @@ class Site:
         link = self._link or self.link
         if kind != "all_reduce":
             check_shape(kind, x, link.world)
-        if self.decider is None:  # the size rule, inline: this is every plain site's path
+        if self.decider is None:  # the size floor, inline: this is every plain site's path
             nbytes = x.numel() * x.element_size()
             compress = self.codec is not None and nbytes >= self._threshold and nbytes > 0
         else:
@@ -102,15 +104,18 @@ class Site:
 
     # -- the decision ------------------------------------------------------------------------
 
-    def size_rule(self, nbytes: int) -> bool:
-        """The config's size rule: a message of ``nbytes`` from ``threshold_bytes`` on is compressed."""
+    def floor_allows(self, nbytes: int) -> bool:
+        """The config's floor: a message of ``nbytes`` from ``threshold_bytes`` on may be compressed."""
         return self.codec is not None and nbytes >= self._threshold and nbytes > 0
 
     def compresses(self, kind: str, x: torch.Tensor) -> bool:
         """Whether sending ``x`` through ``kind`` from this site is compressed.
 
-        In auto mode the first call (and a call with a message over twice the one timed) decides;
-        timing is a collective call, which every rank makes at the same site in the same order.
+        Under the config's floor: plain, untimed. In auto mode the first call (and a call with a
+        message over twice the one timed) decides; timing is a collective call, which every rank
+        makes at the same site in the same order. A "compress" verdict covers messages from the
+        timed size on (smaller ones were never shown to pay). Without a group to time, each
+        message follows the auto mode's size rule (`autotune.UNTIMED_BYTES`).
         """
         return self._decide(kind, x.numel() * x.element_size(), lambda: x)
 
@@ -121,14 +126,15 @@ class Site:
         return self._decide(kind, nbytes, lambda: torch.zeros(shape, dtype=dtype, device=device))
 
     def _decide(self, kind: str, nbytes: int, message: Callable[[], torch.Tensor]) -> bool:
-        if self.decider is None or self.codec is None:
-            return self.size_rule(nbytes)
-        decision = self.decision
-        if decision is None or nbytes > 2 * decision.nbytes:
-            decision = self.decision = self.decider.decide(self, kind, message())
+        allowed = self.floor_allows(nbytes)
+        if not allowed or self.decider is None:
+            return allowed
+        compress = None if self.decision is None else self.decision.covers(nbytes)
+        if compress is None:
+            self.decision = self.decider.decide(self, kind, nbytes, message)
             self.decider.decided()
-        # compressed from the timed size on (smaller messages were never shown to pay), or never
-        return decision.compress and nbytes >= min(self._threshold, decision.nbytes) and nbytes > 0
+            compress = self.decision.covers(nbytes)
+        return compress
 
     # -- calibration and reports -------------------------------------------------------------
 
@@ -147,7 +153,7 @@ class Site:
     @property
     def mode(self) -> str:
         """``"auto"``, ``"off"`` (plain), ``"on"`` (every message) or ``"size"`` (messages from
-        ``config.threshold_bytes`` on)."""
+        ``config.threshold_bytes`` on: an explicit floor)."""
         if self.decider is not None:
             return "auto"
         if self.config is None:

@@ -74,6 +74,7 @@ from ..models.loss import LogitsMode, check_logits_mode
 from ..parallel import ModelParts, ParallelDims, build_mesh, clip_grad_norm_, collective_timeout, distribute
 from ..parallel.mesh import PP_ENV
 from ..parallel.stage import taco_context
+from ..tp import Compression
 from . import checkpoint as ckpt
 from .launch import launch_notes, without_parallelism_config
 
@@ -97,10 +98,11 @@ class Accelerator(_AccelerateAccelerator):
             process), unless ``pp_size`` (or ``TACO_PP_SIZE``) asks for pipeline stages.
         parallel_dims: taco_accel's own sizes (`ParallelDims`), instead of the above.
         pp_size: pipeline stages (default: ``TACO_PP_SIZE``, else 1).
-        compression: what `parallelize` gets for a model that ``prepare`` parallelises:
-            ``"auto"`` (default: each communication site compressed only where timing on
-            the real group in the first step says it pays), ``"on"``, ``"off"`` / ``None``, a
-            `TacoConfig`, a `Compression` or its dict.
+        compression: how a model that ``prepare`` parallelises compresses its TP collectives:
+            anything `Compression.resolve` takes, resolved here (``accelerator.compression`` is
+            the `Compression`). ``"auto"`` (default: each communication site compressed only
+            where timing on the real group in the first step says it pays), ``"on"`` or a
+            `TacoConfig`, ``"off"`` / ``None``, a `Compression`, its dict or JSON file.
         sequence_parallel: Megatron sequence parallelism inside TP, for such a model.
         logits: what ``outputs.logits`` holds for the models prepared here (`parallelize`'s
             ``logits``): ``"full"`` (the full vocabulary, transformers' convention) or
@@ -116,6 +118,7 @@ class Accelerator(_AccelerateAccelerator):
     def __init__(self, *args, parallelism_config=None, parallel_dims: ParallelDims | None = None,
                  pp_size: int | None = None, compression="auto", sequence_parallel: bool = False,
                  logits: LogitsMode | None = None, **kwargs):
+        compression = Compression.resolve(compression)  # before any process group starts
         for name, what in _REFUSED_PLUGINS.items():
             if kwargs.get(name) is not None:
                 raise ValueError(

@@ -52,7 +52,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..models import context_of, parallelize
-from ..tp import ColumnParallelLinear, Site, gather_from_tp_region
+from ..tp import ColumnParallelLinear, Compression, gather_from_tp_region
 from .accelerator import Accelerator
 
 logger = logging.getLogger(__name__)
@@ -66,10 +66,12 @@ def taco_trainer(trainer_cls: type, *, compression="auto", sequence_parallel: bo
 
     Args:
         trainer_cls: the Trainer class to extend.
-        compression: `taco_accel.Accelerator`'s ``compression`` (``"auto"``, ``"on"``, ``"off"``,
-            a `TacoConfig`, a `Compression`).
+        compression: `taco_accel.Accelerator`'s ``compression``: anything `Compression.resolve`
+            takes (``"auto"`` by default, ``"on"``, ``"off"``, a `TacoConfig`, a `Compression`,
+            its dict or JSON file), resolved here.
         sequence_parallel: Megatron sequence parallelism inside TP.
     """
+    compression = Compression.resolve(compression)
     from transformers import Trainer
 
     if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
@@ -247,7 +249,7 @@ def _full_output_embeddings(model: nn.Module):
     if not isinstance(head, ColumnParallelLinear) or head.conv1d:
         raise ValueError(f"the output embeddings are a {type(head).__name__}; a fused LM head needs the "
                          "vocab-parallel lm_head taco_accel.parallelize makes (no LoRA on lm_head)")
-    site = Site("lm_head/weight", head.group, None)  # plain: parameters
+    site = context_of(model).sites.plain("lm_head/weight")  # plain: parameters; the model's own ledger
 
     def full_head():
         gather = functools.partial(gather_from_tp_region, fwd=site, dim=0, sizes=head.gather_sizes)

@@ -36,7 +36,7 @@ from torch import nn
 
 from ..models import context_of, gather_state_dict
 from ..models.state import shard_specs
-from ..tp import ColumnParallelLinear, RowParallelLinear, Site, copy_to_tp_region, sum_replica_grads
+from ..tp import ColumnParallelLinear, RowParallelLinear, SiteTable, copy_to_tp_region, sum_replica_grads
 
 logger = logging.getLogger(__name__)
 
@@ -60,16 +60,18 @@ def _make_tp_lora_linear():
 
         ``in_features`` / ``out_features`` are the full layer's (peft draws the initial A and B
         on them); the live ``lora_B`` (column) or ``lora_A`` (row) holds this rank's slice and
-        carries a ``shards`` entry, so `gather_state_dict` reassembles it.
+        carries a ``shards`` entry, so `gather_state_dict` reassembles it. ``sites``: the
+        model's `SiteTable` (`resolve_lora_config` binds it), whose ledger records the sum of
+        the replicated factor's gradient.
         """
 
-        def __init__(self, base_layer, adapter_name, config, **kwargs):
+        def __init__(self, base_layer, adapter_name, config, *, sites: SiteTable, **kwargs):
             base = base_layer.get_base_layer() if hasattr(base_layer, "get_base_layer") else base_layer
             _check_layer(base, kwargs.get("target_name", ""))
             super().__init__(base_layer, adapter_name, config, **kwargs)
             self.fan_in_fan_out = base.conv1d  # delta W in the base weight's layout
             name = kwargs.get("target_name") or "lora"
-            self._tp_grad_site = Site(f"{name}.lora/grad", base.group, None)  # plain: weight gradients
+            self._tp_grad_site = sites.plain(f"{name}.lora/grad")  # plain: weight gradients
 
         @property
         def _tp_row(self) -> bool:
@@ -217,7 +219,7 @@ def parallel_linear_names(model: nn.Module) -> dict[str, nn.Module]:
 
 def resolve_lora_config(model: nn.Module, config):
     """A copy of ``config`` with explicit target modules, checked against ``model``'s parallel layers,
-    and `TPLoraLinear` registered for them."""
+    and `TPLoraLinear` registered for them (bound to the model's site table)."""
     from peft.tuners.tuners_utils import check_target_module_exists
     from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 
@@ -243,7 +245,8 @@ def resolve_lora_config(model: nn.Module, config):
                          f"row parallel linears (the lm head, norms and embeddings are not); use some of {suffixes}")
     conv1d = {targets[n].conv1d for n in matched}
     config.fan_in_fan_out = conv1d == {True}  # GPT-2's Conv1D: what peft expects on the original model
-    config._register_custom_module({ColumnParallelLinear: tp_lora_linear(), RowParallelLinear: tp_lora_linear()})
+    layer = functools.partial(tp_lora_linear(), sites=context_of(model).sites)
+    config._register_custom_module({ColumnParallelLinear: layer, RowParallelLinear: layer})
     return config
 
 

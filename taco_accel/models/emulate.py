@@ -40,7 +40,8 @@ from ..tp.emulate import (
     emulated_vocab_parallel_cross_entropy,
 )
 from ..tp.regions import SequenceState
-from ..tp.sites import Compression, Site, SiteTable
+from ..tp.compression import Compression
+from ..tp.sites import Site, SiteTable
 from .context import TPContext
 from .loss import CausalLMLoss
 from .plan import Colwise, EnterRegion, Rowwise, TPPlan
@@ -49,15 +50,14 @@ from .rewrite import Rewrite, check_tp, install_loss
 logger = logging.getLogger(__name__)
 
 
-def emulate_tp(model: nn.Module, plan: TPPlan, tp, compression, sequence_parallel: bool, device_mesh,
+def emulate_tp(model: nn.Module, plan: TPPlan, tp, compression: Compression, sequence_parallel: bool, device_mesh,
                logits: str = "full") -> nn.Module:
-    """The ``emulate=True`` branch of `parallelize` (arguments as there, already resolved plan)."""
+    """The ``emulate=True`` branch of `parallelize` (arguments as there, plan and compression resolved)."""
     if tp is None or isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"emulate=True needs the number of ranks to emulate: pass tp=<int >= 1>, got tp={tp!r}")
     if device_mesh is not None:
         raise ValueError("emulate=True runs every rank in this process: pass device_mesh=None")
     check_tp(model, plan, tp)
-    compression = Compression.resolve(compression)
     group = EmulatedGroup(tp)
     context = TPContext(
         plan, None, tp, 0, compression, SiteTable(None, compression, timed=False),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import contextmanager
 
 import torch.distributed as dist
@@ -14,7 +15,8 @@ from ..comm.dist_ops import group_rank, group_size
 from ..tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..tp.overlap import ColumnRegion
 from ..tp.regions import EnterRegionHook, RegionEntry, RegionExit, SequenceGather, SequenceSplit, SequenceState
-from ..tp.sites import Compression, Site, SiteTable
+from ..tp.compression import Compression
+from ..tp.sites import Site, SiteTable
 from .checks import check_call, install_input_checks, verify_same_model
 from .context import TPContext, context_of
 from .emulate import emulate_tp
@@ -29,7 +31,7 @@ logger = logging.getLogger(__name__)
 def parallelize(
     model: nn.Module,
     tp: int | None = None,
-    compression: str | TacoConfig | Compression | dict | None = "auto",
+    compression: Compression | str | os.PathLike | TacoConfig | dict | None = "auto",
     sequence_parallel: bool = False,
     device_mesh=None,
     emulate: bool = False,
@@ -46,15 +48,14 @@ def parallelize(
         tp: tensor-parallel degree. Default: the size of ``device_mesh``'s tp group, else the
             world size. A tp smaller than the world size without a mesh makes groups of
             consecutive ranks.
-        compression: whether and how the TP collectives are compressed. ``"auto"`` (default):
-            every site is timed plain against compressed at its real message size on this
-            group during its first call (the first training step) and compressed only where
-            that is faster, the same decision on every rank (`taco_accel.comm.autotune`); the
-            decisions are logged and ``model.taco.sites.decisions()`` returns them as a dict.
-            ``"on"``: every message compressed; ``"off"`` or ``None``: plain TP. A `TacoConfig`
-            (both directions, compressed from its ``threshold_bytes`` on), a `Compression` or
-            a dict ``{"forward": cfg|None, "backward": cfg|None, "sites": {pattern: cfg|None},
-            "auto": bool}`` set it per direction and per site.
+        compression: whether and how the TP collectives are compressed: anything
+            `Compression.resolve` takes. ``"auto"`` (default): every site is timed plain
+            against compressed at its real message size on this group during its first call
+            (the first training step) and compressed only where that is faster, the same
+            decision on every rank (`taco_accel.comm.autotune`); the decisions are logged and
+            ``model.taco.sites.decisions()`` returns them as a dict. ``"on"`` or a `TacoConfig`:
+            every message compressed; ``"off"`` or ``None``: plain TP. A `Compression`, its dict
+            or the path of its JSON file set the mode, the settings per direction and per site.
         sequence_parallel: split the residual stream along the sequence between blocks
             (norms and dropout on 1/tp of the tokens); training sequences must divide by tp.
         device_mesh: a 1-D DeviceMesh, a DeviceMesh with a ``"tp"`` dimension, or a
@@ -89,6 +90,7 @@ def parallelize(
             f"this model is already parallelised (tp={model.taco.tp}); call parallelize on a "
             "fresh transformers model, or use it as it is"
         )
+    compression = Compression.resolve(compression)
     plan = check_call(model, tp, sequence_parallel, device_mesh, emulate, verify)  # before any collective
     check_logits_mode(logits)
     if emulate:
@@ -99,7 +101,6 @@ def parallelize(
     if verify:
         verify_same_model(model, group)  # a collective: every rank raises on a difference
     check_tp(model, plan, tp)
-    compression = Compression.resolve(compression)
     context = TPContext(
         plan, group, tp, group_rank(group), compression, SiteTable(group, compression),
         SequenceState(bool(sequence_parallel), tp), logits=logits,

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..codec import TacoConfig
 from ..errors import CheckpointError
+from ..tp.compression import Compression
 from ..tp.shards import ShardSpec
 from .context import context_of
 from .parallelize import parallelize
@@ -112,7 +112,7 @@ def _default_device(group) -> torch.device:
 def from_pretrained(
     name_or_path: str | os.PathLike,
     tp: int | None = None,
-    compression=TacoConfig(),
+    compression="auto",
     sequence_parallel: bool = False,
     device_mesh=None,
     *,
@@ -123,7 +123,7 @@ def from_pretrained(
     """Load a transformers causal-LM checkpoint straight into a tensor-parallel model.
 
     Every rank calls it and reads only its own slices of the safetensors files. Arguments
-    as `parallelize`; ``dtype`` defaults to the checkpoint's (its config), ``device`` to this
+    as `parallelize` (``compression`` too: ``"auto"`` by default); ``dtype`` defaults to the checkpoint's (its config), ``device`` to this
     rank's current CUDA device under NCCL and the CPU otherwise; ``config_kwargs`` override
     config fields (e.g. ``attn_implementation="sdpa"``). Returns the model in eval mode, as
     transformers does.
@@ -131,6 +131,7 @@ def from_pretrained(
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+    compression = Compression.resolve(compression)  # a bad value fails before any file is read
     path = _checkpoint_dir(name_or_path)
     _regular(os.path.join(path, "config.json"))
     config = AutoConfig.from_pretrained(path, **config_kwargs)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..tp.compression import Compression
 from .data_parallel import DataParallelGradSync, ReplicaGradSum, TiedEmbeddingSync, apply_dp, local_tensor
 from .mesh import ParallelDims
 from .pipeline import apply_pp, is_tied
@@ -173,7 +174,7 @@ def distribute(
     mesh: DeviceMesh,
     dims: ParallelDims,
     *,
-    compression=None,
+    compression="auto",
     sequence_parallel: bool = False,
     logits: str | None = None,
     device: torch.device | None = None,
@@ -186,13 +187,15 @@ def distribute(
     """Lay ``model`` out on ``mesh`` (a collective on every rank); return this rank's parts.
 
     ``compression`` / ``sequence_parallel`` / ``logits`` go to `parallelize` when the model is
-    not yet tensor parallel (``compression=None``: plain TP; ``logits=None``: ``"full"``); a
+    not yet tensor parallel (``compression``: anything `Compression.resolve` takes, ``"auto"`` by
+    default; ``logits=None``: ``"full"``); a
     ``logits`` mode given for a parallel model replaces its own. ``pipeline``: split into
     ``pp * stages_per_rank`` `StageModule`s (``seq_len`` balances them); without it pp must be 1.
     ``param_dtype``: FSDP2's compute dtype (e.g. bf16 under mixed precision).
     ``evaluation``: tensor parallel (and placed) only, as Accelerate's ``evaluation_mode``: no
     FSDP2 sharding, no gradient reductions, nothing watched.
     """
+    compression = Compression.resolve(compression)
     if not pipeline and dims.pp > 1:
         raise ValueError(
             f"the mesh has pp={dims.pp} but this model is prepared without pipeline stages; use "

@@ -8,23 +8,24 @@ import logging
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..codec import TacoConfig
 from ..models import parallelize
+from ..tp.compression import Compression
 from ..models.state import tp_replicas
 
 logger = logging.getLogger(__name__)
 
 
-def apply_tp(model: nn.Module, mesh: DeviceMesh, compression: TacoConfig | None = None,
-             sequence_parallel: bool = False, logits: str = "full") -> dict[str, int]:
+def apply_tp(model: nn.Module, mesh: DeviceMesh, compression="auto", sequence_parallel: bool = False,
+             logits: str = "full") -> dict[str, int]:
     """Rewrite ``model`` in place for TP over ``mesh["tp"]``; return ``{name: replicas}``: how
     many tp ranks hold each parameter's local values (tp for a replicated parameter, 1 for a
     plain shard, in between for e.g. kv heads replicated over fewer ranks than tp), measured
     from the sizes before and after. Norms over the mesh divide by it.
 
-    ``compression=None`` runs the TP collectives uncompressed; ``logits``: `parallelize`'s.
-    tp=1 leaves the model as is.
+    ``compression``: anything `Compression.resolve` takes (default ``"auto"``; ``"off"`` or
+    None: plain TP); ``logits``: `parallelize`'s. tp=1 leaves the model as is.
     """
+    compression = Compression.resolve(compression)
     tp_mesh = mesh["tp"]
     tp = tp_mesh.size()
     if tp == 1:
@@ -34,7 +35,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, compression: TacoConfig | None 
     replicas = tp_replicas(model, tp)
     logger.info(
         "applied tensor parallelism: tp=%d, %d of %d parameters sharded, compression %s",
-        tp, sum(r < tp for r in replicas.values()), len(replicas), "off" if compression is None else compression,
+        tp, sum(r < tp for r in replicas.values()), len(replicas), compression,
     )
     return replicas
 

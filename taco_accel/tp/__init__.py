@@ -18,7 +18,8 @@ from .mappings import (
 )
 from .regions import RegionEntry, RegionExit, SequenceState
 from .shards import ShardSpec
-from .sites import Compression, Site, SiteTable
+from .compression import Compression
+from .sites import Site, SiteTable
 
 __all__ = [
     "ColumnParallelLinear",

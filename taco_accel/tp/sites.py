@@ -3,124 +3,30 @@
 A site (`comm.Site`) is named after the module that owns it plus the direction of the tensor it
 moves: ``layers.3.mlp.down_proj/fwd`` (the forward all-reduce of a row-parallel output) or
 ``layers.3.self_attn/bwd`` (the backward all-reduce of the attention input gradient).
-`Compression` says which `TacoConfig` each site starts with (per direction, then per-site
-patterns) and whether timing decides if it is used (the auto mode, `comm.autotune`);
-`SiteTable` holds the sites of one model with their run-time state (its own `comm.Ledger`:
-statistics and agreement checks, and its own `comm.autotune.AutoDecider`), and the data-driven
-reshaping: record what each site sends for a few steps, pick its group size with
-`codec.calibrate`, print / save / load the choice.
+`Compression` (`tp.compression`) says which `TacoConfig` each site starts with and whether the
+auto mode decides if it is used (`comm.autotune`); `SiteTable` holds the sites of one model with
+their run-time state (its own `comm.Ledger`: statistics and agreement checks, and its own
+`comm.autotune.AutoDecider`), and the data-driven reshaping: record what each site sends for a
+few steps, pick its group size with `codec.calibrate`, print / save / load the choice.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import fnmatch
 import json
 import logging
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from ..codec import TacoConfig, calibrate
+from ..codec import calibrate
 from ..codec.config import GROUP_SIZES
 from ..comm import CommStats, Ledger, Site
 from ..comm.autotune import AutoDecider
+from .compression import Compression
 
 logger = logging.getLogger(__name__)
-
-DIRECTIONS = ("fwd", "bwd")
-
-
-DEFAULT = TacoConfig()  # the codec's defaults, the collectives' piece size among them
-ON = DEFAULT.replace(threshold_bytes=0)  # "on": every message of every site compressed
-MODES = ("auto", "on", "off")
-
-
-@dataclass(frozen=True)
-class Compression:
-    """Which codec settings each site gets; ``None`` anywhere means the plain collective.
-
-    Args:
-        forward: settings of the forward sites (activations: row-parallel outputs, the
-            embedding, sequence-parallel all-gathers). Default ``DEFAULT``: ``TacoConfig()``
-            with pieces of `comm.pieces.PIECE_BYTES` (`TacoConfig`'s default).
-        backward: settings of the backward sites (input gradients of column-parallel
-            regions, sequence-parallel reduce-scatters). Default ``DEFAULT``.
-        sites: per-site overrides, ``{pattern: TacoConfig | None}`` with shell-style
-            patterns on site names, e.g. ``{"lm_head/*": None, "layers.0.*": cfg}``. When
-            several patterns match, the last one wins.
-        auto: decide per site from timings on the real group (`taco_accel.comm.autotune`): a
-            forward / backward site with settings is compressed only where the compressed
-            collective measured faster than the plain one at that site's message, the same
-            decision on every rank. Explicit choices still win: a direction set to ``None`` stays
-            plain, and a site matched by ``sites`` follows its pattern (a `TacoConfig` there is
-            compressed by its size threshold, ``None`` plain), untimed.
-
-    `resolve` also takes the strings ``"auto"`` (the default of `parallelize`: ``auto=True``
-    with ``DEFAULT``), ``"on"`` (every message compressed: ``DEFAULT`` with ``threshold_bytes=0``)
-    and ``"off"`` (plain TP).
-    """
-
-    forward: TacoConfig | None = DEFAULT
-    backward: TacoConfig | None = DEFAULT
-    sites: Mapping[str, TacoConfig | None] = field(default_factory=dict)
-    auto: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("forward", "backward"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, TacoConfig):
-                raise ValueError(f"Compression.{name}={value!r} must be a TacoConfig or None")
-        for pattern, value in self.sites.items():
-            if value is not None and not isinstance(value, TacoConfig):
-                raise ValueError(f"Compression.sites[{pattern!r}]={value!r} must be a TacoConfig or None")
-        if not isinstance(self.auto, bool):
-            raise ValueError(f"Compression.auto={self.auto!r} must be True or False")
-
-    @classmethod
-    def resolve(cls, value) -> "Compression":
-        """Accept a `Compression`, ``"auto"`` / ``"on"`` / ``"off"``, a `TacoConfig` (both
-        directions, compressed by its size threshold), ``None`` (plain TP) or a dict
-        ``{"forward": cfg, "backward": cfg, "sites": {...}, "auto": bool}``."""
-        if isinstance(value, Compression):
-            return value
-        if isinstance(value, str) and value in MODES:
-            return {"auto": cls(auto=True), "on": cls(ON, ON), "off": cls(None, None)}[value]
-        if value is None or isinstance(value, TacoConfig):
-            return cls(forward=value, backward=value)
-        if isinstance(value, Mapping):
-            unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
-            if unknown:
-                raise ValueError(
-                    f"compression dict has unknown keys {sorted(unknown)}; use 'forward', "
-                    "'backward', 'sites' and 'auto'"
-                )
-            return cls(**value)
-        raise ValueError(
-            f"compression={value!r} is not supported; pass 'auto', 'on', 'off', a TacoConfig, None, "
-            "a taco_accel.Compression or a dict {'forward': cfg|None, 'backward': cfg|None}"
-        )
-
-    def config_for(self, site: str) -> TacoConfig | None:
-        return self.rule_for(site)[0]
-
-    def rule_for(self, site: str) -> tuple[TacoConfig | None, bool]:
-        """``(settings, decided by timing?)`` of the site called ``site``."""
-        config, auto = (self.forward if site.endswith("/fwd") else self.backward), self.auto
-        for pattern, override in self.sites.items():
-            if fnmatch.fnmatchcase(site, pattern):
-                config, auto = override, False
-        return config, auto and config is not None
-
-    def to_dict(self) -> dict:
-        """JSON-ready values (a run record); `resolve` accepts them back after
-        ``TacoConfig.from_dict`` on each config."""
-        conf = lambda c: None if c is None else c.to_dict()  # noqa: E731
-        return {"forward": conf(self.forward), "backward": conf(self.backward),
-                "sites": {p: conf(c) for p, c in self.sites.items()}, "auto": self.auto}
 
 
 class SiteTable(Mapping[str, Site]):
@@ -128,7 +34,8 @@ class SiteTable(Mapping[str, Site]):
     run-time state: ``ledger`` (statistics, error sampling and agreement checks of this model's
     sites only) and ``decider`` (the auto decisions and their shared timings).
 
-    ``timed=False`` (an emulated model: no real group) makes auto sites decide by size.
+    ``timed=False`` (an emulated model: no real group) makes auto sites decide by the auto
+    mode's size rule (`comm.autotune.UNTIMED_BYTES`).
     `decisions` returns what each site does, for logs and run records; `pop_stats` this model's
     figures (`comm.pop_comm_stats` returns every model's).
     """
@@ -136,7 +43,7 @@ class SiteTable(Mapping[str, Site]):
     def __init__(self, group, compression: Compression, timed: bool = True) -> None:
         self.group = group
         self.compression = compression
-        self.decider = AutoDecider(group, timed) if compression.auto else None
+        self.decider = AutoDecider(group, timed) if compression.mode == "auto" else None
         self.ledger = Ledger()
         self._sites: dict[str, Site] = {}
 
