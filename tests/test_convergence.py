@@ -10,7 +10,7 @@ import torch
 
 from taco_accel.bench import convergence
 from taco_accel.comm.emulated import EmulatedGroup
-from taco_accel.integrations.loop import lr_lambda
+from taco_accel.training.loop import lr_lambda
 
 
 def _small_text(tmp_path) -> str:

@@ -388,7 +388,7 @@ def test_mesh_sizes_from_the_environment_name_the_variable(monkeypatch, name, va
 
 
 def test_a_bad_flag_is_one_line_and_status_2(capsys):
-    from taco_accel.integrations.cli import build_parser
+    from taco_accel.training.cli import build_parser
 
     for argv, message in ((["--compression", "maybe"], "--compression: 'maybe': use auto, on, off or a JSON "
                            "settings file"), (["--data", "missing.jsonl"], "--data: 'missing.jsonl': no such file")):
@@ -402,7 +402,7 @@ def test_a_bad_flag_is_one_line_and_status_2(capsys):
 # -- several ranks: identity of checkpoints, batches, models, command lines, runs ----------------
 
 def _run(out: str, **changes):
-    from taco_accel.integrations import TrainConfig, Trainer
+    from taco_accel.training import TrainConfig, Trainer
 
     values = dict(family="qwen2", preset="nano", seq_len=32, micro_batch_size=2, micro_batches=1, steps=2, lr=1e-2,
                   warmup_steps=0, eval_every=0, trackers=(), progress=False, export=False, plot=False,
@@ -411,7 +411,7 @@ def _run(out: str, **changes):
 
 
 def _cli(argv: list[str], error_file: str) -> dict:
-    from taco_accel.integrations import cli
+    from taco_accel.training import cli
 
     os.environ["TORCHELASTIC_ERROR_FILE"] = error_file
     err = io.StringIO()

@@ -53,7 +53,7 @@ import torch
 
 from taco_accel.bench.fidelity import naive_per_tensor
 from taco_accel.codec import TacoConfig
-from taco_accel.integrations.loop import TrainingLoop
+from taco_accel.training.loop import TrainingLoop
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ def load_data(preset: Preset, cache_dir: Path) -> Data:
     from transformers import Qwen2Config
 
     from taco_accel.data import build_tokenizer, load_texts, split_documents, tokenize
-    from taco_accel.integrations.presets import pad_vocab
+    from taco_accel.training.presets import pad_vocab
 
     docs = [d for source in (preset.data or (None,)) for d in load_texts(source)]
     train_docs, val_docs = split_documents(docs)
@@ -356,7 +356,7 @@ class RunConfig:
 
 
 class VariantRun(TrainingLoop):
-    """One variant of the study on the one training loop (`taco_accel.integrations.loop`), with
+    """One variant of the study on the one training loop (`taco_accel.training.loop`), with
     the study's own step: the emulated model, clipping to norm 1, AdamW, and on CUDA the step
     replayed from a graph (`TrainStep`). No accelerator: no trackers, no checkpoints."""
 

@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from ..codec import TacoConfig
 from ..parallel import SCHEDULES, ParallelDims, collective_timeout
-from .accelerator import Accelerator
-from .launch import global_rank, main_first, usable_trackers
+from ..integrations import Accelerator, export_pretrained
+from .ranks import global_rank, main_first, usable_trackers
 from .loop import TrainingLoop, comm_totals, lr_lambda
 from .metrics import flops_per_token, plot_losses
 from .presets import model_config, pad_vocab
@@ -275,8 +275,6 @@ class Trainer(TrainingLoop):
                                        f"{cfg.family}/{cfg.preset} {self.dims}, TACO {_describe(cfg.compression)}"):
                 logger.info("loss curve: %s", self.out / "loss.png")
         if cfg.export:
-            from .export import export_pretrained
-
             export_pretrained(self.parts.modules, self.mesh, self.model_config, self.out / "final",
                               tokenizer=self.tokenizer, drop=self.parts.export_drop)
 

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..errors import CheckpointError, OutputExistsError
-from . import checkpoint
+from ..integrations import checkpoint
 from .metrics import write_history, write_json
 
 logger = logging.getLogger(__name__)
