@@ -57,6 +57,18 @@ def test_config_from_args_defaults_to_the_launch_environment(monkeypatch):
     assert (cfg.family, cfg.pp, cfg.dp, cfg.tp, cfg.trackers, cfg.stages_per_rank) == ("gpt2", None, None, None, (), 2)
 
 
+def test_a_run_without_an_output_dir_refuses_what_writes_files():
+    from taco_accel.training import TrainConfig
+
+    TrainConfig(output_dir=None, trackers=(), export=False, plot=False)  # a run that keeps its history in memory
+    for asked in ({"export": True}, {"plot": True}, {"trackers": ("tensorboard",)}, {"save_every": 2},
+                  {"resume": "latest"}):
+        values = dict(output_dir=None, trackers=(), export=False, plot=False) | asked
+        with pytest.raises(ValueError, match="output_dir=None writes nothing.*name an output_dir") as error:
+            TrainConfig(**values)
+        assert str(next(iter(asked.values()))) in str(error.value)  # the value that asks for files is named
+
+
 def test_one_process_emulates_tp2_for_the_small_presets(monkeypatch):
     from taco_accel.training.cli import config_from_args
 
