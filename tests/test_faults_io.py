@@ -162,7 +162,7 @@ def test_a_record_naming_files_outside_its_data_folder_is_refused(tmp_path, name
     outside = tmp_path / "outside.bin"
     outside.write_bytes(b"secret")  # a real file with its true size and checksum: refused by name
     record = json.loads((folder / ckpt.COMMIT).read_text())
-    files = {**record["files"], name.format(data=record["data"]): ckpt._describe(outside)}
+    files = {**record["files"], name.format(data=record["data"]): ckpt.describe(outside)}
     _edit_record(folder, files=files)
     with pytest.raises(CheckpointError, match=r"outside its data folder .*\(planted or edited record\)"):
         ckpt.verify(folder)
@@ -176,7 +176,7 @@ class _Planted:
 def _replan(folder: Path) -> None:
     """Rewrite the record so that every file's size and checksum match again (an attacker's edit)."""
     record = json.loads((folder / ckpt.COMMIT).read_text())
-    _edit_record(folder, files={name: ckpt._describe(folder / name) for name in record["files"]})
+    _edit_record(folder, files={name: ckpt.describe(folder / name) for name in record["files"]})
 
 
 def test_planted_pickles_run_no_code(tmp_path, monkeypatch):
