@@ -11,7 +11,7 @@ data. Same flags and outputs as qwen_finetune.py (``--help``).
 
 from pathlib import Path
 
-from taco_accel.integrations.finetune_cli import main
+from taco_accel.training.finetune_cli import main
 
 if __name__ == "__main__":
     main("gpt2", __doc__.splitlines()[1], default_data=str(Path(__file__).parent / "data" / "sft_sample.jsonl"))

@@ -10,7 +10,7 @@ the token embedding, as in GPT-2; across pipeline stages the two copies are kept
 See ``--help`` and recipes/README.md.
 """
 
-from taco_accel.integrations.cli import main
+from taco_accel.training.cli import main
 
 if __name__ == "__main__":
     main("gpt2", __doc__.splitlines()[1])

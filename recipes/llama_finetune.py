@@ -11,7 +11,7 @@ tokenizer (no network), on the shipped sample data. Same flags and outputs as qw
 
 from pathlib import Path
 
-from taco_accel.integrations.finetune_cli import main
+from taco_accel.training.finetune_cli import main
 
 if __name__ == "__main__":
     main("llama", __doc__.splitlines()[1], default_data=str(Path(__file__).parent / "data" / "sft_sample.jsonl"))

@@ -14,7 +14,7 @@ See ``--help`` and recipes/README.md.
 
 from pathlib import Path
 
-from taco_accel.integrations.finetune_cli import main
+from taco_accel.training.finetune_cli import main
 
 if __name__ == "__main__":
     main("qwen2", __doc__.splitlines()[1], default_data=str(Path(__file__).parent / "data" / "sft_sample.jsonl"))

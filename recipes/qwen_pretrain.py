@@ -9,7 +9,7 @@ Sizes: --preset nano | tiny (default, about a minute on 2 CPU processes) | small
 See ``--help`` and recipes/README.md.
 """
 
-from taco_accel.integrations.cli import main
+from taco_accel.training.cli import main
 
 if __name__ == "__main__":
     main("qwen2", __doc__.splitlines()[1])

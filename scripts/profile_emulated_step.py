@@ -2,10 +2,12 @@
 
     python scripts/profile_emulated_step.py --preset h200-100m --variants none taco
 
-For each variant: the eager step, the step replayed from a CUDA graph (`TrainStep`, as the
-study runs it), and one eager step under the profiler: kernel launches and GPU time per step,
-and the kernels that take the most of it. Random token ids (no data preparation): the shapes,
-not the values, set the time. Prints a table per variant and a summary line each last.
+For each variant: the study's own step (`VariantRun`, the pretraining `Trainer`'s step on
+emulated TP) timed over a few steps after a warm-up, then one step under the profiler: kernel
+launches and device time per step, and the operations that take the most of it (GPU kernels on
+CUDA, CPU operators otherwise). The data is the study's (`load_data`, cached in ``--out``'s
+``cache/`` as ``python -m taco_accel.bench.convergence --prepare`` leaves it). Prints a table per
+variant and a summary line each last.
 """
 
 from __future__ import annotations
@@ -13,77 +15,70 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
-from taco_accel.bench.convergence import PRESETS, VARIANTS, Data, TrainStep, build_model, make_optimizer
+from taco_accel.bench.convergence import PRESETS, VARIANTS, VariantRun, load_data
+
+WARMUP_STEPS, TIMED_STEPS = 2, 4
 
 
-def profile_variant(key: str, preset, data: Data, device: torch.device, replays: int, top: int) -> dict:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def profile_variant(key: str, preset, data, device: torch.device, top: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    model = build_model(data, VARIANTS[key], preset, seed=0, group_size=128, device=device)
-    opt = make_optimizer(model, preset, device, capturable=True)
-    gen = torch.Generator().manual_seed(0)
-
-    def batch():
-        ids = torch.randint(0, data.config.vocab_size, (preset.batch, preset.seq_len + 1), generator=gen)
-        return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
-
-    eager = TrainStep(model, opt, device, preset.bf16, graph=False)
+    run = VariantRun(key, data, preset, seed=0, group_size=128, device=device)
+    for _ in range(WARMUP_STEPS):
+        run.train_step()
     times = []
-    for _ in range(4):
-        torch.cuda.synchronize()
+    for _ in range(TIMED_STEPS):
+        _sync(device)
         t0 = time.perf_counter()
-        eager(*batch(), lr=preset.lr)
-        torch.cuda.synchronize()
+        run.train_step()
+        _sync(device)
         times.append(time.perf_counter() - t0)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        eager(*batch(), lr=preset.lr)
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    gpu_us = sum(e.device_time_total for e in kernels)
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        run.train_step()
+        _sync(device)
+    wanted = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    ops = [e for e in prof.events() if e.device_type == wanted and (cuda or e.cpu_parent is None)]
+    total_us = sum(e.device_time_total if cuda else e.cpu_time_total for e in ops)
     by_name: dict[str, list[float]] = {}
-    for e in kernels:
-        by_name.setdefault(e.name, []).append(e.device_time_total)
-    graphed = TrainStep(model, opt, device, preset.bf16, graph=True)
-    for _ in range(TrainStep.EAGER_STEPS + 1):
-        graphed(*batch(), lr=preset.lr)
-    inputs = [batch() for _ in range(replays)]
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for x, y in inputs:
-        graphed(x, y, lr=preset.lr)
-    end.record()
-    torch.cuda.synchronize()
-    print(f"\n{key}: top {top} kernels of one eager step by GPU time")
-    print(f"{'GPU ms':>8s} {'share':>6s} {'calls':>6s}  kernel")
+    for e in ops:
+        by_name.setdefault(e.name, []).append(e.device_time_total if cuda else e.cpu_time_total)
+    print(f"\n{key}: top {top} {'kernels' if cuda else 'top-level CPU operators'} of one step by time")
+    print(f"{'ms':>8s} {'share':>6s} {'calls':>6s}  name")
     for name, values in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
-        print(f"{sum(values) / 1e3:8.2f} {sum(values) / gpu_us:6.1%} {len(values):6d}  {name[:100]}")
-    return dict(key=key, eager_s=statistics.median(times[1:]), graph_s=start.elapsed_time(end) / 1e3 / replays,
-                kernels=len(kernels), gpu_s=gpu_us / 1e6, graphed=graphed.graphed)
+        print(f"{sum(values) / 1e3:8.2f} {sum(values) / total_us:6.1%} {len(values):6d}  {name[:100]}")
+    return dict(key=key, step_s=statistics.median(times), ops=len(ops), device_s=total_us / 1e6)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="h200-100m", choices=sorted(PRESETS))
     parser.add_argument("--variants", nargs="+", default=["none", "taco"], choices=list(VARIANTS))
-    parser.add_argument("--vocab", type=int, default=16384, help="the study's BPE vocabulary")
-    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--data", nargs="+", help="text sources for load_texts (default: the preset's)")
+    parser.add_argument("--out", default="runs/convergence", help="the study's folder (its cache/ is used)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args()
-    from transformers import Qwen2Config
+    preset, device = PRESETS[args.preset], torch.device(args.device)
+    if args.data:
+        from dataclasses import replace
 
-    preset, device = PRESETS[args.preset], torch.device("cuda")
-    config = Qwen2Config(vocab_size=args.vocab, max_position_embeddings=max(preset.seq_len, 128), **preset.model)
-    data = Data(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long), config)
-    rows = [profile_variant(key, preset, data, device, args.replays, args.top) for key in args.variants]
-    print(f"\n{args.preset}, emulated tp={preset.tp}, {preset.batch}x{preset.seq_len} tokens per step")
-    print(f"{'variant':>8s} {'eager s':>8s} {'graph s':>8s} {'kernels':>8s} {'GPU s':>7s}")
+        preset = replace(preset, data=tuple(args.data))
+    data = load_data(preset, Path(args.out) / "cache")
+    rows = [profile_variant(key, preset, data, device, args.top) for key in args.variants]
+    print(f"\n{args.preset}, emulated tp={preset.tp}, {preset.batch}x{preset.seq_len} tokens per step, {device}")
+    print(f"{'variant':>8s} {'step s':>8s} {'ops':>8s} {'busy s':>7s}")
     for r in rows:
-        print(f"{r['key']:>8s} {r['eager_s']:8.3f} {r['graph_s']:8.3f} {r['kernels']:8d} {r['gpu_s']:7.3f}"
-              + ("" if r["graphed"] else "  (capture failed: eager)"))
+        print(f"{r['key']:>8s} {r['step_s']:8.3f} {r['ops']:8d} {r['device_s']:7.3f}")
 
 
 if __name__ == "__main__":

@@ -29,14 +29,13 @@ from .tp import Compression
 from .parallel import ParallelDims, build_mesh
 from .integrations import (
     Accelerator,
-    TrainConfig,
-    Trainer,
     export_merged,
     get_peft_model,
     load_adapter,
     save_adapter,
     taco_trainer,
 )
+from .training import TrainConfig, Trainer
 
 __version__ = "0.1.0"
 

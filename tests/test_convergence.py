@@ -1,16 +1,23 @@
-"""Smoke test of the convergence study (``python -m taco_accel.bench.convergence``) on the nano preset."""
+"""Smoke test of the convergence study (``python -m taco_accel.bench.convergence``) on the nano preset.
+
+The study's runs are `Trainer` runs, whose Accelerator starts a process group and Accelerate's
+process state: each test runs the command lines in a process of its own (`run_ranks`, one rank)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import sysconfig
 from pathlib import Path
 
+import pytest
 import torch
+from harness import run_ranks
 
 from taco_accel.bench import convergence
 from taco_accel.comm.emulated import EmulatedGroup
-from taco_accel.integrations.loop import lr_lambda
+from taco_accel.training.loop import lr_lambda
 
 
 def _small_text(tmp_path) -> str:
@@ -21,19 +28,41 @@ def _small_text(tmp_path) -> str:
     return str(path)
 
 
-def test_study_runs_and_reports(tmp_path, capsys):
+def _commands(argvs: list[list[str]], folder: str) -> list[tuple[dict, str, dict]]:
+    """``convergence.main`` of each command line in turn: its records, what it printed and the
+    records ``folder`` (``--out``) holds for seed 0 then."""
+    out = []
+    for argv in argvs:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            records = convergence.main(argv)
+        saved = {path.stem: json.loads(path.read_text()) for path in (Path(folder) / "seed0").glob("*.json")}
+        out.append((records, printed.getvalue(), saved))
+    return out
+
+
+def test_study_runs_and_reports(tmp_path):
     argv = ["--preset", "nano", "--data", _small_text(tmp_path), "--out", str(tmp_path)]
-    records = convergence.main([*argv, "--variants", "none", "naive", "taco", "--fidelity"])[0]  # seed 0
+    (records, printed, saved), (again, _, _) = run_ranks(
+        _commands, 1, [[*argv, "--variants", "none", "naive", "taco", "--fidelity"], [*argv, "--variants", "taco", "--report"]],
+        str(tmp_path))[0]
+    records, again = records[0], again[0]  # seed 0
+    preset = convergence.PRESETS["nano"]
     assert set(records) == {"none", "naive", "taco"}
+    # the one loop's schedule at the preset's peak and warm-up (the lr a row reports is its step's)
+    factor = lr_lambda(convergence.run_config(preset, seed=0, compression=None, device=torch.device("cpu")))
+    assert [round(factor(s), 6) for s in (0, preset.warmup, preset.steps)] == [1 / preset.warmup, 1.0, 0.1]
     for key, record in records.items():
-        assert record["steps"] == convergence.PRESETS["nano"].steps
+        assert record["steps"] == preset.steps
         assert [h["step"] for h in record["history"] if "val_loss" in h] == [2, 4]
-        assert json.loads((tmp_path / "seed0" / f"{key}.json").read_text())["final_val"] == record["final_val"]
+        assert [h["lr"] for h in record["history"]] == pytest.approx([preset.lr * factor(s) for s in range(4)])
+        assert saved[key]["final_val"] == record["final_val"]
     first = {k: r["history"][0]["loss"] for k, r in records.items()}  # same weights and batch, other codec
     assert first["taco"] != first["none"] and abs(first["taco"] - first["none"]) < 1e-2 * first["none"]
-    printed = capsys.readouterr().out
+    assert records["none"]["history"][0]["comm_compression"] == 1.0  # plain sums
+    assert records["taco"]["history"][0]["comm_compression"] > 3  # every message compressed: G=128, 1 byte + a scale
     assert "| TACO (default) | E4M3 G=128, Hadamard, single |" in printed and "+0.00%" in printed
-    fidelity = json.loads((tmp_path / "seed0" / "fidelity.json").read_text())
+    fidelity = saved["fidelity"]
     assert fidelity["steps"] == [0, 1, 2, 3, 4] and set(fidelity) == {"steps", "naive", "taco"}
     assert all(0 < e < 0.2 for e in fidelity["taco"]["grad_error"])  # the codec's error, at the same weights
     assert "| TACO (default) |" in printed.split("at the uncompressed run's weights")[1]
@@ -42,7 +71,6 @@ def test_study_runs_and_reports(tmp_path, capsys):
 
         assert importlib.util.find_spec("matplotlib") is None
     # an existing record is reused, and --report only rebuilds the table
-    again = convergence.main([*argv, "--variants", "taco", "--report"])[0]
     assert again["taco"]["history"] == records["taco"]["history"]
 
 
@@ -62,39 +90,23 @@ def test_naive_per_tensor_reducer_is_a_pluggable_all_reduce():
 
 def test_time_budget_stops_at_a_validation_and_runs_are_compared_at_a_common_step(tmp_path):
     argv = ["--preset", "nano", "--data", _small_text(tmp_path), "--out", str(tmp_path), "--variants", "none", "taco"]
-    stopped = convergence.main([*argv, "--time-budget", "0"])[0]
+    (stopped, _, first), (done, _, _) = run_ranks(_commands, 1, [[*argv, "--time-budget", "0"], argv], str(tmp_path))[0]
+    stopped, done = stopped[0], done[0]
     for key, record in stopped.items():  # nano validates at steps 2 and 4
-        saved = json.loads((tmp_path / "seed0" / f"{key}.json").read_text())
+        saved = first[key]
         assert saved["complete"] is False and saved["steps"] == 2 and saved["history"][-1]["val_loss"] is not None
         assert record["steps"] == 2 and record["final_val"] == saved["final_val"]
-    # an unfinished record is trained again, not reused
-    done = convergence.main(argv)[0]
+    # an unfinished record is trained again, not reused; the same seed repeats its run bit for bit
     assert all(r["complete"] and r["steps"] == 4 for r in done.values())
+    for key in done:
+        assert [(h["loss"], h.get("val_loss")) for h in done[key]["history"][:2]] == \
+            [(h["loss"], h.get("val_loss")) for h in stopped[key]["history"]]
     # a finished run next to an unfinished one: both cut at the last step both validated
     partial = dict(stopped["taco"], history=stopped["taco"]["history"][:2])
     records, step = convergence.align({"none": done["none"], "taco": partial})
     assert step == 2 and records["none"]["steps"] == 2
     assert records["none"]["final_val"] == done["none"]["history"][1]["val_loss"]
     assert convergence.align({"none": done["none"], "taco": done["taco"]}) == ({"none": done["none"], "taco": done["taco"]}, None)
-
-
-def test_train_step_follows_the_schedule_and_learning_rate_tensors_are_filled_in_place():
-    """`TrainStep` is the step the study runs (eagerly off CUDA, where ``graph`` is ignored); the
-    learning rate reaches AdamW as a float, or into the device tensor a captured step reads."""
-    preset = convergence.PRESETS["nano"]
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 4)
-    opt = convergence.make_optimizer(model, preset, torch.device("cpu"))
-    factor = lr_lambda(convergence.RunConfig.of(preset))  # the one loop's schedule
-    assert [round(factor(s), 6) for s in (0, preset.warmup, preset.steps)] == [1 / preset.warmup, 1.0, 0.1]
-    convergence.set_lr(opt, 0.5)
-    assert [g["lr"] for g in opt.param_groups] == [0.5, 0.5]
-    lr = torch.tensor(1.0)
-    tensor_opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=lr)
-    convergence.set_lr(tensor_opt, 0.25)
-    assert tensor_opt.param_groups[0]["lr"] is lr and lr.item() == 0.25
-    step = convergence.TrainStep(model, opt, torch.device("cpu"), bf16=False, graph=True)
-    assert not step.graph and not step.graphed  # CUDA graphs are CUDA only
 
 
 def test_delta_gives_mean_range_and_standard_error_over_seeds():

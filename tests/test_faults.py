@@ -329,7 +329,7 @@ def test_supervised_records_name_file_and_line(tmp_path):
 def _resume_with_changed_settings(out: str, cache: str) -> dict:
     import logging
 
-    from taco_accel.integrations import TrainConfig, Trainer
+    from taco_accel.training import TrainConfig, Trainer
 
     records = []
     handler = logging.Handler()
@@ -344,7 +344,7 @@ def _resume_with_changed_settings(out: str, cache: str) -> dict:
 
 
 def test_resume_applies_changed_hyper_parameters_and_says_so(tmp_path, token_cache):
-    from taco_accel.integrations.trainer import TrainConfig, lr_lambda
+    from taco_accel.training.trainer import TrainConfig, lr_lambda
 
     r = run_ranks(_resume_with_changed_settings, 1, str(tmp_path / "run"), token_cache)[0]
     factor = lr_lambda(TrainConfig(steps=4, warmup_steps=0))

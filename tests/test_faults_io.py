@@ -162,7 +162,7 @@ def test_a_record_naming_files_outside_its_data_folder_is_refused(tmp_path, name
     outside = tmp_path / "outside.bin"
     outside.write_bytes(b"secret")  # a real file with its true size and checksum: refused by name
     record = json.loads((folder / ckpt.COMMIT).read_text())
-    files = {**record["files"], name.format(data=record["data"]): ckpt._describe(outside)}
+    files = {**record["files"], name.format(data=record["data"]): ckpt.describe(outside)}
     _edit_record(folder, files=files)
     with pytest.raises(CheckpointError, match=r"outside its data folder .*\(planted or edited record\)"):
         ckpt.verify(folder)
@@ -176,7 +176,7 @@ class _Planted:
 def _replan(folder: Path) -> None:
     """Rewrite the record so that every file's size and checksum match again (an attacker's edit)."""
     record = json.loads((folder / ckpt.COMMIT).read_text())
-    _edit_record(folder, files={name: ckpt._describe(folder / name) for name in record["files"]})
+    _edit_record(folder, files={name: ckpt.describe(folder / name) for name in record["files"]})
 
 
 def test_planted_pickles_run_no_code(tmp_path, monkeypatch):
@@ -388,7 +388,7 @@ def test_mesh_sizes_from_the_environment_name_the_variable(monkeypatch, name, va
 
 
 def test_a_bad_flag_is_one_line_and_status_2(capsys):
-    from taco_accel.integrations.cli import build_parser
+    from taco_accel.training.cli import build_parser
 
     for argv, message in ((["--compression", "maybe"], "--compression: 'maybe': use auto, on, off or a JSON "
                            "settings file"), (["--data", "missing.jsonl"], "--data: 'missing.jsonl': no such file")):
@@ -402,7 +402,7 @@ def test_a_bad_flag_is_one_line_and_status_2(capsys):
 # -- several ranks: identity of checkpoints, batches, models, command lines, runs ----------------
 
 def _run(out: str, **changes):
-    from taco_accel.integrations import TrainConfig, Trainer
+    from taco_accel.training import TrainConfig, Trainer
 
     values = dict(family="qwen2", preset="nano", seq_len=32, micro_batch_size=2, micro_batches=1, steps=2, lr=1e-2,
                   warmup_steps=0, eval_every=0, trackers=(), progress=False, export=False, plot=False,
@@ -411,7 +411,7 @@ def _run(out: str, **changes):
 
 
 def _cli(argv: list[str], error_file: str) -> dict:
-    from taco_accel.integrations import cli
+    from taco_accel.training import cli
 
     os.environ["TORCHELASTIC_ERROR_FILE"] = error_file
     err = io.StringIO()

@@ -82,8 +82,8 @@ def test_batches_are_padded_seeded_and_split_over_dp():
 def test_local_evaluate_metric_needs_no_hub():
     import evaluate
 
-    from taco_accel.integrations.finetune import perplexity
-    from taco_accel.integrations.token_perplexity import MODULE_DIR
+    from taco_accel.training.finetune import perplexity
+    from taco_accel.training.token_perplexity import MODULE_DIR
 
     metric = evaluate.load(MODULE_DIR)
     metric.add_batch(nll=[6.0, 2.0], tokens=[3, 1])
@@ -96,7 +96,7 @@ def test_local_evaluate_metric_needs_no_hub():
 # -- the loop against one process -----------------------------------------------------------
 
 def _run(base: str, out: str, **overrides) -> dict:
-    from taco_accel.integrations.finetune import FinetuneConfig, Finetuner
+    from taco_accel.training.finetune import FinetuneConfig, Finetuner
 
     values = dict(model=base, data=str(SAMPLE), max_len=96, micro_batch_size=2, micro_batches=2, steps=3, lr=5e-3,
                   warmup_steps=1, eval_every=3, max_eval_examples=8, lora_r=4, output_dir=out, trackers=(),
@@ -114,7 +114,7 @@ def _runs(base: str, out: str, meshes: list[dict]) -> list[dict]:
 @pytest.fixture(scope="module")
 def base_checkpoint(tmp_path_factory) -> str:
     """A tiny Llama (one kv head: replicated over tp) and its byte tokenizer, saved like a hub checkpoint."""
-    from taco_accel.integrations.finetune import tiny_checkpoint
+    from taco_accel.training.finetune import tiny_checkpoint
 
     path = tmp_path_factory.mktemp("base") / "llama"
     tiny_checkpoint("llama", path, max_len=96, seed=4)
@@ -137,7 +137,7 @@ def test_tp2_and_dp2_equal_one_process(base_checkpoint, tmp_path, method):
 def _resume(base: str, out: str) -> dict:
     """4 steps straight, against 2 steps (checkpoint at 2, stopped as a preempted job) and a new
     run resuming from it; tp=2, LoRA."""
-    from taco_accel.integrations.finetune import FinetuneConfig, Finetuner
+    from taco_accel.training.finetune import FinetuneConfig, Finetuner
 
     values = dict(model=base, data=str(SAMPLE), max_len=96, micro_batch_size=2, micro_batches=1, steps=4, lr=5e-3,
                   warmup_steps=1, eval_every=0, max_eval_examples=4, lora_r=4, trackers=(), progress=False,

@@ -21,7 +21,7 @@ def _fsdp_tp_sp(out: str, cache: str):
     import torch
     import torch.distributed as dist
 
-    from taco_accel.integrations import TrainConfig, Trainer
+    from taco_accel.training import TrainConfig, Trainer
 
     def config(mode: str) -> TrainConfig:
         return TrainConfig(family="qwen2", preset="nano", seq_len=32, micro_batch_size=2, micro_batches=2,

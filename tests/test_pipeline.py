@@ -20,7 +20,7 @@ TOL = 2e-5
 def train_losses(out: str, cache: str, steps: int = STEPS, until: int | None = None, **overrides) -> list[float]:
     """Train the nano preset for ``steps`` steps (stop after ``until``); the losses (the same
     on every rank)."""
-    from taco_accel.integrations import TrainConfig, Trainer
+    from taco_accel.training import TrainConfig, Trainer
 
     values = dict(family="qwen2", preset="nano", seq_len=32, micro_batch_size=2, micro_batches=2, steps=steps,
                   lr=1e-2, warmup_steps=1, eval_every=0, trackers=(), progress=False, export=False, plot=False,

@@ -14,14 +14,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _args(*argv):
-    from taco_accel.integrations.cli import build_parser
+    from taco_accel.training.cli import build_parser
 
     return build_parser("qwen2", "test").parse_args(list(argv))
 
 
 def test_compression_flags():
     from taco_accel import TacoConfig
-    from taco_accel.integrations.cli import compression_from_args
+    from taco_accel.training.cli import compression_from_args
 
     assert compression_from_args(_args("--compression", "off"), 128) is None
     assert compression_from_args(_args("--preset", "small"), 512) == "auto"  # timing decides, per site
@@ -34,7 +34,7 @@ def test_compression_flags():
 
 def test_compression_settings_file(tmp_path):
     from taco_accel import TacoConfig
-    from taco_accel.integrations.cli import compression_from_args
+    from taco_accel.training.cli import compression_from_args
 
     flat = tmp_path / "flat.json"
     flat.write_text(json.dumps({"format": "e5m2", "group_size": 64}))
@@ -49,7 +49,7 @@ def test_compression_settings_file(tmp_path):
 
 
 def test_config_from_args_defaults_to_the_launch_environment(monkeypatch):
-    from taco_accel.integrations.cli import config_from_args
+    from taco_accel.training.cli import config_from_args
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.delenv("ACCELERATE_USE_PARALLELISM_CONFIG", raising=False)
@@ -57,8 +57,20 @@ def test_config_from_args_defaults_to_the_launch_environment(monkeypatch):
     assert (cfg.family, cfg.pp, cfg.dp, cfg.tp, cfg.trackers, cfg.stages_per_rank) == ("gpt2", None, None, None, (), 2)
 
 
+def test_a_run_without_an_output_dir_refuses_what_writes_files():
+    from taco_accel.training import TrainConfig
+
+    TrainConfig(output_dir=None, trackers=(), export=False, plot=False)  # a run that keeps its history in memory
+    for asked in ({"export": True}, {"plot": True}, {"trackers": ("tensorboard",)}, {"save_every": 2},
+                  {"resume": "latest"}):
+        values = dict(output_dir=None, trackers=(), export=False, plot=False) | asked
+        with pytest.raises(ValueError, match="output_dir=None writes nothing.*name an output_dir") as error:
+            TrainConfig(**values)
+        assert str(next(iter(asked.values()))) in str(error.value)  # the value that asks for files is named
+
+
 def test_one_process_emulates_tp2_for_the_small_presets(monkeypatch):
-    from taco_accel.integrations.cli import config_from_args
+    from taco_accel.training.cli import config_from_args
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("ACCELERATE_USE_PARALLELISM_CONFIG", raising=False)
@@ -71,7 +83,7 @@ def test_one_process_emulates_tp2_for_the_small_presets(monkeypatch):
 
 @pytest.mark.parametrize("recipe", ["pretrain", "finetune"])
 def test_help_shows_every_real_default(recipe):
-    from taco_accel.integrations import cli, finetune_cli
+    from taco_accel.training import cli, finetune_cli
 
     parser = cli.build_parser("qwen2", "x") if recipe == "pretrain" else finetune_cli.build_parser("qwen2", "x")
     text = parser.format_help()

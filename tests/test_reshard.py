@@ -36,7 +36,7 @@ ONE = dict(pp=1, dp=1, tp=1)
 def _train(out: str, data: str, model: dict, mesh: dict, *, resume: str | None = None, resave: str | None = None):
     """3 steps (checkpoint at step 2) on ``mesh``; with ``resume``, from that checkpoint, saved
     again into ``resave`` before the first step. Returns the losses of the history."""
-    from taco_accel.integrations import TrainConfig, Trainer
+    from taco_accel.training import TrainConfig, Trainer
 
     values = dict(preset="nano", seq_len=32, micro_batch_size=2, micro_batches=2, steps=3, lr=1e-2, warmup_steps=1,
                   eval_every=0, trackers=(), progress=False, export=False, plot=False, compression=None, data=data,

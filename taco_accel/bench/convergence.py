@@ -2,7 +2,9 @@
 
 Run ``python -m taco_accel.bench.convergence`` (CPU: the ``cpu-tiny`` preset, emulated tp=8).
 Every variant trains the same model from the same initial weights on the same batches, in
-one process, with ``parallelize(model, tp=tp, emulate=True)``: each row-parallel output,
+one process, through the recipes' pretraining `Trainer` (`VariantRun`: the one training loop,
+its AdamW, schedule, clipping and evaluation) on an `Accelerator` that emulates the tp ranks
+(``parallelize(model, tp=tp, emulate=True)``): each row-parallel output,
 the embedding's output and each column-parallel input gradient is summed over tp virtual
 ranks through that variant's codec, exactly as a real tp group would (ARCHITECTURE.md has the
 sites). Every message is compressed (``threshold_bytes=0``), as in a large model.
@@ -24,9 +26,8 @@ finished record is reused unless ``--force``, so variants and seeds can run as s
 processes (one per GPU, or several on one) into one folder, and ``--report`` rebuilds the
 table and ``<out>/convergence.png`` from what is there. ``--time-budget`` stops every run at
 its first validation past the budget; runs that did not finish are compared at the last step
-all runs of their seed validated. On CUDA each training step is replayed from a CUDA graph
-(`TrainStep`; ``--no-cuda-graph`` to launch eagerly); ``--prepare`` only tokenises into the
-cache, before several runs start at once (``scripts/convergence_h200.sh``).
+all runs of their seed validated. ``--prepare`` only tokenises into the cache, before several
+runs start at once (``scripts/convergence_h200.sh``).
 
 The table gives the final training loss (mean of the last 10% of steps), the final validation
 loss (fixed validation batches) and their relative deltas against ``none``: the mean over
@@ -50,10 +51,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from taco_accel.bench.fidelity import naive_per_tensor
 from taco_accel.codec import TacoConfig
-from taco_accel.integrations.loop import TrainingLoop
+from taco_accel.models import context_of
+from taco_accel.training import TrainConfig, Trainer, model_config
+from taco_accel.training.presets import pad_vocab
+from taco_accel.training.trainer import pretraining_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -174,11 +179,14 @@ BASELINE = "none"
 
 # --- one run ----------------------------------------------------------------------------------
 
+MODEL_BASE = "tiny"  # the recipes' Qwen2 preset under every study model: `Preset.model` sets all its shape fields
+
 
 @dataclass
 class Data:
-    """Token streams and the model config of one study (shared by its variants)."""
+    """The tokenizer, token streams and model config of one study (shared by its variants)."""
 
+    tokenizer: object
     train: torch.Tensor
     val: torch.Tensor
     config: object
@@ -186,25 +194,18 @@ class Data:
 
 
 def load_data(preset: Preset, cache_dir: Path) -> Data:
-    """Tokenise the preset's text (cached) and build the Qwen2 config for its vocabulary."""
-    from transformers import Qwen2Config
-
-    from taco_accel.data import build_tokenizer, load_texts, split_documents, tokenize
-    from taco_accel.integrations.presets import pad_vocab
-
-    docs = [d for source in (preset.data or (None,)) for d in load_texts(source)]
-    train_docs, val_docs = split_documents(docs)
-    tok = build_tokenizer(preset.tokenizer, train_docs, cache_dir)
-    train, val = tokenize(train_docs, tok, cache_dir), tokenize(val_docs, tok, cache_dir)
-    config = Qwen2Config(
-        vocab_size=pad_vocab(len(tok)), max_position_embeddings=max(preset.seq_len, 128), **preset.model
-    )
+    """Tokenise the preset's text (cached; `pretraining_tokens`, as the `Trainer` does) and build
+    the Qwen2 config of its vocabulary (`model_config`, as the `Trainer` does)."""
+    tok, train, val = pretraining_tokens(preset.data, preset.tokenizer, cache_dir)
+    config = model_config("qwen2", MODEL_BASE, vocab_size=pad_vocab(len(tok)), max_positions=preset.seq_len,
+                          **preset.model)
     info = {"train_tokens": train.numel(), "val_tokens": val.numel(), "vocab": config.vocab_size}
-    return Data(train, val, config, info)
+    return Data(tok, train, val, config, info)
 
 
 def build_model(data: Data, variant: Variant, preset: Preset, seed: int, group_size: int, device: torch.device):
-    """The seeded model, emulated over ``preset.tp`` ranks with the variant's codec."""
+    """The seeded model, emulated over ``preset.tp`` ranks with the variant's codec (the initial
+    weights of every run of ``seed``; `same_weights_fidelity` measures on it)."""
     from transformers import AutoModelForCausalLM
 
     import taco_accel
@@ -217,185 +218,60 @@ def build_model(data: Data, variant: Variant, preset: Preset, seed: int, group_s
     return model.to(device)
 
 
-def make_optimizer(model, preset: Preset, device: torch.device, capturable: bool = False):
-    """AdamW over the model (weight decay 0.1 on matrices), at the preset's peak learning rate;
-    the schedule is the loop's (`RunConfig`: linear warm-up, cosine to 10%).
-
-    ``capturable``: the fused CUDA optimizer with its step count and learning rate in device
-    tensors, so that a CUDA graph replays the step (`set_lr` then fills the rate in place)."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    cuda = device.type == "cuda"
-    lr = torch.tensor(preset.lr, device=device) if capturable and cuda else preset.lr
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr, betas=(0.9, 0.95), eps=1e-8, **({"fused": True, "capturable": capturable} if cuda else {}),
-    )
-
-
-def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
-    for group in opt.param_groups:
-        if isinstance(group["lr"], torch.Tensor):
-            group["lr"].fill_(lr)  # in place: a captured step reads this tensor
-        else:
-            group["lr"] = lr
-
-
 def _loss(model, inputs, labels, device, bf16: bool) -> torch.Tensor:
-    # no autocast weight cache (CUDA graphs cannot capture it; the values are the same) and no
-    # KV cache (training would fill one for nothing)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         logits = model(input_ids=inputs.to(device), use_cache=False).logits
     labels = labels.to(device)
     return model.loss_function(logits, labels, logits.shape[-1], shift_labels=labels)
 
 
-class TrainStep:
-    """One optimizer step (forward, backward, clipping to norm 1, AdamW) at a given learning rate.
-
-    With ``graph`` (CUDA only) the first `EAGER_STEPS` steps run eagerly on a side stream (they
-    initialise the optimizer state, compile the kernels and set up cuBLAS), then the step is
-    captured once into a CUDA graph and replayed on static input tensors: the emulated tp=8
-    model launches thousands of small kernels per step, and a replay launches them without the
-    host in the way (the speed-up and the agreement with eager losses are in
-    benchmarks/results/convergence_h200.md). The kernels are the eager step's, except AdamW's
-    capturable form (its step count lives on the device), so losses agree with an eager run up to
-    fp32 rounding and a few codec tie roundings. If capture fails the error is logged and the
-    steps stay eager.
-    """
-
-    EAGER_STEPS = 3
-
-    def __init__(self, model, opt, device: torch.device, bf16: bool, graph: bool = False) -> None:
-        self.model, self.opt, self.device, self.bf16 = model, opt, device, bf16
-        self.graph = graph and device.type == "cuda"
-        self.steps = 0
-        self._cuda_graph = None
-        self._static: tuple = ()
-
-    @property
-    def graphed(self) -> bool:
-        """Whether the steps are now replayed from a CUDA graph."""
-        return self._cuda_graph is not None
-
-    def _step(self, inputs, labels) -> torch.Tensor:
-        loss = _loss(self.model, inputs, labels, self.device, self.bf16)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.opt.step()
-        return loss.detach()
-
-    def __call__(self, inputs: torch.Tensor, labels: torch.Tensor, lr: float) -> torch.Tensor:
-        """The step's training loss, a 0-d device tensor (read it without holding up the step)."""
-        set_lr(self.opt, lr)
-        self.steps += 1
-        if self._cuda_graph is not None:
-            self._static[0].copy_(inputs)
-            self._static[1].copy_(labels)
-            self._cuda_graph.replay()
-            return self._static[2].clone()  # the next replay overwrites the graph's own
-        if not self.graph:
-            self.opt.zero_grad(set_to_none=True)
-            return self._step(inputs, labels)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.opt.zero_grad(set_to_none=True)
-            loss = self._step(inputs, labels)
-        torch.cuda.current_stream().wait_stream(side)
-        if self.steps == self.EAGER_STEPS:
-            self._capture(inputs, labels)
-        return loss
-
-    def _capture(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
-        static_in, static_labels = inputs.to(self.device, copy=True), labels.to(self.device, copy=True)
-        self.opt.zero_grad(set_to_none=True)  # backward inside the graph then writes fresh gradients
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                loss = self._step(static_in, static_labels)
-        except Exception as error:  # noqa: BLE001 - any failure leaves the eager step, which works
-            logger.warning("CUDA graph capture failed, training eagerly: %s: %s", type(error).__name__, error)
-            torch.cuda.synchronize()
-            self.graph = False
-            return
-        self._cuda_graph, self._static = graph, (static_in, static_labels, loss)
-        logger.info("training step captured in a CUDA graph after %d eager steps", self.steps)
+def run_config(preset: Preset, *, seed: int, compression, device: torch.device) -> TrainConfig:
+    """The `TrainConfig` of one study run: one process emulating tp=``preset.tp``, one
+    micro-batch of ``preset.batch`` windows per step, AdamW (0.9 / 0.95, weight decay 0.1) at
+    ``preset.lr`` with ``preset.warmup`` warm-up steps then cosine to 10%, clipping at 1, bf16
+    autocast where the preset says; no files, trackers, export or progress bar."""
+    return TrainConfig(
+        family="qwen2", preset=MODEL_BASE, model_overrides=dict(preset.model), tp=preset.tp, compression=compression,
+        tokenizer=preset.tokenizer, seq_len=preset.seq_len, micro_batch_size=preset.batch, micro_batches=1,
+        steps=preset.steps, lr=preset.lr, min_lr_ratio=0.1, warmup_steps=preset.warmup, weight_decay=0.1,
+        max_grad_norm=1.0, mixed_precision="bf16" if preset.bf16 else "no", seed=seed, eval_every=preset.eval_every,
+        eval_batches=preset.eval_batches, log_every=preset.steps, output_dir=None, trackers=(), progress=False,
+        export=False, plot=False, device="cpu" if device.type == "cpu" else None,
+    )
 
 
-@torch.no_grad()
-def evaluate(model, batches, device, bf16: bool) -> float:
-    model.eval()
-    losses = torch.stack([_loss(model, x, y, device, bf16) for x, y in batches]).tolist()  # one host read
-    model.train()
-    return sum(losses) / len(batches)
-
-
-@dataclass
-class RunConfig:
-    """What the training loop reads of one study run (`VariantRun`)."""
-
-    steps: int
-    eval_every: int
-    lr: float
-    warmup_steps: int
-    log_every: int = 10**9
-    save_every: int = 0
-    progress: bool = False
-    output_dir: str = ""
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    max_grad_norm: float = 1.0
-
-    @classmethod
-    def of(cls, preset: Preset) -> "RunConfig":
-        return cls(steps=preset.steps, eval_every=preset.eval_every, lr=preset.lr, warmup_steps=preset.warmup)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-class VariantRun(TrainingLoop):
-    """One variant of the study on the one training loop (`taco_accel.integrations.loop`), with
-    the study's own step: the emulated model, clipping to norm 1, AdamW, and on CUDA the step
-    replayed from a graph (`TrainStep`). No accelerator: no trackers, no checkpoints."""
+class VariantRun(Trainer):
+    """One variant of the study: the pretraining `Trainer` (the one loop, its optimizer, schedule,
+    clipping and evaluation) on emulated TP with the variant's codec, the study's data shared
+    with its other runs; it stops at a diverged loss or, past ``deadline``, at a validation."""
 
     run_name = "convergence"
 
     def __init__(self, key: str, data: Data, preset: Preset, *, seed: int, group_size: int, device: torch.device,
                  progress: bool = False, on_step: Callable | None = None, on_eval: Callable | None = None,
-                 deadline: float | None = None, graph: bool = False):
-        from taco_accel.data import PackedBatches, eval_batches
-
+                 deadline: float | None = None):
         self.key, self.variant, self.preset, self.seed, self.group_size = key, VARIANTS[key], preset, seed, group_size
-        self.device, self.verbose, self.on_step, self.on_eval, self.deadline = device, progress, on_step, on_eval, deadline
-        self.cfg = RunConfig.of(preset)
-        self.accelerator = self.out = None
-        self.trackers, self.is_main, self.step, self.history = [], True, 0, []
-        self.model = build_model(data, self.variant, preset, seed, group_size, device)
-        self.optimizer = make_optimizer(self.model, preset, device, capturable=graph)
-        self.run_step = TrainStep(self.model, self.optimizer, device, preset.bf16, graph=graph)
-        self.batches = PackedBatches(data.train, preset.seq_len, preset.batch, seed=seed)
-        self.val = eval_batches(data.val, preset.seq_len, preset.batch, preset.eval_batches)
+        self.data, self.verbose, self.on_step, self.on_eval, self.deadline = data, progress, on_step, on_eval, deadline
         self.start = time.perf_counter()
+        super().__init__(run_config(preset, seed=seed, compression=self.variant.compression(group_size), device=device))
+        if self.variant.reducer is not None:
+            context_of(self.model).emulator.reducer = self.variant.reducer
+
+    def load_tokens(self) -> tuple:
+        return self.data.tokenizer, self.data.train, self.data.val
 
     def before_training(self) -> None:
         if self.on_step is not None:
             self.on_step(0, self.model)
 
     def train_step(self) -> dict:
-        lr = self.preset.lr * self.lr_factor(self.step)
-        loss = self.run_step(*self.batches.batch(self.step), lr=lr)
-        self.step += 1
+        row = super().train_step()
         if self.on_step is not None:
             self.on_step(self.step, self.model)
-        return {"step": self.step, "loss": loss.item()}
-
-    def evaluate(self) -> dict:
-        return {"val_loss": evaluate(self.model, self.val, self.device, self.preset.bf16)}
+        return row
 
     def format_row(self, row: dict) -> str:
-        return f"{self.key} step {row['step']}: loss {row['loss']:.4f}"
+        return f"{self.key} {super().format_row(row)}"
 
     def should_stop(self, row: dict) -> bool:
         if not math.isfinite(row["loss"]):
@@ -414,16 +290,13 @@ class VariantRun(TrainingLoop):
 
     def record(self) -> dict:
         return _record(self.key, self.variant, self.seed, self.group_size, self.history, self.start,
-                       self.step == self.preset.steps and math.isfinite(self.history[-1]["loss"]),
-                       self.run_step.graphed)
+                       self.step == self.preset.steps and math.isfinite(self.history[-1]["loss"]))
 
 
 def train_variant(key: str, data: Data, preset: Preset, *, seed: int, group_size: int, device: torch.device,
                   progress: bool = False, on_step: Callable | None = None, on_eval: Callable | None = None,
-                  deadline: float | None = None, graph: bool = False) -> dict:
+                  deadline: float | None = None) -> dict:
     """Train one variant (`VariantRun`); returns its record (loss history, finals, time, ``complete``).
-
-    ``graph``: replay the training step from a CUDA graph (`TrainStep`; CUDA only).
 
     ``on_step(step, model)`` is called before the first step (0) and after every optimizer step;
     ``on_eval(record)`` after every validation with the record so far. Past ``deadline`` (a
@@ -431,17 +304,17 @@ def train_variant(key: str, data: Data, preset: Preset, *, seed: int, group_size
     runs that share a deadline are then compared at a step they all validated (`align`).
     """
     run = VariantRun(key, data, preset, seed=seed, group_size=group_size, device=device, progress=progress,
-                     on_step=on_step, on_eval=on_eval, deadline=deadline, graph=graph)
+                     on_step=on_step, on_eval=on_eval, deadline=deadline)
     run.train()
     return run.record()
 
 
 def _record(key: str, variant: Variant, seed: int, group_size: int, history: list[dict], start: float,
-            complete: bool, graph: bool) -> dict:
+            complete: bool) -> dict:
     return {
         "key": key, "label": variant.label, "codec": variant.describe(group_size), "seed": seed,
         "steps": len(history), **_finals_of(history), "seconds": time.perf_counter() - start,
-        "complete": complete, "cuda_graph": graph, "history": list(history),
+        "complete": complete, "history": list(history),
     }
 
 
@@ -472,34 +345,46 @@ def align(records: dict[str, dict]) -> tuple[dict[str, dict], int | None]:
 # --- the codec's error at the same weights ----------------------------------------------------
 
 
+class KeptWeights:
+    """An ``on_step`` callback of `train_variant` that keeps a copy of the run's weights at 0, 25,
+    50, 75 and 100% of ``steps`` (``states``, by step)."""
+
+    def __init__(self, steps: int) -> None:
+        self.wanted = sorted({round(f * steps) for f in (0.0, 0.25, 0.5, 0.75, 1.0)})
+        self.states: dict[int, dict] = {}
+
+    def __call__(self, step: int, model) -> None:
+        if step in self.wanted:
+            self.states[step] = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+    @property
+    def complete(self) -> bool:
+        return set(self.states) == set(self.wanted)
+
+
 def same_weights_fidelity(data: Data, preset: Preset, keys: Sequence[str], *, seed: int, group_size: int,
-                          device: torch.device, num_batches: int = 2, graph: bool = False) -> dict:
+                          device: torch.device, num_batches: int = 2, kept: KeptWeights | None = None) -> dict:
     """Loss and gradient of every variant at the weights of the uncompressed run, against the
     uncompressed ones: the codec's own error, free of the chaos of diverging trajectories.
 
-    Trains the uncompressed run once more, keeping its weights at 0, 25, 50, 75 and 100% of the
-    steps; at each, every variant runs forward and backward on the first ``num_batches``
-    validation batches. Returns ``{"steps": [...], key: {"loss_delta": [...], "grad_error":
-    [...]}}`` with relative figures per kept step (``||g - g_ref|| / ||g_ref||`` over all
-    parameters, before clipping).
+    The weights of the uncompressed run of ``seed`` at 0, 25, 50, 75 and 100% of the steps:
+    ``kept`` from that run if it kept them all, else from training it once more; at each, every
+    variant runs forward and backward on the first ``num_batches`` validation batches. Returns
+    ``{"steps": [...], key: {"loss_delta": [...], "grad_error": [...]}}`` with relative figures
+    per kept step (``||g - g_ref|| / ||g_ref||`` over all parameters, before clipping).
     """
     from taco_accel.data import eval_batches
 
-    wanted = sorted({round(f * preset.steps) for f in (0.0, 0.25, 0.5, 0.75, 1.0)})
-    states = {}
-
-    def keep(step: int, model) -> None:
-        if step in wanted:
-            states[step] = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-
-    train_variant(BASELINE, data, preset, seed=seed, group_size=group_size, device=device, on_step=keep, graph=graph)
+    if kept is None or not kept.complete:
+        kept = KeptWeights(preset.steps)
+        train_variant(BASELINE, data, preset, seed=seed, group_size=group_size, device=device, on_step=kept)
     val = eval_batches(data.val, preset.seq_len, preset.batch, preset.eval_batches)[:num_batches]
     models = {key: build_model(data, VARIANTS[key], preset, seed, group_size, device) for key in [BASELINE, *keys]}
-    result = {"steps": wanted, **{key: {"loss_delta": [], "grad_error": []} for key in keys}}
-    for step in wanted:
-        ref_loss, ref_grad = _loss_and_grad(models[BASELINE], states[step], val, device, preset.bf16)
+    result = {"steps": kept.wanted, **{key: {"loss_delta": [], "grad_error": []} for key in keys}}
+    for state in (kept.states[step] for step in kept.wanted):
+        ref_loss, ref_grad = _loss_and_grad(models[BASELINE], state, val, device, preset.bf16)
         for key in keys:
-            loss, grad = _loss_and_grad(models[key], states[step], val, device, preset.bf16)
+            loss, grad = _loss_and_grad(models[key], state, val, device, preset.bf16)
             result[key]["loss_delta"].append((loss - ref_loss) / ref_loss)
             result[key]["grad_error"].append(float((grad - ref_grad).norm() / ref_grad.norm()))
     return result
@@ -673,12 +558,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--time-budget", type=float, metavar="MINUTES",
                         help="stop each run at its first validation after this many minutes from the start "
                              "(runs are then compared at a step all of them validated)")
-    parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
-                        help="on CUDA, replay each training step from a CUDA graph (the emulated model is "
-                             "launch-bound without one)")
     parser.add_argument("--fidelity", action="store_true",
                         help="also measure every variant's loss and gradient error at the uncompressed run's weights "
-                             "(first seed; one more uncompressed run)")
+                             "(first seed; the uncompressed run trains once more unless it runs here to the end)")
     parser.add_argument("--fidelity-only", action="store_true", help="--fidelity without the runs of the variants")
     return parser.parse_args(argv)
 
@@ -697,8 +579,9 @@ def resolve_preset(args: argparse.Namespace) -> Preset:
 
 
 def run_seed(args: argparse.Namespace, preset: Preset, data: Data, seed: int, params: int, device,
-             deadline: float | None = None) -> None:
-    """Train every requested variant of one seed into ``out/seed<n>/`` (complete records kept).
+             deadline: float | None = None, kept: KeptWeights | None = None) -> None:
+    """Train every requested variant of one seed into ``out/seed<n>/`` (complete records kept);
+    ``kept``: the ``on_step`` of the uncompressed run, if it runs.
 
     The record is written at every validation, so a run that is killed leaves what it did."""
     folder = Path(args.out) / f"seed{seed}"
@@ -715,11 +598,34 @@ def run_seed(args: argparse.Namespace, preset: Preset, data: Data, seed: int, pa
             path.write_text(json.dumps(record))
 
         record = train_variant(key, data, preset, seed=seed, group_size=args.group_size, device=device,
-                               progress=True, on_eval=save, deadline=deadline, graph=args.cuda_graph)
+                               progress=True, on_eval=save, deadline=deadline,
+                               on_step=kept if key == BASELINE else None)
         save(record)
         logger.info("%s seed %d: train %.4f val %.4f in %.0f s (%d steps%s)", key, seed, record["final_train"],
                     record["final_val"], record["seconds"], record["steps"],
                     "" if record["complete"] else ", stopped by the time budget")
+
+
+def run_study(args: argparse.Namespace, preset: Preset, out: Path, device: torch.device,
+              deadline: float | None) -> None:
+    """Train the requested seeds and variants into ``out``, then (``--fidelity``) measure at the
+    uncompressed run's weights."""
+    data = load_data(preset, out / "cache")
+    model = build_model(data, VARIANTS[BASELINE], preset, args.seeds[0], args.group_size, torch.device("cpu"))
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    logger.info("%s: %.2fM parameters, %s, emulated tp=%d", args.preset, params / 1e6, data.info, preset.tp)
+    fidelity = args.fidelity or args.fidelity_only
+    kept = KeptWeights(preset.steps) if fidelity else None  # the first seed's uncompressed run, if it runs here
+    for seed in [] if args.fidelity_only else args.seeds:
+        run_seed(args, preset, data, seed, params, device, deadline, kept if seed == args.seeds[0] else None)
+    if fidelity:
+        keys = [k for k in args.variants if k != BASELINE]
+        result = same_weights_fidelity(data, preset, keys, seed=args.seeds[0], group_size=args.group_size,
+                                       device=device, kept=kept)
+        folder = out / f"seed{args.seeds[0]}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "fidelity.json").write_text(json.dumps(result))
 
 
 def main(argv: Sequence[str] | None = None) -> Records:
@@ -734,21 +640,13 @@ def main(argv: Sequence[str] | None = None) -> Records:
         logger.info("%s: data cached in %s: %s", args.preset, out / "cache", data.info)
         return {}
     if not args.report:
-        data = load_data(preset, out / "cache")
-        model = build_model(data, VARIANTS[BASELINE], preset, args.seeds[0], args.group_size, torch.device("cpu"))
-        params = sum(p.numel() for p in model.parameters())
-        del model
-        logger.info("%s: %.2fM parameters, %s, emulated tp=%d", args.preset, params / 1e6, data.info, preset.tp)
-        deadline = None if args.time_budget is None else start + 60 * args.time_budget
-        for seed in [] if args.fidelity_only else args.seeds:
-            run_seed(args, preset, data, seed, params, device, deadline)
-        if args.fidelity or args.fidelity_only:
-            keys = [k for k in args.variants if k != BASELINE]
-            result = same_weights_fidelity(data, preset, keys, seed=args.seeds[0], group_size=args.group_size,
-                                           device=device, graph=args.cuda_graph)
-            folder = out / f"seed{args.seeds[0]}"
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / "fidelity.json").write_text(json.dumps(result))
+        started = not dist.is_initialized()  # the runs' Accelerator starts a one-process group
+        try:
+            run_study(args, preset, out, device, deadline=None if args.time_budget is None
+                      else start + 60 * args.time_budget)
+        finally:
+            if started and dist.is_initialized():
+                dist.destroy_process_group()
     records = load_records(out, args.seeds, args.variants)
     print(f"{args.preset}, emulated tp={preset.tp}, {preset.steps} steps, seeds {', '.join(map(str, args.seeds))} "
           f"(deltas: mean over seeds, range in brackets)\n")

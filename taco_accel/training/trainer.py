@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from ..codec import TacoConfig
 from ..parallel import SCHEDULES, ParallelDims, collective_timeout
-from .accelerator import Accelerator
-from .launch import global_rank, main_first, usable_trackers
+from ..integrations import Accelerator, export_pretrained
+from .ranks import global_rank, main_first, usable_trackers
 from .loop import TrainingLoop, comm_totals, lr_lambda
 from .metrics import flops_per_token, plot_losses
 from .presets import model_config, pad_vocab
@@ -51,7 +51,9 @@ class TrainConfig:
 
     Mesh sizes left as None come from ``accelerate launch`` (`ParallelDims.from_env`).
     ``compression``: as `taco_accel.parallelize` takes it: ``"auto"`` (default), ``"on"``,
-    ``"off"`` / ``None``, a `TacoConfig` or a per-direction / per-site dict.
+    ``"off"`` / ``None``, a `TacoConfig` or a per-direction / per-site dict. ``data``: what
+    `load_texts` reads, or several such sources. ``output_dir=None``: a run that writes nothing
+    (its history is what `Trainer.train` returns), without checkpoints, export or plot.
     """
 
     family: str = "qwen2"
@@ -67,7 +69,7 @@ class TrainConfig:
     sequence_parallel: bool = False
     compression: str | TacoConfig | dict | None = "auto"
     # data
-    data: str | None = None
+    data: str | tuple[str, ...] | None = None
     text_field: str = "text"
     tokenizer: str = "byte"
     seq_len: int = 128
@@ -86,7 +88,7 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 4
     log_every: int = 10
-    output_dir: str = "runs/pretrain"
+    output_dir: str | None = "runs/pretrain"
     trackers: tuple = ("tensorboard",)
     progress: bool = True
     save_every: int = 0
@@ -112,6 +114,10 @@ class TrainConfig:
                 raise ValueError(f"{name}={value!r} must be an int >= 0")
         if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"lr={self.lr} must be > 0 and min_lr_ratio={self.min_lr_ratio} in [0, 1]")
+        if self.output_dir is None and (self.save_every or self.resume or self.export or self.plot or self.trackers):
+            raise ValueError(f"output_dir=None writes nothing, but save_every={self.save_every}, resume={self.resume!r}, "
+                             f"export={self.export}, plot={self.plot}, trackers={self.trackers!r} ask for files: name "
+                             "an output_dir, or set save_every=0, resume=None, export=False, plot=False, trackers=()")
         if self.stages_per_rank is None:
             self.stages_per_rank = 2 if self.schedule == "interleaved_1f1b" else 1
 
@@ -136,17 +142,19 @@ def _jsonable(value):
 
 class Trainer(TrainingLoop):
     """Builds a parallel run from a `TrainConfig`; `train()` (the one loop, `TrainingLoop`) runs
-    it and returns the history."""
+    it and returns the history. ``model`` is the transformers model (with pipeline stages: the
+    layers this rank holds); a subclass may supply the tokens (`load_tokens`), e.g. one data set
+    shared by several runs of a process."""
 
     run_name = "pretrain"
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        self.out = Path(cfg.output_dir)
+        self.out = Path(cfg.output_dir) if cfg.output_dir is not None else None
         self.trackers = usable_trackers(cfg.trackers) if global_rank() == 0 else []
         self.accelerator = acc = Accelerator(
             parallel_dims=requested_dims(cfg.pp, cfg.dp, cfg.tp, cfg.dp_mode), mixed_precision=cfg.mixed_precision,
-            cpu=cfg.device == "cpu", project_dir=str(self.out), compression=cfg.compression,
+            cpu=cfg.device == "cpu", project_dir=cfg.output_dir, compression=cfg.compression,
             sequence_parallel=cfg.sequence_parallel, step_scheduler_with_optimizer=False,
             log_with=self.trackers or None, kwargs_handlers=[timeout_handler(cfg.timeout_s)],
             logits="local",  # the pipeline's loss is vocab-parallel: no all-gather of the logits
@@ -164,19 +172,18 @@ class Trainer(TrainingLoop):
             self.resume(cfg.resume)
 
     # -- construction -----------------------------------------------------------------------
+    def load_tokens(self) -> tuple:
+        """``(tokenizer, training tokens, validation tokens)`` of ``cfg.data`` (`pretraining_tokens`):
+        rank 0 trains the tokenizer and fills the caches, the others read them."""
+        cfg = self.cfg
+        cache = cfg.cache_dir or (self.out / "cache" if self.out is not None else None)
+        return main_first(lambda: pretraining_tokens(cfg.data, cfg.tokenizer, cache, cfg.text_field))
+
     def _build_data(self) -> None:
-        from ..data import PackedBatches, build_tokenizer, eval_batches, load_texts, split_documents, tokenize
+        from ..data import PackedBatches, eval_batches
 
         cfg = self.cfg
-        cache = Path(cfg.cache_dir) if cfg.cache_dir else self.out / "cache"
-
-        def load():
-            train_docs, val_docs = split_documents(load_texts(cfg.data, text_field=cfg.text_field))
-            tok = build_tokenizer(cfg.tokenizer, train_docs, cache)
-            return tok, tokenize(train_docs, tok, cache), tokenize(val_docs, tok, cache)
-
-        # rank 0 trains the tokenizer and fills the caches; the others read them
-        self.tokenizer, train_tokens, val_tokens = main_first(load)
+        self.tokenizer, train_tokens, val_tokens = self.load_tokens()
         dp, dp_rank = self.dims.dp, self.coords["dp"]
         self.local_batch = cfg.micro_batch_size * cfg.micro_batches
         self.global_batch = self.local_batch * dp
@@ -194,7 +201,7 @@ class Trainer(TrainingLoop):
         self.model_config = model_config(cfg.family, cfg.preset, vocab_size=pad_vocab(len(self.tokenizer)),
                                          max_positions=cfg.seq_len, **cfg.model_overrides)
         torch.manual_seed(cfg.seed)  # every rank builds the same initial model
-        model = AutoModelForCausalLM.from_config(self.model_config)
+        self.model = model = AutoModelForCausalLM.from_config(self.model_config)
         num_params = sum(p.numel() for p in model.parameters())  # a tied head counts once
         embed_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
         head_params = model.lm_head.weight.numel() if is_tied(model) else 0  # the head is a matmul: it counts
@@ -271,12 +278,10 @@ class Trainer(TrainingLoop):
     def finish(self) -> None:
         cfg = self.cfg
         if self.is_main:
-            if cfg.plot and plot_losses(self.history, self.out / "loss.png",
+            if cfg.plot and self.out is not None and plot_losses(self.history, self.out / "loss.png",
                                        f"{cfg.family}/{cfg.preset} {self.dims}, TACO {_describe(cfg.compression)}"):
                 logger.info("loss curve: %s", self.out / "loss.png")
         if cfg.export:
-            from .export import export_pretrained
-
             export_pretrained(self.parts.modules, self.mesh, self.model_config, self.out / "final",
                               tokenizer=self.tokenizer, drop=self.parts.export_drop)
 
@@ -287,6 +292,20 @@ class Trainer(TrainingLoop):
         if "val_loss" in row:
             text += f" val_loss {row['val_loss']:.4f}"
         return text
+
+
+def pretraining_tokens(data, tokenizer: str, cache_dir, text_field: str = "text") -> tuple:
+    """``(tokenizer, training tokens, validation tokens)``: the documents of ``data`` (a source
+    `load_texts` reads, several of them, or None: the shipped corpus), every 20th held out
+    (`split_documents`), the tokenizer ``tokenizer`` ("byte", "bpe:N" trained on the training
+    documents, or a folder) and both token streams, cached in ``cache_dir`` (None: no cache)."""
+    from ..data import build_tokenizer, load_texts, split_documents, tokenize
+
+    sources = tuple(data) if isinstance(data, (list, tuple)) else (data,)
+    docs = [doc for source in sources or (None,) for doc in load_texts(source, text_field=text_field)]
+    train_docs, val_docs = split_documents(docs)
+    tok = build_tokenizer(tokenizer, train_docs, cache_dir)
+    return tok, tokenize(train_docs, tok, cache_dir), tokenize(val_docs, tok, cache_dir)
 
 
 def timeout_handler(seconds: float | None):

@@ -42,8 +42,8 @@ from ..models import from_pretrained, save_pretrained
 from ..models.state import tp_replicas
 from ..models.checks import check_labels
 from ..tp import vocab_parallel_cross_entropy
-from .accelerator import Accelerator
-from .launch import global_rank, main_first, usable_trackers
+from ..integrations import Accelerator, export_merged, get_peft_model, save_adapter
+from .ranks import global_rank, main_first, usable_trackers
 from .metrics import plot_losses
 from .loop import TrainingLoop, comm_totals, lr_lambda
 from .trainer import MIXED_PRECISION, config_dict, requested_dims, timeout_handler
@@ -264,8 +264,6 @@ class Finetuner(TrainingLoop):
         if cfg.method == "lora":
             from peft import LoraConfig
 
-            from .lora import get_peft_model
-
             targets = cfg.target_modules
             torch.manual_seed(cfg.seed)  # the adapter's initial draw (broadcast over tp anyway)
             model = get_peft_model(model, LoraConfig(
@@ -405,8 +403,6 @@ class Finetuner(TrainingLoop):
 
     def export(self) -> None:
         """LoRA: ``adapter/`` (peft, full shapes) and ``merged/``; full: ``final/``; tokenizer in each."""
-        from .lora import export_merged, save_adapter
-
         folders = []
         if self.cfg.method == "lora":
             save_adapter(self.model, self.out / "adapter")

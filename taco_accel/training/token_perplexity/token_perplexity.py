@@ -5,7 +5,7 @@ tensor-parallel model cannot go through (and it needs the network). This one tak
 model already computed: per sequence, the summed negative log-likelihood (nats) of its scored
 tokens (the response tokens of a prompt / response pair) and how many there were::
 
-    metric = evaluate.load(taco_accel.integrations.token_perplexity.MODULE_DIR)
+    metric = evaluate.load(taco_accel.training.token_perplexity.MODULE_DIR)
     metric.add_batch(nll=[12.1, 30.4], tokens=[5, 11])
     metric.compute()  # {"perplexity": exp(sum nll / sum tokens), "loss": ..., "tokens": 16, ...}
 

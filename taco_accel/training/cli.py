@@ -18,7 +18,7 @@ import sys
 from ..codec import TacoConfig
 from ..errors import TacoError
 from ..parallel import SCHEDULES
-from .launch import global_rank, record_failure
+from .ranks import global_rank, record_failure
 from .presets import FAMILY_PRESETS
 from .trainer import MIXED_PRECISION, TrainConfig, Trainer
 

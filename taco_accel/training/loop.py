@@ -20,13 +20,12 @@ A run that starts at step 0 refuses an output folder that holds a previous run's
 too: resuming with another tokenizer (even one of the same vocabulary size) is refused.
 
 A subclass sets ``cfg`` (``steps``, ``eval_every``, ``log_every``, ``save_every``, ``progress``,
-``output_dir`` and the `HPARAMS`), ``accelerator``, ``out``, ``trackers``, ``is_main``, ``step``,
-``history``, ``optimizer`` and ``scheduler``, and registers itself with
-``accelerator.register_for_checkpointing``: a checkpoint then holds the step, the history and the
-hyper-parameters, and a resume with changed ones applies them with a warning. The pretraining
-`Trainer`, the `Finetuner` and the convergence study's runs (`taco_accel.bench.convergence`,
-with its emulated step and CUDA graph, no accelerator: ``accelerator = out = None``) are the
-subclasses.
+``output_dir`` and the `HPARAMS`), ``accelerator``, ``out`` (the output folder; None: the run
+writes no file), ``trackers``, ``is_main``, ``step``, ``history``, ``optimizer`` and
+``scheduler``, and registers itself with ``accelerator.register_for_checkpointing``: a checkpoint
+then holds the step, the history and the hyper-parameters, and a resume with changed ones
+applies them with a warning. The pretraining `Trainer` (and through it the convergence study's
+runs, `taco_accel.bench.convergence`) and the `Finetuner` are the subclasses.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..errors import CheckpointError, OutputExistsError
-from . import checkpoint
+from ..integrations import checkpoint
 from .metrics import write_history, write_json
 
 logger = logging.getLogger(__name__)
@@ -156,7 +155,7 @@ class TrainingLoop:
         """Train to ``cfg.steps`` (or stop after step ``until``, as a preempted job would: no
         `finish` then); returns the metric history. Evaluation runs every ``eval_every`` steps
         (0: never in between) and after the last step."""
-        cfg, acc = self.cfg, self.accelerator  # acc None: no trackers, no checkpoints (a bench's runs)
+        cfg, acc = self.cfg, self.accelerator
         until = cfg.steps if until is None else min(until, cfg.steps)
         self.check_output_folder()
         if self.is_main and self.out is not None:
@@ -173,8 +172,7 @@ class TrainingLoop:
                     row.update(self.evaluate())
                 self.history.append(row)
                 if self.is_main:
-                    if acc is not None:
-                        acc.log({k: v for k, v in row.items() if k != "step"}, step=self.step)
+                    acc.log({k: v for k, v in row.items() if k != "step"}, step=self.step)
                     bar.update(1)
                     bar.set_postfix(loss=f"{row['loss']:.3f}")
                     if self.step % cfg.log_every == 0 or self.step == cfg.steps:
@@ -184,7 +182,7 @@ class TrainingLoop:
                 if self.should_stop(row):
                     return self.history
         if self.step == cfg.steps:
-            if acc is not None:
+            if self.out is not None:
                 decisions = acc.compression_decisions()  # a collective
                 if self.is_main:
                     write_history(self.history, self.out / "history.jsonl")
