@@ -107,6 +107,7 @@ def _entries():
 
     from taco_accel.parallel import distribute
     from taco_accel.parallel.tensor_parallel import apply_tp
+    from taco_accel.training import FinetuneConfig, TrainConfig
 
     model = torch.nn.Linear(2, 2)
     return {
@@ -116,11 +117,13 @@ def _entries():
         "apply_tp": (apply_tp, lambda c: apply_tp(model, None, compression=c)),
         "Accelerator": (taco_accel.Accelerator.__init__, lambda c: taco_accel.Accelerator(compression=c)),
         "taco_trainer": (taco_accel.taco_trainer, lambda c: taco_accel.taco_trainer(Trainer, compression=c)),
+        "TrainConfig": (TrainConfig, lambda c: TrainConfig(compression=c)),
+        "FinetuneConfig": (FinetuneConfig, lambda c: FinetuneConfig(compression=c)),
     }
 
 
 @pytest.mark.parametrize("entry", ["parallelize", "from_pretrained", "distribute", "apply_tp", "Accelerator",
-                                   "taco_trainer"])
+                                   "taco_trainer", "TrainConfig", "FinetuneConfig"])
 def test_every_entry_defaults_to_auto_and_resolves(entry):
     function, call = _entries()[entry]
     default = inspect.signature(function).parameters["compression"].default

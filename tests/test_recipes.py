@@ -20,30 +20,32 @@ def _args(*argv):
 
 
 def test_compression_flags():
-    from taco_accel import TacoConfig
+    from taco_accel import Compression, TacoConfig
     from taco_accel.training.cli import compression_from_args
 
-    assert compression_from_args(_args("--compression", "off"), 128) is None
-    assert compression_from_args(_args("--preset", "small"), 512) == "auto"  # timing decides, per site
+    assert compression_from_args(_args("--compression", "off"), 128) == Compression("off")
+    assert compression_from_args(_args("--preset", "small"), 512) == Compression()  # auto: timing decides, per site
     tiny = compression_from_args(_args("--preset", "nano"), 32)
-    assert (tiny.group_size, tiny.threshold_bytes) == (32, 0)  # G fits h; a small preset compresses everything
-    assert compression_from_args(_args("--preset", "small", "--compression", "on"), 512) == TacoConfig(threshold_bytes=0)
-    auto = compression_from_args(_args("--preset", "small", "--group-size", "64"), 512)
-    assert auto == {"forward": TacoConfig(group_size=64), "backward": TacoConfig(group_size=64), "auto": True}
+    assert tiny.mode == "on" and tiny.forward == tiny.backward == TacoConfig(group_size=32)  # G fits h
+    assert compression_from_args(_args("--preset", "small", "--compression", "on"), 512) == Compression("on")
+    auto = compression_from_args(_args("--preset", "small", "--group-size", "64", "--compression-threshold", "4096"), 512)
+    cfg = TacoConfig(group_size=64, threshold_bytes=4096)
+    assert auto == Compression("auto", cfg, cfg)
 
 
 def test_compression_settings_file(tmp_path):
-    from taco_accel import TacoConfig
+    from taco_accel import Compression, TacoConfig
     from taco_accel.training.cli import compression_from_args
 
-    flat = tmp_path / "flat.json"
+    flat = tmp_path / "flat.json"  # TacoConfig fields alone: on, both directions
     flat.write_text(json.dumps({"format": "e5m2", "group_size": 64}))
-    assert compression_from_args(_args("--preset", "small", "--compression", str(flat)), 512) == TacoConfig(
-        format="e5m2", group_size=64)
+    cfg = TacoConfig(format="e5m2", group_size=64)
+    assert compression_from_args(_args("--preset", "small", "--compression", str(flat)), 512) == Compression("on", cfg, cfg)
     per_site = tmp_path / "sites.json"
-    per_site.write_text(json.dumps({"forward": {}, "backward": None, "sites": {"lm_head/*": None}}))
-    value = compression_from_args(_args("--preset", "small", "--compression", str(per_site)), 512)
-    assert value == {"forward": TacoConfig(), "backward": None, "sites": {"lm_head/*": None}}
+    per_site.write_text(json.dumps({"mode": "on", "forward": {}, "backward": None, "sites": {"lm_head/*": None}}))
+    value = compression_from_args(_args("--preset", "small", "--compression", str(per_site), "--group-size", "32"), 512)
+    # --group-size applies over the file's every config; None stays plain
+    assert value == Compression("on", TacoConfig(group_size=32), None, {"lm_head/*": None})
     with pytest.raises(SystemExit):  # the parser refuses it: one line, status 2 (tests/test_faults_io.py)
         _args("--compression", "maybe")
 

@@ -18,12 +18,13 @@ from .mappings import (
 )
 from .regions import RegionEntry, RegionExit, SequenceState
 from .shards import ShardSpec
-from .compression import Compression
+from .compression import Compression, CompressionLike
 from .sites import Site, SiteTable
 
 __all__ = [
     "ColumnParallelLinear",
     "Compression",
+    "CompressionLike",
     "RegionEntry",
     "RegionExit",
     "RowParallelLinear",

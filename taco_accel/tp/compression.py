@@ -35,7 +35,7 @@ import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import InitVar, dataclass, field, fields
-from typing import Literal
+from typing import Literal, Union
 
 from ..codec import CodecConfig, TacoConfig
 from ..errors import ConfigError, ConfigTypeError
@@ -151,6 +151,15 @@ class Compression:
                 config, timed = override, False
         return config, timed and config is not None
 
+    def map_configs(self, change) -> "Compression":
+        """A copy with ``change(config)`` in place of every `TacoConfig` it holds (both
+        directions and every site pattern; ``None`` stays plain): e.g. a command line's
+        ``--group-size`` applied over a settings file."""
+        def new(config: TacoConfig | None) -> TacoConfig | None:
+            return None if config is None else change(config)
+        return Compression(self.mode, new(self.forward), new(self.backward),
+                           {pattern: new(config) for pattern, config in self.sites.items()})
+
     def config_for(self, site: str) -> TacoConfig | None:
         """The codec settings of the site called ``site`` (None: plain)."""
         return self.rule_for(site)[0]
@@ -222,6 +231,10 @@ class Compression:
                                for d, c in (("fwd", self.forward), ("bwd", self.backward)))
         overrides = f", {len(self.sites)} site patterns" if self.sites else ""
         return f"{self.mode} ({directions}{overrides})"
+
+
+# Every form `Compression.resolve` accepts: the type of a public entry's ``compression`` argument.
+CompressionLike = Union[Compression, str, os.PathLike, TacoConfig, Mapping, None]
 
 
 def _check_config(where: str, value: object) -> None:

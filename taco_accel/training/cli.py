@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import sys
 
 from ..codec import TacoConfig
+from ..tp import Compression
 from ..errors import TacoError
 from ..parallel import SCHEDULES
 from .ranks import global_rank, record_failure
@@ -183,13 +183,14 @@ def add_compression_args(p: argparse.ArgumentParser, small: str) -> None:
     c = p.add_argument_group("TACO compression of the TP collectives")
     c.add_argument("--compression", type=compression_mode, help=f"auto (each communication site compressed where timing on the real group "
                    "says it pays), on (every message), off, or a JSON settings file (TacoConfig fields, or "
-                   "{'forward': {...}|null, 'backward': {...}|null, 'sites': {pattern: {...}|null}, 'auto': bool}) "
+                   "{'mode': 'auto'|'on'|'off', 'forward': {...}|null, 'backward': {...}|null, "
+                   "'sites': {pattern: {...}|null}}: taco_accel.Compression.from_json) "
                    f"(default: auto; on for {small}, which exist to show TACO's numerics)")
     c.add_argument("--group-size", type=positive_int, help="codec group size G (default: 128, or the hidden size "
                    "if smaller)")
     c.add_argument("--compression-threshold", type=non_negative_int,
-                   help="bytes below which a collective stays plain without timing (default: TacoConfig's 8 MiB; "
-                   "0 under --compression on)")
+                   help="bytes below which a collective stays plain without timing (default: 0, every message "
+                   "may compress)")
 
 
 def add_optimisation_args(p: argparse.ArgumentParser, *, steps: int, lr: float | None, warmup: int,
@@ -224,48 +225,30 @@ def setup_logging() -> None:
                         format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
 
 
-def compression_from_args(args, hidden_size: int, small: bool | None = None):
-    """The ``compression`` value for parallelize from --compression/--group-size/--compression-threshold.
+def compression_from_args(args, hidden_size: int, small: bool | None = None) -> Compression:
+    """The run's `Compression` from --compression (a mode or a settings file, read by
+    `Compression.resolve`), with --group-size and --compression-threshold applied over every
+    config it holds.
 
     ``small``: a tiny model (default: whether ``args.preset`` is a small preset), which compresses
     every message unless told otherwise: its messages are far below any size where the codec
-    pays, and it exists to show the numerics."""
+    pays, and it exists to show the numerics. Without --group-size, a group never exceeds the
+    hidden size below 128 (the largest power of two <= h), so that groups do not straddle rows."""
     small = small if small is not None else args.preset in SMALL_PRESETS
-    mode = args.compression or ("on" if small else "auto")
-    if mode == "off":
-        return None
-    overrides = {}
-    if args.group_size:
-        overrides["group_size"] = args.group_size
-    elif hidden_size < 128:
-        overrides["group_size"] = 1 << (hidden_size.bit_length() - 1)  # largest power of two <= h
+    compression = Compression.resolve(args.compression or ("on" if small else "auto"))
+    changes = {}
     if args.compression_threshold is not None:
-        overrides["threshold_bytes"] = args.compression_threshold
-    if mode == "on":
-        return TacoConfig(**{"threshold_bytes": 0, **overrides})
-    if mode == "auto":
-        if not overrides:
-            return "auto"
-        return {"forward": TacoConfig(**overrides), "backward": TacoConfig(**overrides), "auto": True}
-    if not os.path.isfile(mode):
-        raise ValueError(f"--compression {mode!r}: use auto, on, off or a JSON settings file")
-    try:
-        with open(mode) as f:
-            values = json.load(f)
-    except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
-        raise ValueError(f"--compression {mode}: not a JSON settings file ({e})") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"--compression {mode}: expected a JSON object of TacoConfig fields, got a "
-                         f"{type(values).__name__}")
-    if set(values) <= {"forward", "backward", "sites", "auto"}:
-        def conf(v):
-            return None if v is None else TacoConfig.from_dict({**overrides, **v})
-        out = {k: conf(values[k]) for k in ("forward", "backward") if k in values}
-        out["sites"] = {pat: conf(v) for pat, v in values.get("sites", {}).items()}
-        if "auto" in values:
-            out["auto"] = bool(values["auto"])
-        return out
-    return TacoConfig.from_dict({**overrides, **values})
+        changes["threshold_bytes"] = args.compression_threshold
+    if args.group_size:
+        changes["group_size"] = args.group_size
+    fit = 1 << (hidden_size.bit_length() - 1)
+
+    def change(config: TacoConfig) -> TacoConfig:
+        if "group_size" not in changes and hidden_size < 128:
+            return config.replace(**changes, group_size=min(config.group_size, fit))
+        return config.replace(**changes)
+
+    return compression.map_configs(change)
 
 
 def default_tp(args) -> int | None:

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..codec import TacoConfig
+from ..tp import Compression, CompressionLike
 from ..data.loader import load_records
 from ..data.supervised import IGNORE, RecordFields, SFTBatches, eval_micro_batches, split_examples, \
     tokenize_records
@@ -77,7 +77,7 @@ class FinetuneConfig:
     tp: int | None = None
     dp: int | None = None
     sequence_parallel: bool = False
-    compression: str | TacoConfig | dict | None = "auto"
+    compression: CompressionLike = "auto"  # a taco_accel.Compression once built
     # data
     data: str | None = None
     eval_data: str | None = None
@@ -121,6 +121,7 @@ class FinetuneConfig:
     timeout_s: float | None = None  # a collective waiting longer fails; None: TACO_TIMEOUT_S, else 600
 
     def __post_init__(self) -> None:
+        self.compression = Compression.resolve(self.compression)
         if self.method not in METHODS:
             raise ValueError(f"method={self.method!r}: use one of {METHODS}")
         if self.dtype not in DTYPES:

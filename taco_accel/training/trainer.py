@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..codec import TacoConfig
+from ..tp import Compression, CompressionLike
 from ..parallel import SCHEDULES, ParallelDims, collective_timeout
 from ..integrations import Accelerator, export_pretrained
 from .ranks import global_rank, main_first, usable_trackers
@@ -50,8 +50,8 @@ class TrainConfig:
     """Everything a pretraining run needs; the recipes fill it from argparse.
 
     Mesh sizes left as None come from ``accelerate launch`` (`ParallelDims.from_env`).
-    ``compression``: as `taco_accel.parallelize` takes it: ``"auto"`` (default), ``"on"``,
-    ``"off"`` / ``None``, a `TacoConfig` or a per-direction / per-site dict. ``data``: what
+    ``compression``: any form `taco_accel.Compression.resolve` takes (default ``"auto"``),
+    resolved when the config is built. ``data: what
     `load_texts` reads, or several such sources. ``output_dir=None``: a run that writes nothing
     (its history is what `Trainer.train` returns), without checkpoints, export or plot.
     """
@@ -67,7 +67,7 @@ class TrainConfig:
     schedule: str = "1f1b"
     stages_per_rank: int | None = None
     sequence_parallel: bool = False
-    compression: str | TacoConfig | dict | None = "auto"
+    compression: CompressionLike = "auto"  # a taco_accel.Compression once built
     # data
     data: str | tuple[str, ...] | None = None
     text_field: str = "text"
@@ -100,6 +100,7 @@ class TrainConfig:
     timeout_s: float | None = None  # a collective waiting longer fails; None: TACO_TIMEOUT_S, else 600
 
     def __post_init__(self) -> None:
+        self.compression = Compression.resolve(self.compression)
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is not supported; use one of {SCHEDULES}")
         if self.mixed_precision not in MIXED_PRECISION:
@@ -128,16 +129,8 @@ class TrainConfig:
 def config_dict(cfg) -> dict:
     """A run config (a dataclass with a ``compression`` field) as JSON-ready values."""
     out = dataclasses.asdict(cfg)
-    out["compression"] = _jsonable(cfg.compression)
+    out["compression"] = cfg.compression.to_dict()
     return out
-
-
-def _jsonable(value):
-    if isinstance(value, TacoConfig):
-        return value.to_dict()
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    return value
 
 
 class Trainer(TrainingLoop):
@@ -279,7 +272,7 @@ class Trainer(TrainingLoop):
         cfg = self.cfg
         if self.is_main:
             if cfg.plot and self.out is not None and plot_losses(self.history, self.out / "loss.png",
-                                       f"{cfg.family}/{cfg.preset} {self.dims}, TACO {_describe(cfg.compression)}"):
+                                       f"{cfg.family}/{cfg.preset} {self.dims}, TACO {cfg.compression}"):
                 logger.info("loss curve: %s", self.out / "loss.png")
         if cfg.export:
             export_pretrained(self.parts.modules, self.mesh, self.model_config, self.out / "final",
@@ -322,7 +315,3 @@ def requested_dims(pp, dp, tp, dp_mode) -> ParallelDims:
     if world == 1 and (tp or 1) > 1:
         return ParallelDims(pp=pp or 1, dp=dp or 1, tp=tp, dp_mode=dp_mode or "ddp")
     return ParallelDims.from_env(world, pp=pp, dp=dp, tp=tp, dp_mode=dp_mode)
-
-
-def _describe(compression) -> str:
-    return "off" if compression in (None, "off") else compression if isinstance(compression, str) else "on"
