@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import os
 
 import torch
@@ -34,6 +35,7 @@ import torch.distributed as dist
 
 from ..codec import CodecConfig
 from ..errors import CollectiveMismatch, CollectiveTimeout, EnvironmentSettingError
+from . import dist_ops
 
 DEBUG_ENV = "TACO_CHECK_COLLECTIVES"
 CHECKED_CALLS = 1  # per site
@@ -117,6 +119,49 @@ def check(kind: str, x: torch.Tensor, link, codec: CodecConfig | None, compresse
         "the same call: the same tensor shape and dtype, the same TacoConfig (and so the same plain-or-"
         "compressed choice); check that every rank runs the same model, batch shape and settings"
     )
+
+
+def check_setting(name: str, value: dict, group=None, *, fix: str = "") -> None:
+    """Raise `CollectiveMismatch` on every rank of ``group`` unless every rank passes the same
+    ``value`` (a JSON-ready dict, e.g. ``Compression.to_dict()``) for the setting ``name``; the
+    error names the entries that differ and each rank's values. A collective: one all-gather of
+    a hash, and one of the values only when they differ. ``fix``: what the error tells to do."""
+    link = dist_ops.link(group)
+    if link.world == 1:
+        return
+    flat = _flatten(value)
+    digest = hashlib.blake2b(json.dumps(flat, sort_keys=True, default=str).encode(), digest_size=8).digest()
+    mine = torch.tensor([int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")],
+                        dtype=torch.int64, device=_device_of(link))
+    every = torch.empty(link.world * 2, dtype=torch.int64, device=mine.device)
+    with named_timeouts(name, "the agreement check of a setting", group):
+        link.all_gather(every, mine).wait()
+    if len({tuple(row) for row in every.view(link.world, 2).tolist()}) == 1:
+        return
+    values = [None] * link.world
+    dist.all_gather_object(values, flat, group=group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(link.world))
+    keys = sorted({k for v in values for k in v if len({repr(w.get(k)) for w in values}) > 1})
+    details = "; ".join(f"{k} by rank {dict(zip(ranks, (v.get(k) for v in values)))}" for k in keys)
+    raise CollectiveMismatch(f"{name}: the ranks {ranks} disagree ({details}); every rank must use the same "
+                             f"setting{': ' + fix if fix else ''}")
+
+
+def _flatten(value: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, v in value.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = v
+    return out
+
+
+def _device_of(link) -> torch.device:
+    """Where a small tensor of ``link``'s group lives (NCCL: this rank's GPU)."""
+    if link.backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 @contextlib.contextmanager

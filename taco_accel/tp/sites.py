@@ -35,16 +35,17 @@ class SiteTable(Mapping[str, Site]):
     sites only) and ``decider`` (the auto decisions and their shared timings).
 
     ``timed=False`` (an emulated model: no real group) makes auto sites decide by the auto
-    mode's size rule (`comm.autotune.UNTIMED_BYTES`).
+    mode's size rule (`comm.autotune.UNTIMED_BYTES`). ``ledger``: record into this one (a
+    model's data-parallel gradient sites join its TP sites' ledger) instead of a new one.
     `decisions` returns what each site does, for logs and run records; `pop_stats` this model's
     figures (`comm.pop_comm_stats` returns every model's).
     """
 
-    def __init__(self, group, compression: Compression, timed: bool = True) -> None:
+    def __init__(self, group, compression: Compression, timed: bool = True, ledger: Ledger | None = None) -> None:
         self.group = group
         self.compression = compression
         self.decider = AutoDecider(group, timed) if compression.mode == "auto" else None
-        self.ledger = Ledger()
+        self.ledger = ledger if ledger is not None else Ledger()
         self._sites: dict[str, Site] = {}
 
     def site(self, name: str) -> Site:
