@@ -283,3 +283,24 @@ def test_fsdp_tp_first_step_within_the_codec_bound(four):
         assert r["off"] < 1e-5 * r["mean_norm"]
         assert r["on"] <= _bound(r, TacoConfig(threshold_bytes=0), ddp=False), r
         assert r["on_vs_off"] > 100 * r["off"]
+
+
+# --- the cost model ---------------------------------------------------------------------------------
+
+
+def test_projection_counts_each_kind_of_traffic():
+    from taco_accel.bench.projection import CLUSTERS, PRESETS, h200_codec, project_traffic
+
+    preset, codec = PRESETS["qwen-7b"], h200_codec()
+    r = project_traffic(preset, 8, 2, 4, 8, 8192, 4096, 400.0, CLUSTERS["eth-100g"], codec)
+    k = r["kinds"]
+    n = 8192 * preset.hidden
+    assert k["pp"]["plain_b"] == 2 * 8 * n * 2  # per boundary and micro-batch: an activation and its gradient, bf16
+    local = int(preset.params_b * 1e9 / 16)
+    assert k["dp"]["plain_b"] == pytest.approx(2 * 3 / 4 * local * 4)  # ring all-reduce of fp32 gradients
+    for kind in k.values():
+        assert kind["taco_b"] < kind["plain_b"] and kind["auto_s"] <= kind["plain_s"]
+    assert k["dp"]["auto_s"] < k["dp"]["plain_s"] / 2  # a slow link: the dp reduce pays, codec included
+    assert r["speedup"] == pytest.approx(r["step_plain_s"] / r["step_auto_s"]) and r["speedup"] > 1
+    alone = project_traffic(preset, 8, 1, 1, 8, 8192, 4096, 400.0, CLUSTERS["eth-100g"], codec)
+    assert alone["kinds"]["pp"]["plain_b"] == alone["kinds"]["dp"]["plain_b"] == 0  # no pp, no dp: no such traffic
