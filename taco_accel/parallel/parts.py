@@ -287,8 +287,9 @@ def _apply_dp(parts: ModelParts, mesh: DeviceMesh, dims: ParallelDims, param_dty
     elif sites is not None:
         parts.grad_reduce = FsdpGradCompression(parts.modules, parts.stage_ids, sites)
     if sites is not None:
-        logger.info("data-parallel gradients compressed (%s) with error feedback over %d replicas", grad_compression,
-                    dims.dp)
+        config = grad_compression.backward
+        logger.info("data-parallel gradient reduction: %s, %s, error feedback, over %d replicas", grad_compression.mode,
+                    "plain" if config is None else f"{config.format} G={config.group_size}", dims.dp)
 
 
 def _replicas_of(model: nn.Module, tp: int) -> dict[str, int]:
