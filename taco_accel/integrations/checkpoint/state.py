@@ -322,18 +322,17 @@ def _feedback_destinations(parts_list: list[ModelParts], models: list[int], coor
     out: dict[int, dict[str, str]] = {}
     for i in models:
         parts = parts_list[i]
-        if parts.grad_reduce is None:
-            continue
         prefix = _feedback_prefix(i, coords)
         saved = {key[len(prefix):]: key for key in known if key.startswith(prefix)}
-        if saved and record.get("mesh") == dataclasses.asdict(dims):
+        if parts.grad_reduce is not None and saved and record.get("mesh") == dataclasses.asdict(dims):
             for key in saved.values():
                 entries[key] = torch.empty(tuple(known[key].size), dtype=torch.float32, device=parts.device)
             out[i] = saved
         elif any(key.startswith(f"grad_feedback.{i}.") for key in known) and this_rank() == 0:
-            logger.warning("the checkpoint's error-feedback residuals of the compressed dp gradient reduction were "
-                           "saved on mesh %s, this run has %s: they start from zero (at most one step's quantisation "
-                           "error of the gradient is dropped)", record.get("mesh"), dataclasses.asdict(dims))
+            logger.warning("the checkpoint holds the error-feedback residuals of a compressed dp gradient reduction "
+                           "on mesh %s; this run has mesh %s%s: they are dropped (at most one step's quantisation "
+                           "error of the gradient)", record.get("mesh"), dataclasses.asdict(dims),
+                           "" if parts.grad_reduce is not None else " and no compressed reduction")
     return out
 
 
