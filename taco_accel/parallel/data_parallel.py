@@ -169,7 +169,7 @@ class DataParallelGradSync:
         align = world * (rs.config.group_size if rs.config is not None else 128)
         padded = -(-numel // align) * align  # whole groups per rank: no staging copies
         state = self.feedback.get(name)
-        if state is None or state.worker.numel() != padded or state.worker.device != grads[0].device:
+        if state is None or not state.fits(padded, world, grads[0].device):
             if state is not None:
                 logger.warning("%s: the gradient layout changed (%d values, was %d): its error-feedback residuals "
                                "start again from zero", name, padded, state.worker.numel())
@@ -208,6 +208,11 @@ class _BucketFeedback:
     def zeros(cls, padded: int, world: int, device) -> "_BucketFeedback":
         return cls(torch.zeros(padded, dtype=torch.float32, device=device),
                    torch.zeros(padded // world, dtype=torch.float32, device=device))
+
+    def fits(self, padded: int, world: int, device) -> bool:
+        """Whether these residuals belong to a bucket of ``padded`` values over ``world`` ranks."""
+        return (self.worker.numel() == padded and self.worker.device == device and self.server is not None
+                and self.server.numel() == padded // world)
 
     def items(self):
         return [("worker", self.worker), ("server", self.server)]
