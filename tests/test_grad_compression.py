@@ -135,9 +135,21 @@ def _feedback_invariant(config) -> dict:
     servers = [torch.empty_like(state.server) for _ in range(2)]
     dist.all_gather(servers, state.server)
     carried = workers[:1447] / 2 + torch.cat(servers).double()[:1447]
-    bound = fp32_bound(8 * steps, 1.0) * magnitude  # per value; 8 roundings per step at most (module doc)
+    # per value: c = g + r, c - sent, the fp32 sum of the chunks, + server, the server's residual and this
+    # test's float64 sums: fewer than 8 fp32 roundings per step, each of at most the values' magnitude
+    bound = fp32_bound(8 * steps, 1.0) * magnitude
     ddp = {"gap": float(((delivered + carried - true).abs() / bound).max()),
            "lost": float(((delivered - true).abs() / bound).max()), "after_first": after_first}
+
+    nonfinite = []  # a NaN gradient on rank 0: delivered as such, never carried into the next step
+    for bad in (True, False):
+        for p in module.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+        if bad and rank == 0:
+            next(module.parameters()).grad[0, 0] = float("nan")
+        sync()
+        nonfinite.append((any(bool(p.grad.isnan().any()) for p in module.parameters()),
+                          bool(torch.isfinite(state.worker).all() and torch.isfinite(state.server).all())))
 
     comm = FsdpReduceScatter(sites.site("dp.grad.fsdp/reduce_scatter"))
     group = mesh["dp"].get_group()
@@ -154,10 +166,10 @@ def _feedback_invariant(config) -> dict:
     dist.all_reduce(delivered)
     residuals = comm.residual.double().clone()
     dist.all_reduce(residuals)
-    bound = fp32_bound(6 * steps, 1.0) * magnitude
+    bound = fp32_bound(6 * steps, 1.0) * magnitude  # as above, without the server's two
     fsdp = {"gap": float(((delivered + residuals / 2 - true).abs() / bound).max()),
             "lost": float(((delivered - true).abs() / bound).max())}
-    return {"ddp": ddp, "fsdp": fsdp}
+    return {"ddp": ddp, "fsdp": fsdp, "nonfinite": nonfinite}
 
 
 def _mismatch() -> dict:
@@ -242,6 +254,7 @@ def test_error_feedback_carries_what_was_not_sent(two):
             assert f["gap"] <= 1.0, (kind, f)
             assert f["lost"] > 100, (kind, f)
         assert 1e-3 < r["ddp"]["after_first"] < 0.1  # one step's error: about the codec's, not zero
+        assert r["nonfinite"] == [(True, True), (False, True)]  # NaN delivered, residuals stay finite
 
 
 def test_ranks_that_disagree_raise_on_every_rank(two):
