@@ -276,10 +276,11 @@ def project_traffic(preset: Preset, tp: int, pp: int, dp: int, micro_batches: in
     sends = 2 * micro_batches if pp > 1 else 0  # per boundary: activation forward, gradient backward
     pp_plain, pp_taco = p2p_s(n, links["pp"]), p2p_s(n, links["pp"], codec)
     kinds["pp"] = dict(link=links["pp"], plain_b=sends * n * 2, taco_b=sends * n * codec.wire_ratio,
-                       plain_s=sends * pp_plain, auto_s=sends * min(pp_plain, pp_taco) if pp_taco < pp_plain * (
-                           1 - AUTO_MARGIN) else sends * pp_plain)
+                       plain_s=sends * pp_plain,
+                       auto_s=sends * (pp_taco if pp_taco < pp_plain * (1 - AUTO_MARGIN) else pp_plain))
     local = int(preset.params_b * 1e9 / (tp * pp))
-    dp_plain, dp_taco = dp_reduce_s(local, dp, links["dp"], None, grad_bytes), dp_reduce_s(local, dp, links["dp"], codec)
+    dp_plain = dp_reduce_s(local, dp, links["dp"], None, grad_bytes)
+    dp_taco = dp_reduce_s(local, dp, links["dp"], codec)
     kinds["dp"] = dict(link=links["dp"], plain_b=2 * (dp - 1) / dp * local * grad_bytes,
                        taco_b=2 * (dp - 1) / dp * local * codec.wire_ratio, plain_s=dp_plain,
                        auto_s=dp_taco if dp_taco < dp_plain * (1 - AUTO_MARGIN) else dp_plain)
@@ -302,8 +303,8 @@ def print_traffic(args) -> None:
     print(f"{args.preset}: {preset.params_b}B params, tp {args.tp} x pp {args.pp} x dp {args.dp}, {args.micro_batches} "
           f"micro-batches of {args.tokens} tokens per replica, 1F1B, {args.tflops} TFLOP/s per GPU, gradients "
           f"{'fp32' if args.grad_bytes == 4 else 'bf16'}; per GPU and optimizer step, auto mode per kind")
-    print("| cluster | kind | link GB/s | MiB sent plain | MiB sent TACO | comm ms plain | comm ms auto | step ms saved "
-          "| step speedup |")
+    print("| cluster | kind | link GB/s | MiB sent plain | MiB sent TACO | comm ms plain | comm ms auto "
+          "| step ms saved | step speedup |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name in args.clusters:
         r = project_traffic(preset, args.tp, args.pp, args.dp, args.micro_batches, args.tokens, args.seq, args.tflops,
