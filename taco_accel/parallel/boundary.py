@@ -18,11 +18,12 @@ wire buffer of a `comm.p2p.Channel` instead of the tensor when the site compress
 decodes a received wire into the stage's own receive buffer before the forward or backward that
 reads it. The schedules (GPipe, 1F1B, interleaved 1F1B) are unchanged and never see a compressed
 value: they move uint8 buffers. Compression off, the very tensors the stage would send travel.
-(An autograd function at the stage edges, encoding into a float view of the wire, does not fit:
-the schedule sends the gradient of a stage input in that input's shape, so a boundary's two
-directions would share one message size; the metadata inference of the first step runs the
-stages on uninitialised inputs, which a decoder would reject; and FSDP2's mixed precision casts
-floating-point stage inputs, bits and all.)
+(An autograd function at the stage edges, encoding into a float view of the wire that the stage
+returns, does not fit: the schedule sends the gradient of a stage input in that input's shape, so
+a boundary's two directions would share one message size; the wire's size, and so an auto
+decision, would have to be known before the first step's metadata inference fixes the shapes,
+and that inference runs the stages on uninitialised inputs, which a decoder rejects; FSDP2's
+mixed precision casts floating-point stage inputs, bits and all.)
 
 Around the schedule (`PipelineRunner`, on every rank): `PipelineBoundaries.check` before the
 first step compares each site's settings across its link (`comm.agreement`: a
