@@ -19,7 +19,10 @@ Variants (``--variants``, keys in brackets):
 - per-group FP8 without Hadamard [no-hadamard]; Hadamard without the adaptive scale
   [no-adaptive]; per-group INT8, Hadamard [int8];
 - TACO [taco] (the default `TacoConfig`), TACO with the paper's dual scales [taco-dual], TACO
-  with E5M2 [e5m2].
+  with E5M2 [e5m2];
+- TACO at pipeline boundaries only [pp-boundaries]: TP sums plain, the hidden states and their
+  gradients at the cuts of a pipeline of `BOUNDARY_STAGES` stages through the default codec
+  (`taco_accel.parallel.emulate_boundaries`: what compressed pipeline boundaries send).
 
 Each run writes ``<out>/seed<n>/<key>.json`` (its loss history) at every validation; a
 finished record is reused unless ``--force``, so variants and seeds can run as separate
@@ -56,6 +59,7 @@ import torch.distributed as dist
 from taco_accel.bench.fidelity import naive_per_tensor
 from taco_accel.codec import TacoConfig
 from taco_accel.models import context_of
+from taco_accel.parallel import emulate_boundaries
 from taco_accel.training import TrainConfig, Trainer, model_config
 from taco_accel.training.presets import pad_vocab
 from taco_accel.training.trainer import pretraining_tokens
@@ -156,6 +160,9 @@ class Variant:
         if self.fields is None:
             return None
         return TacoConfig(group_size=group_size, threshold_bytes=0, **self.fields)
+
+    def prepare(self, model, preset: Preset, group_size: int) -> None:
+        """What the variant changes in a built model beyond its TP codec (nothing here)."""
 
     def describe(self, group_size: int) -> str:
         if self.fields is None:
@@ -287,6 +294,35 @@ VARIANTS.update({
 })
 
 
+# --- pipeline stage boundaries (issue 37): the codec where a pipeline cuts the model ---------------
+
+BOUNDARY_STAGES = 4  # pp of the emulated pipeline (at most one stage per layer)
+
+
+@dataclass(frozen=True)
+class BoundaryVariant(Variant):
+    """TP plain; the hidden states at the cuts of a pipeline of `BOUNDARY_STAGES` stages, and
+    their gradients, through the codec (``fields`` over the default `TacoConfig`), as compressed
+    pipeline boundaries send them: `emulate_boundaries`, the boundary sites' own round trip."""
+
+    def compression(self, group_size: int) -> TacoConfig | None:
+        return None  # the TP sums stay plain
+
+    def stages(self, preset: Preset) -> int:
+        return min(BOUNDARY_STAGES, preset.model["num_hidden_layers"])
+
+    def prepare(self, model, preset: Preset, group_size: int) -> None:
+        config = TacoConfig(group_size=group_size, threshold_bytes=0, **self.fields)
+        emulate_boundaries(model, self.stages(preset), config, seq_len=preset.seq_len)
+
+    def describe(self, group_size: int) -> str:
+        cfg = TacoConfig(group_size=group_size, **self.fields)
+        return f"{cfg.format.upper()} G={cfg.group_size} at the pipeline cuts (pp={BOUNDARY_STAGES}), TP plain"
+
+
+VARIANTS["pp-boundaries"] = BoundaryVariant("TACO at pipeline boundaries only", {})
+
+
 # --- one run ----------------------------------------------------------------------------------
 
 MODEL_BASE = "tiny"  # the recipes' Qwen2 preset under every study model: `Preset.model` sets all its shape fields
@@ -325,6 +361,7 @@ def build_model(data: Data, variant: Variant, preset: Preset, seed: int, group_s
     taco_accel.parallelize(model, tp=preset.tp, compression=variant.compression(group_size), emulate=True)
     if variant.reducer is not None:
         model.taco.emulator.reducer = variant.reducer
+    variant.prepare(model, preset, group_size)
     return model.to(device)
 
 
@@ -367,6 +404,7 @@ class VariantRun(Trainer):
         super().__init__(self.variant.configure(cfg))
         if self.variant.reducer is not None:
             context_of(self.model).emulator.reducer = self.variant.reducer
+        self.variant.prepare(self.model, preset, group_size)
         self.variant.attach(self)
 
     def load_tokens(self) -> tuple:

@@ -73,7 +73,7 @@ from torch import nn
 from ..models.loss import LogitsMode, check_logits_mode
 from ..parallel import ModelParts, ParallelDims, build_mesh, clip_grad_norm_, collective_timeout, distribute
 from ..parallel.mesh import PP_ENV
-from ..parallel.stage import taco_context
+from ..parallel.stage import site_tables
 from ..tp import Compression
 from . import checkpoint as ckpt
 from .launch import launch_notes, without_parallelism_config
@@ -483,9 +483,8 @@ class Accelerator(_AccelerateAccelerator):
         mine = {}
         for _, parts in self._parts:
             for module in parts.modules:
-                context, _ = taco_context(module)
-                if context is not None:
-                    mine.update(context.sites.decisions())
+                for table in site_tables(module):  # the TP sites and the pipeline boundaries'
+                    mine.update(table.decisions())
             if parts.grad_sites is not None:
                 mine.update(parts.grad_sites.decisions())
         everyone = [None] * dist.get_world_size()

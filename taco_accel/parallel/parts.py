@@ -241,7 +241,7 @@ def distribute(
     tied = is_tied(model) if pipeline else False
     if pipeline:
         plan = apply_pp(model, mesh, stages_per_rank, seq_len=seq_len,
-                        sequence_parallel=sequence_parallel and dims.tp > 1)
+                        sequence_parallel=sequence_parallel and dims.tp > 1, compression=compression)
         modules, stage_ids, num_stages = plan.modules, plan.stage_ids, plan.num_stages
         prefix = "model."
     else:

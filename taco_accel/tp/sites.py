@@ -48,11 +48,13 @@ class SiteTable(Mapping[str, Site]):
         self.ledger = ledger if ledger is not None else Ledger()
         self._sites: dict[str, Site] = {}
 
-    def site(self, name: str) -> Site:
-        """The site called ``name``, created with its configured settings on first use."""
+    def site(self, name: str, group=None) -> Site:
+        """The site called ``name``, created with its configured settings on first use; ``group``:
+        its own process group instead of the table's (a pipeline boundary's two ranks)."""
         if name not in self._sites:
             config, auto = self.compression.rule_for(name)
-            self._sites[name] = Site(name, self.group, config, self.decider if auto else None, self.ledger)
+            self._sites[name] = Site(name, self.group if group is None else group, config,
+                                     self.decider if auto else None, self.ledger)
         return self._sites[name]
 
     def plain(self, name: str) -> Site:
