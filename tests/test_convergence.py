@@ -44,11 +44,12 @@ def _commands(argvs: list[list[str]], folder: str) -> list[tuple[dict, str, dict
 def test_study_runs_and_reports(tmp_path):
     argv = ["--preset", "nano", "--data", _small_text(tmp_path), "--out", str(tmp_path)]
     (records, printed, saved), (again, _, _) = run_ranks(
-        _commands, 1, [[*argv, "--variants", "none", "naive", "taco", "--fidelity"], [*argv, "--variants", "taco", "--report"]],
+        _commands, 1, [[*argv, "--variants", "none", "naive", "taco", "pp-boundaries", "--fidelity"],
+                       [*argv, "--variants", "taco", "--report"]],
         str(tmp_path))[0]
     records, again = records[0], again[0]  # seed 0
     preset = convergence.PRESETS["nano"]
-    assert set(records) == {"none", "naive", "taco"}
+    assert set(records) == {"none", "naive", "taco", "pp-boundaries"}
     # the one loop's schedule at the preset's peak and warm-up (the lr a row reports is its step's)
     factor = lr_lambda(convergence.run_config(preset, seed=0, compression=None, device=torch.device("cpu")))
     assert [round(factor(s), 6) for s in (0, preset.warmup, preset.steps)] == [1 / preset.warmup, 1.0, 0.1]
@@ -61,9 +62,14 @@ def test_study_runs_and_reports(tmp_path):
     assert first["taco"] != first["none"] and abs(first["taco"] - first["none"]) < 1e-2 * first["none"]
     assert records["none"]["history"][0]["comm_compression"] == 1.0  # plain sums
     assert records["taco"]["history"][0]["comm_compression"] > 3  # every message compressed: G=128, 1 byte + a scale
+    # the pipeline cut (2 layers: 2 stages) compressed both ways, the TP sums plain
+    assert first["pp-boundaries"] != first["none"]
+    assert abs(first["pp-boundaries"] - first["none"]) < 1e-2 * first["none"]
+    pp_ratio = records["pp-boundaries"]["history"][0]["comm_compression"]
+    assert 1 < pp_ratio < records["taco"]["history"][0]["comm_compression"]
     assert "| TACO (default) | E4M3 G=128, Hadamard, single |" in printed and "+0.00%" in printed
     fidelity = saved["fidelity"]
-    assert fidelity["steps"] == [0, 1, 2, 3, 4] and set(fidelity) == {"steps", "naive", "taco"}
+    assert fidelity["steps"] == [0, 1, 2, 3, 4] and set(fidelity) == {"steps", "naive", "taco", "pp-boundaries"}
     assert all(0 < e < 0.2 for e in fidelity["taco"]["grad_error"])  # the codec's error, at the same weights
     assert "| TACO (default) |" in printed.split("at the uncompressed run's weights")[1]
     if (tmp_path / "convergence.png").exists() is False:  # matplotlib missing: the table is enough

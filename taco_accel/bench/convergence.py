@@ -19,7 +19,10 @@ Variants (``--variants``, keys in brackets):
 - per-group FP8 without Hadamard [no-hadamard]; Hadamard without the adaptive scale
   [no-adaptive]; per-group INT8, Hadamard [int8];
 - TACO [taco] (the default `TacoConfig`), TACO with the paper's dual scales [taco-dual], TACO
-  with E5M2 [e5m2].
+  with E5M2 [e5m2];
+- TACO at pipeline boundaries only [pp-boundaries]: TP sums plain, the hidden states and their
+  gradients at the cuts of a pipeline of `BOUNDARY_STAGES` stages through the default codec
+  (`taco_accel.parallel.emulate_boundaries`: what compressed pipeline boundaries send).
 
 Each run writes ``<out>/seed<n>/<key>.json`` (its loss history) at every validation; a
 finished record is reused unless ``--force``, so variants and seeds can run as separate
@@ -56,6 +59,7 @@ import torch.distributed as dist
 from taco_accel.bench.fidelity import naive_per_tensor
 from taco_accel.codec import TacoConfig
 from taco_accel.models import context_of
+from taco_accel.parallel import emulate_boundaries
 from taco_accel.training import TrainConfig, Trainer, model_config
 from taco_accel.training.presets import pad_vocab
 from taco_accel.training.trainer import pretraining_tokens
@@ -143,11 +147,22 @@ class Variant:
     label: str
     fields: dict | None = None  # TacoConfig fields changed from the default; None: uncompressed
     reducer: object = None  # an EmulatedGroup reducer replacing the TACO all-reduce
+    same_weights = True  # `same_weights_fidelity` measures it (its codec is the model's)
+
+    def configure(self, cfg: TrainConfig) -> TrainConfig:
+        """The variant's `TrainConfig` from the study's (`run_config`): the same by default."""
+        return cfg
+
+    def attach(self, run: "VariantRun") -> None:
+        """Hook after the run is built (its model, parts and optimizer exist)."""
 
     def compression(self, group_size: int) -> TacoConfig | None:
         if self.fields is None:
             return None
         return TacoConfig(group_size=group_size, threshold_bytes=0, **self.fields)
+
+    def prepare(self, model, preset: Preset, group_size: int) -> None:
+        """What the variant changes in a built model beyond its TP codec (nothing here)."""
 
     def describe(self, group_size: int) -> str:
         if self.fields is None:
@@ -175,6 +190,137 @@ VARIANTS = {
     "e5m2": Variant("TACO, E5M2", {"format": "e5m2"}),
 }
 BASELINE = "none"
+
+
+# --- data-parallel gradient compression: dp replicas emulated in the one process ----------------
+
+
+@dataclass(frozen=True)
+class ReplicaVariant(Variant):
+    """TP plain; each step's batch split over ``replicas`` data-parallel replicas emulated in the
+    process (micro-batch r of the step is replica r's local batch: the same global batch and
+    mean loss as the other variants), whose gradients are reduced over an `EmulatedGroup` of
+    ``replicas`` virtual ranks as `taco_accel.parallel.data_parallel` reduces them over a real
+    dp group, through the same codec and pieces: ``grad`` (TacoConfig fields; None: plain fp32
+    sums, this arrangement's noise floor) with ``feedback=True`` the compressed reduction of
+    ``grad_compression`` (reduce-scatter summed in fp32, average, all-gather, error feedback at
+    both ends: `feedback_average`), with ``feedback=False`` the TACO two-shot all-reduce of the
+    TP sites (two roundings, nothing carried): the ablation."""
+
+    grad: dict | None = None
+    feedback: bool = True
+    replicas: int = 2
+    same_weights = False  # its codec is in the step, not the model
+
+    def describe(self, group_size: int) -> str:
+        if self.grad is None:
+            return f"dp={self.replicas} plain fp32 sums"
+        cfg = TacoConfig(group_size=group_size, **self.grad)
+        how = "RS fp32 + AG, error feedback" if self.feedback else "two-shot, no feedback"
+        return f"dp={self.replicas} grads {cfg.format.upper()} G={cfg.group_size}, {how}"
+
+    def configure(self, cfg: TrainConfig) -> TrainConfig:
+        if cfg.micro_batch_size % self.replicas:
+            raise ValueError(f"{self.label}: the batch of {cfg.micro_batch_size} windows does not split over "
+                             f"{self.replicas} replicas")
+        return replace(cfg, micro_batch_size=cfg.micro_batch_size // self.replicas, micro_batches=self.replicas)
+
+    def attach(self, run: "VariantRun") -> None:
+        EmulatedReplicas(run, self)
+
+
+class EmulatedReplicas:
+    """Keeps each micro-batch's gradient apart (a post-accumulate hook on every parameter moves
+    it into replica r's flat buffer and zeroes ``.grad``), then, as the step's gradient finisher
+    (`ModelParts.finishers`, before clipping), writes the reduced mean of the replicas into
+    ``.grad``. Sites ``dp.grad.bucket0/*`` record into the model's ledger (the recipes' dp bytes)."""
+
+    def __init__(self, run: "VariantRun", variant: ReplicaVariant) -> None:
+        from taco_accel.comm import EmulatedGroup, Site
+
+        self.params = [p for p in run.parts.parameters() if p.requires_grad]
+        self.replicas, self.feedback = variant.replicas, variant.feedback
+        self.group = EmulatedGroup(variant.replicas)
+        config = None if variant.grad is None else TacoConfig(group_size=run.group_size, threshold_bytes=0,
+                                                              **variant.grad)
+        ledger = context_of(run.model).sites.ledger
+        self.rs, self.ag, self.ar = (Site(f"dp.grad.bucket0/{kind}", None, config, ledger=ledger)
+                                     for kind in ("reduce_scatter", "all_gather", "all_reduce"))
+        numel = sum(p.numel() for p in self.params)
+        align = variant.replicas * (config.group_size if config is not None else 128)
+        self.padded = -(-numel // align) * align
+        self.flats = [torch.zeros(self.padded, device=self.params[0].device) for _ in range(variant.replicas)]
+        self.workers = [torch.zeros_like(f) for f in self.flats]
+        self.servers = [torch.zeros(self.padded // variant.replicas, device=f.device) for f in self.flats]
+        self.offsets, offset = {}, 0
+        for p in self.params:
+            self.offsets[p] = offset
+            offset += p.numel()
+        self.calls = {p: 0 for p in self.params}
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._keep)
+        run.parts.finishers.append(self)
+
+    def _keep(self, p) -> None:
+        r = self.calls[p]
+        if r >= self.replicas:
+            raise RuntimeError(f"more than {self.replicas} backwards per step: one micro-batch per replica")
+        self.calls[p] = r + 1
+        self.flats[r][self.offsets[p]:self.offsets[p] + p.numel()].copy_(p.grad.reshape(-1))
+        p.grad.zero_()
+
+    def __call__(self) -> None:
+        from taco_accel.parallel.data_parallel import feedback_average
+
+        xs, world = [f.clone() for f in self.flats], self.replicas
+        if self.rs.config is None or not self.feedback:
+            mean = self.group.collective("all_reduce", xs, self.ar).div_(world)
+        else:
+            mean = feedback_average(
+                xs, self.workers, self.servers,
+                lambda xs, lost: list(self.group.collective("reduce_scatter", xs, self.rs, lost).view(world, -1)),
+                lambda shards, lost: self.group.collective("all_gather", shards, self.ag, lost), divide=world)
+        for p in self.params:
+            p.grad.copy_(mean[self.offsets[p]:self.offsets[p] + p.numel()].view_as(p.grad))
+        for f in self.flats:
+            f.zero_()
+        self.calls = dict.fromkeys(self.calls, 0)
+
+
+VARIANTS.update({
+    "dp-plain": ReplicaVariant("noise floor: dp=2 replicas, plain sums"),
+    "dp-taco": ReplicaVariant("dp gradients: TACO, error feedback", grad={}),
+    "dp-taco-noef": ReplicaVariant("dp gradients: TACO two-shot, no feedback", grad={}, feedback=False),
+})
+
+
+# --- pipeline stage boundaries (issue 37): the codec where a pipeline cuts the model ---------------
+
+BOUNDARY_STAGES = 4  # pp of the emulated pipeline (at most one stage per layer)
+
+
+@dataclass(frozen=True)
+class BoundaryVariant(Variant):
+    """TP plain; the hidden states at the cuts of a pipeline of `BOUNDARY_STAGES` stages, and
+    their gradients, through the codec (``fields`` over the default `TacoConfig`), as compressed
+    pipeline boundaries send them: `emulate_boundaries`, the boundary sites' own round trip."""
+
+    def compression(self, group_size: int) -> TacoConfig | None:
+        return None  # the TP sums stay plain
+
+    def stages(self, preset: Preset) -> int:
+        return min(BOUNDARY_STAGES, preset.model["num_hidden_layers"])
+
+    def prepare(self, model, preset: Preset, group_size: int) -> None:
+        config = TacoConfig(group_size=group_size, threshold_bytes=0, **self.fields)
+        emulate_boundaries(model, self.stages(preset), config, seq_len=preset.seq_len)
+
+    def describe(self, group_size: int) -> str:
+        cfg = TacoConfig(group_size=group_size, **self.fields)
+        return f"{cfg.format.upper()} G={cfg.group_size} at the pipeline cuts (pp={BOUNDARY_STAGES}), TP plain"
+
+
+VARIANTS["pp-boundaries"] = BoundaryVariant("TACO at pipeline boundaries only", {})
 
 
 # --- one run ----------------------------------------------------------------------------------
@@ -215,6 +361,7 @@ def build_model(data: Data, variant: Variant, preset: Preset, seed: int, group_s
     taco_accel.parallelize(model, tp=preset.tp, compression=variant.compression(group_size), emulate=True)
     if variant.reducer is not None:
         model.taco.emulator.reducer = variant.reducer
+    variant.prepare(model, preset, group_size)
     return model.to(device)
 
 
@@ -253,9 +400,12 @@ class VariantRun(Trainer):
         self.key, self.variant, self.preset, self.seed, self.group_size = key, VARIANTS[key], preset, seed, group_size
         self.data, self.verbose, self.on_step, self.on_eval, self.deadline = data, progress, on_step, on_eval, deadline
         self.start = time.perf_counter()
-        super().__init__(run_config(preset, seed=seed, compression=self.variant.compression(group_size), device=device))
+        cfg = run_config(preset, seed=seed, compression=self.variant.compression(group_size), device=device)
+        super().__init__(self.variant.configure(cfg))
         if self.variant.reducer is not None:
             context_of(self.model).emulator.reducer = self.variant.reducer
+        self.variant.prepare(self.model, preset, group_size)
+        self.variant.attach(self)
 
     def load_tokens(self) -> tuple:
         return self.data.tokenizer, self.data.train, self.data.val
@@ -620,7 +770,7 @@ def run_study(args: argparse.Namespace, preset: Preset, out: Path, device: torch
     for seed in [] if args.fidelity_only else args.seeds:
         run_seed(args, preset, data, seed, params, device, deadline, kept if seed == args.seeds[0] else None)
     if fidelity:
-        keys = [k for k in args.variants if k != BASELINE]
+        keys = [k for k in args.variants if k != BASELINE and VARIANTS[k].same_weights]
         result = same_weights_fidelity(data, preset, keys, seed=args.seeds[0], group_size=args.group_size,
                                        device=device, kept=kept)
         folder = out / f"seed{args.seeds[0]}"

@@ -1,9 +1,11 @@
-"""A cost model of TP training with and without TACO, per topology, and its check against gloo runs.
+"""A cost model of TP training with and without TACO, per topology, and its check against gloo runs;
+and of a whole 3D step's traffic (TP, pipeline boundaries, data-parallel gradients) per cluster.
 
     python -m taco_accel.bench.projection                                  # 7B, tp 8, every topology
     python -m taco_accel.bench.projection --preset llama-13b --topologies pcie multinode
     python -m taco_accel.bench.projection --pieces                         # piece size vs time
     python -m taco_accel.bench.projection --validate-gloo                  # measured vs predicted, CPU
+    python -m taco_accel.bench.projection --traffic --pp 2 --dp 4          # tp / pp / dp per cluster
 
 Model (Megatron TP without sequence parallelism, one micro-batch of ``tokens`` tokens):
 
@@ -34,6 +36,26 @@ Model (Megatron TP without sequence parallelism, one micro-batch of ``tokens`` t
 
 NCCL latencies and the host time per operation are assumptions (no multi-GPU machine was
 available), not measurements: pass ``--latency-us`` / ``--host-us`` to test others.
+
+``--traffic`` (`project_traffic`): one optimizer step of a tp x pp x dp job (``micro_batches``
+micro-batches of ``tokens`` tokens per replica, 1F1B), per kind of traffic, on clusters
+(`CLUSTERS`) whose tp groups sit inside a node and whose pipeline and dp neighbours are
+across nodes:
+
+* tp: the collectives above, for the ``layers / pp`` layers of a stage, per micro-batch;
+* pp: per micro-batch and stage boundary an activation forward and its gradient backward, each
+  ``tokens * hidden`` bf16 values per rank (no scatter-gather over tp), a p2p send of
+  ``latency + bytes / B`` on the critical path; compressed: the codec's bytes plus its encode
+  (sender) and decode (receiver);
+* dp: after the last backward, each replica's gradient of ``params / (tp * pp)`` values
+  (``--grad-bytes``: 4 for fp32 gradients as in the recipes, 2 for bf16) averaged over dp: a ring
+  all-reduce of ``2 (D-1)/D`` of its bytes, one latency per 64 MiB bucket; compressed
+  (`taco_accel.parallel.data_parallel`): the same fraction of the codec's bytes, plus its
+  kernels (encode, decode of the received chunks, encode of the averaged shard, decode of the
+  whole, at the codec's throughputs) and the residuals' fp32 traffic at the copy bandwidth,
+  none of it overlapped with compute;
+* step: ``(micro_batches + pp - 1)`` times a micro-batch's stage time (compute, exposed tp, pp
+  sends), plus the dp reduction; each kind compressed where it pays by 5% (auto).
 """
 
 from __future__ import annotations
@@ -84,6 +106,14 @@ TOPOLOGIES = {
     "pcie": Link("PCIe Gen5 box, no NVLink (NCCL_P2P_DISABLE=1)", 25.0, 15.0, "ring"),
     "multinode": Link("TP across 2 nodes, 400 Gb/s InfiniBand per GPU", 50.0, 25.0, "ring"),
 }
+ETHERNET_100G = Link("100 Gb/s Ethernet (RoCE) per GPU", 12.5, 30.0, "ring")
+# clusters of 8-GPU nodes: the link of each kind of traffic (tp inside a node; pp and dp across nodes)
+CLUSTERS = {
+    "ib-400g": {"tp": TOPOLOGIES["nvswitch"], "pp": TOPOLOGIES["multinode"], "dp": TOPOLOGIES["multinode"]},
+    "eth-100g": {"tp": TOPOLOGIES["nvswitch"], "pp": ETHERNET_100G, "dp": ETHERNET_100G},
+    "pcie-ib": {"tp": TOPOLOGIES["pcie"], "pp": TOPOLOGIES["multinode"], "dp": TOPOLOGIES["multinode"]},
+}
+BUCKET_BYTES = 64 * MiB  # parallel.data_parallel.DataParallelGradSync's
 
 
 @dataclass(frozen=True)
@@ -190,6 +220,102 @@ def project(preset: Preset, tp: int, tokens: int, seq: int, tflops: float, link:
         speedup_on=(compute + exposed_plain) / (compute + exposed_on),
         comm_plain_s=exposed_plain, comm_auto_s=exposed_auto,
     )
+
+
+# --- one 3D step: tp, pp and dp traffic ---------------------------------------------------------
+
+
+def p2p_s(n: int, link: Link, codec: Codec | None = None, elem_bytes: int = 2) -> float:
+    """One send of n values over ``link``: plain, or (``codec``) encoded, sent, decoded."""
+    if codec is None:
+        return link.latency_us * 1e-6 + n * elem_bytes / (link.bus_gbs * 1e9)
+    w = n * codec.wire_ratio
+    return (codec.compress_us * 1e-6 + (elem_bytes * n + w) / (codec.compress_gbs * 1e9)
+            + link.latency_us * 1e-6 + w / (link.bus_gbs * 1e9)
+            + codec.decompress_us * 1e-6 + (w + elem_bytes * n) / (codec.decompress_gbs * 1e9))
+
+
+def dp_reduce_s(n: int, d: int, link: Link, codec: Codec | None = None, grad_bytes: int = 4,
+                copy_gbs: float = 4244.0) -> float:
+    """The dp average of n gradient values over d replicas: a ring all-reduce, or (``codec``) the
+    compressed reduce-scatter + all-gather with error feedback."""
+    if d == 1:
+        return 0.0
+    buckets = max(1, -(-n * grad_bytes // BUCKET_BYTES))
+    per_elem = grad_bytes if codec is None else codec.wire_ratio
+    t = buckets * link.latency_us * 1e-6 * (1 if codec is None else 2) + 2 * (d - 1) / d * n * per_elem / (
+        link.bus_gbs * 1e9)
+    if codec is None:
+        return t
+    w = codec.wire_ratio
+    kernels = (n * (4 + w) * (1 + 1 / d) / (codec.compress_gbs * 1e9)  # encode the gradient, then the shard
+               + n * (w + 4) * (2 + 2 / d) / (codec.decompress_gbs * 1e9)  # residuals' decodes, the chunks, the whole
+               + n * 16 * (1 + 1 / d) / (copy_gbs * 1e9))  # fp32 residual reads and writes, the fp32 sum
+    return t + kernels
+
+
+def project_traffic(preset: Preset, tp: int, pp: int, dp: int, micro_batches: int, tokens: int, seq: int,
+                    tflops: float, links: dict[str, Link], codec: Codec, *, grad_bytes: int = 4,
+                    piece_bytes: int = PIECE_BYTES, host_us: float = 15.0, overlap: bool = True) -> dict:
+    """One optimizer step of a tp x pp x dp job (see the module doc): per kind (``tp``, ``pp``,
+    ``dp``) the bytes one GPU sends per step plain and compressed, the time that traffic adds
+    to the step plain and in auto mode; and the step times."""
+    h = preset.hidden
+    n = tokens * h
+    stage_tp = project(replace(preset, layers=max(1, preset.layers // pp)), tp, tokens, seq, tflops, links["tp"],
+                       codec, piece_bytes, host_us, overlap)
+    compute_mb = (6 * preset.params_b * 1e9 + 12 * preset.layers * h * seq) * tokens / (tp * pp) / (tflops * 1e12)
+    ar_bytes = 2 * (tp - 1) / tp * n  # per tp all-reduce and value, times the element size
+    tp_calls = 4 * max(1, preset.layers // pp) + 2  # 2 fwd + 2 bwd per layer, embedding and head
+    kinds = {
+        "tp": dict(link=links["tp"], plain_b=micro_batches * tp_calls * ar_bytes * 2,
+                   taco_b=micro_batches * tp_calls * ar_bytes * codec.wire_ratio,
+                   plain_s=micro_batches * stage_tp["comm_plain_s"],
+                   auto_s=micro_batches * stage_tp["comm_auto_s"]),
+    }
+    sends = 2 * micro_batches if pp > 1 else 0  # per boundary: activation forward, gradient backward
+    pp_plain, pp_taco = p2p_s(n, links["pp"]), p2p_s(n, links["pp"], codec)
+    kinds["pp"] = dict(link=links["pp"], plain_b=sends * n * 2, taco_b=sends * n * codec.wire_ratio,
+                       plain_s=sends * pp_plain,
+                       auto_s=sends * (pp_taco if pp_taco < pp_plain * (1 - AUTO_MARGIN) else pp_plain))
+    local = int(preset.params_b * 1e9 / (tp * pp))
+    dp_plain = dp_reduce_s(local, dp, links["dp"], None, grad_bytes)
+    dp_taco = dp_reduce_s(local, dp, links["dp"], codec)
+    kinds["dp"] = dict(link=links["dp"], plain_b=2 * (dp - 1) / dp * local * grad_bytes,
+                       taco_b=2 * (dp - 1) / dp * local * codec.wire_ratio, plain_s=dp_plain,
+                       auto_s=dp_taco if dp_taco < dp_plain * (1 - AUTO_MARGIN) else dp_plain)
+    bubble = (micro_batches + pp - 1) / micro_batches  # 1F1B: the stage's critical path per micro-batch
+    step = {}
+    for mode in ("plain", "auto"):
+        per_mb = compute_mb + (kinds["tp"][f"{mode}_s"] + kinds["pp"][f"{mode}_s"]) / micro_batches
+        step[mode] = bubble * micro_batches * per_mb + kinds["dp"][f"{mode}_s"]
+    for k in kinds.values():  # the step time each kind adds (pipelined kinds: through the bubble)
+        k["saved_s"] = k["plain_s"] - k["auto_s"]
+    kinds["tp"]["saved_s"] *= bubble
+    kinds["pp"]["saved_s"] *= bubble
+    return dict(kinds=kinds, step_plain_s=step["plain"], step_auto_s=step["auto"],
+                speedup=step["plain"] / step["auto"], compute_s=bubble * micro_batches * compute_mb)
+
+
+def print_traffic(args) -> None:
+    preset = PRESETS[args.preset]
+    codec = Codec(*args.codec_gbs) if args.codec_gbs else h200_codec(args.copy_gbs)
+    print(f"{args.preset}: {preset.params_b}B params, tp {args.tp} x pp {args.pp} x dp {args.dp}, {args.micro_batches} "
+          f"micro-batches of {args.tokens} tokens per replica, 1F1B, {args.tflops} TFLOP/s per GPU, gradients "
+          f"{'fp32' if args.grad_bytes == 4 else 'bf16'}; per GPU and optimizer step, auto mode per kind")
+    print("| cluster | kind | link GB/s | MiB sent plain | MiB sent TACO | comm ms plain | comm ms auto "
+          "| step ms saved | step speedup |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name in args.clusters:
+        r = project_traffic(preset, args.tp, args.pp, args.dp, args.micro_batches, args.tokens, args.seq, args.tflops,
+                            CLUSTERS[name], codec, grad_bytes=args.grad_bytes, piece_bytes=int(args.piece_mib * MiB),
+                            host_us=args.host_us, overlap=not args.no_overlap)
+        for i, (kind, k) in enumerate(r["kinds"].items()):
+            speedup = f"{r['speedup']:.2f}x ({r['step_plain_s'] * 1e3:.0f} -> {r['step_auto_s'] * 1e3:.0f} ms)" \
+                if i == 0 else ""
+            print(f"| {name if i == 0 else ''} | {kind} | {k['link'].bus_gbs:g} | {k['plain_b'] / MiB:.0f} | "
+                  f"{k['taco_b'] / MiB:.0f} | {k['plain_s'] * 1e3:.1f} | {k['auto_s'] * 1e3:.1f} | "
+                  f"{k['saved_s'] * 1e3:.1f} | {speedup} |")
 
 
 def print_projection(args) -> None:
@@ -320,6 +446,12 @@ def main(argv=None) -> None:
     parser.add_argument("--copy-gbs", type=float, default=4244.0)
     parser.add_argument("--codec-gbs", type=float, nargs=3, metavar=("COMPRESS", "SUM", "DECOMPRESS"))
     parser.add_argument("--pieces", action="store_true", help="time against piece size instead")
+    parser.add_argument("--traffic", action="store_true", help="a 3D step's tp, pp and dp traffic per cluster instead")
+    parser.add_argument("--pp", type=int, default=2, help="--traffic: pipeline stages")
+    parser.add_argument("--dp", type=int, default=4, help="--traffic: data-parallel replicas")
+    parser.add_argument("--micro-batches", type=int, default=8, help="--traffic: micro-batches per step and replica")
+    parser.add_argument("--grad-bytes", type=int, default=4, choices=(2, 4), help="--traffic: gradient element size")
+    parser.add_argument("--clusters", nargs="+", default=list(CLUSTERS), choices=list(CLUSTERS))
     parser.add_argument("--validate-gloo", action="store_true")
     parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args(argv)
@@ -327,6 +459,8 @@ def main(argv=None) -> None:
         validate_gloo(args.world_size, piece_bytes=int(args.piece_mib * MiB))
     elif args.pieces:
         print_pieces(args)
+    elif args.traffic:
+        print_traffic(args)
     else:
         print_projection(args)
 

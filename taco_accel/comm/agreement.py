@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import os
 
 import torch
@@ -34,10 +35,11 @@ import torch.distributed as dist
 
 from ..codec import CodecConfig
 from ..errors import CollectiveMismatch, CollectiveTimeout, EnvironmentSettingError
+from . import dist_ops
 
 DEBUG_ENV = "TACO_CHECK_COLLECTIVES"
 CHECKED_CALLS = 1  # per site
-KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "send")  # "send": a point-to-point message (`p2p`)
 FIELDS = ("collective", "elements", "rows", "dims", "dtype", "compressed", "codec settings", "codec settings",
           DEBUG_ENV)
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
@@ -63,28 +65,32 @@ def due(record) -> bool:
     return count < CHECKED_CALLS or debug()
 
 
-def settings_hash(codec: CodecConfig | None, piece_bytes: int) -> tuple[int, int]:
-    """Two 32-bit words of a hash of the codec settings and the piece size ("plain": no codec)."""
-    settings = "plain" if codec is None else repr((sorted(codec.to_dict().items()), piece_bytes))
+def settings_hash(codec: CodecConfig | None, piece_bytes: int, mode: str | None = None) -> tuple[int, int]:
+    """Two 32-bit words of a hash of the codec settings, the piece size and the site's mode, if
+    given ("plain": no codec)."""
+    settings = "plain" if codec is None else repr((sorted(codec.to_dict().items()), piece_bytes, mode))
     digest = hashlib.blake2b(settings.encode(), digest_size=8).digest()
     return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")
 
 
 def fingerprint(kind: str, x: torch.Tensor, codec: CodecConfig | None, compressed: bool,
-                piece_bytes: int = 0) -> list[int]:
+                piece_bytes: int = 0, mode: str | None = None) -> list[int]:
     """The call as 9 integers: kind, numel, dim 0, ndim, dtype, compressed, two words of a hash
-    of the codec settings and piece size, and this rank's ``TACO_CHECK_COLLECTIVES`` setting."""
+    of the codec settings, piece size and mode, and this rank's ``TACO_CHECK_COLLECTIVES`` setting."""
     return [KINDS.index(kind), x.numel(), x.shape[0] if x.dim() else 1, x.dim(), _dtype_code(x.dtype),
-            int(compressed), *settings_hash(codec, piece_bytes), int(debug())]
+            int(compressed), *settings_hash(codec, piece_bytes, mode), int(debug())]
 
 
 def check(kind: str, x: torch.Tensor, link, codec: CodecConfig | None, compressed: bool, site: str,
-          piece_bytes: int = 0) -> None:
-    """Raise `CollectiveMismatch` on every rank of ``link``'s group if their calls differ (a collective)."""
+          piece_bytes: int = 0, mode: str | None = None) -> None:
+    """Raise `CollectiveMismatch` on every rank of ``link``'s group if their calls differ (a collective).
+
+    ``mode``: the site's mode (``Site.mode``), compared with the settings where the call itself
+    does not show it (a point-to-point link checked before its first message)."""
     world, group = link.world, link.group
     if world == 1 or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
-    mine = torch.tensor(fingerprint(kind, x, codec, compressed, piece_bytes), dtype=torch.int64, device=x.device)
+    mine = torch.tensor(fingerprint(kind, x, codec, compressed, piece_bytes, mode), dtype=torch.int64, device=x.device)
     every = torch.empty(world * mine.numel(), dtype=torch.int64, device=x.device)
     with named_timeouts(site, f"the agreement check of {kind}", group):
         link.all_gather(every, mine).wait()
@@ -102,6 +108,8 @@ def check(kind: str, x: torch.Tensor, link, codec: CodecConfig | None, compresse
     }
     if "codec settings" in differ:  # every rank is here: one more exchange names the fields
         mine_settings = None if codec is None else {**codec.to_dict(), "piece_bytes": piece_bytes}
+        if mine_settings is not None and mode is not None:
+            mine_settings["mode"] = mode
         configs = [None] * world
         dist.all_gather_object(configs, mine_settings, group=group)
         keys = sorted({k for c in configs if c for k in c if len({None if d is None else d.get(k) for d in configs}) > 1})
@@ -117,6 +125,49 @@ def check(kind: str, x: torch.Tensor, link, codec: CodecConfig | None, compresse
         "the same call: the same tensor shape and dtype, the same TacoConfig (and so the same plain-or-"
         "compressed choice); check that every rank runs the same model, batch shape and settings"
     )
+
+
+def check_setting(name: str, value: dict, group=None, *, fix: str = "") -> None:
+    """Raise `CollectiveMismatch` on every rank of ``group`` unless every rank passes the same
+    ``value`` (a JSON-ready dict, e.g. ``Compression.to_dict()``) for the setting ``name``; the
+    error names the entries that differ and each rank's values. A collective: one all-gather of
+    a hash, and one of the values only when they differ. ``fix``: what the error tells to do."""
+    link = dist_ops.link(group)
+    if link.world == 1:
+        return
+    flat = _flatten(value)
+    digest = hashlib.blake2b(json.dumps(flat, sort_keys=True, default=str).encode(), digest_size=8).digest()
+    mine = torch.tensor([int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")],
+                        dtype=torch.int64, device=_device_of(link))
+    every = torch.empty(link.world * 2, dtype=torch.int64, device=mine.device)
+    with named_timeouts(name, "the agreement check of a setting", group):
+        link.all_gather(every, mine).wait()
+    if len({tuple(row) for row in every.view(link.world, 2).tolist()}) == 1:
+        return
+    values = [None] * link.world
+    dist.all_gather_object(values, flat, group=group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(link.world))
+    keys = sorted({k for v in values for k in v if len({repr(w.get(k)) for w in values}) > 1})
+    details = "; ".join(f"{k} by rank {dict(zip(ranks, (v.get(k) for v in values)))}" for k in keys)
+    raise CollectiveMismatch(f"{name}: the ranks {ranks} disagree ({details}); every rank must use the same "
+                             f"setting{': ' + fix if fix else ''}")
+
+
+def _flatten(value: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, v in value.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = v
+    return out
+
+
+def _device_of(link) -> torch.device:
+    """Where a small tensor of ``link``'s group lives (NCCL: this rank's GPU)."""
+    if link.backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 @contextlib.contextmanager

@@ -24,8 +24,8 @@ weight-gradient matmuls costs less than that in the step, while the codec's kern
 `AutoDecider` takes the decisions of the auto sites of one table: a site in auto mode starts
 undecided; its first call (in the first training step) times the message it actually sends and
 keeps the answer as a `Decision`; later calls use it without timing. Sites that send the same
-message (the same collective, size, dtype and codec settings: e.g. the down projection of every
-layer) share one timing. A message more than twice as large as the one timed (a longer
+message (the same collective, size, dtype and codec settings, on the same group: e.g. the down
+projection of every layer) share one timing. A message more than twice as large as the one timed (a longer
 sequence) is timed again. After a "compress" decision, messages at least as large as the timed
 one are compressed and smaller ones are not (they were never shown to pay). Without a real group
 to time (an emulated model), the auto mode's size rule decides instead: messages from
@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..codec import CodecConfig, TacoConfig
-from . import agreement, dist_ops
+from . import agreement, dist_ops, p2p
 from .collectives import Pending
 from .pieces import PIECE_BYTES
 
@@ -77,8 +77,9 @@ def time_collective(
     kind: str, x: torch.Tensor, group, config: CodecConfig, reps: int = REPS, margin: float = MARGIN, *,
     record=None, site: str = "",
 ) -> Timing:
-    """Time ``kind`` ("all_reduce", "reduce_scatter", "all_gather") on ``x`` plain and compressed
-    with ``config`` (its threshold ignored); a collective call, the same `Timing` on every rank.
+    """Time ``kind`` ("all_reduce", "reduce_scatter", "all_gather", or "send": a point-to-point
+    message between the two ranks of ``group``, `p2p`) on ``x`` plain and compressed with
+    ``config`` (its threshold ignored); a collective call, the same `Timing` on every rank.
 
     ``record``: the `stats.SiteRecord` of the site that asks, whose first-call agreement check
     (`agreement`) then guards the timed calls too; they record no statistics."""
@@ -90,8 +91,11 @@ def time_collective(
     pieces = config.piece_bytes if isinstance(config, TacoConfig) else PIECE_BYTES
     if record is not None and agreement.due(record):
         agreement.check(kind, x, link, config.codec, True, site or kind, pieces)
-    calls = tuple(lambda on=on: Pending(kind, x, link, codec if on else None, on, pieces, None, site or kind).result()
-                  for on in (False, True))
+    if kind == p2p.KIND:  # the two ranks of a point-to-point link swap the message
+        calls = p2p.timed_exchanges(x, link, codec)
+    else:
+        calls = tuple(lambda on=on: Pending(kind, x, link, codec if on else None, on, pieces, None, site or kind)
+                      .result() for on in (False, True))
     for call in calls:  # warm-up: Triton compilation, first allocations, connection set-up
         call()
     times: tuple[list[float], list[float]] = ([], [])
@@ -173,7 +177,7 @@ class AutoDecider:
         if not self.timed:
             return Decision(nbytes >= UNTIMED_BYTES, kind, nbytes, "size")
         x = message()
-        key = (kind, tuple(x.shape), x.dtype, x.device.type, site.config)
+        key = (kind, tuple(x.shape), x.dtype, x.device.type, site.config, site.group)  # a link's own timings
         if key not in self._timings:
             timing = self.timer(kind, x, site.group, site.config, self.reps, self.margin, record=site.entry,
                                 site=site.name)

@@ -16,6 +16,13 @@ no copy) and the compressed one decoded into it. Autograd: the inputs are detach
 results do not require grad; layer 3 wraps these functions in autograd functions that define
 the backward collectives.
 
+Error feedback (reduce_scatter, all_gather): ``residual=`` a float32 tensor of x's number of
+values receives what the wire did not carry of x (``x - decode(what this rank sent)``; zeros
+when the call is plain), and a compressed reduce_scatter then sums the received chunks decoded,
+in fp32, instead of requantising the sum: its result is the sum of what the ranks sent, so that
+result plus every rank's residual is the sum of the inputs (to fp32 rounding). A caller adds the
+residual to its next input (`taco_accel.parallel.data_parallel`'s compressed gradient reduce).
+
 ``async_op=True`` returns the `Pending` instead: the transfer (plain), or the first piece
 (compressed), is under way; call ``progress()`` between other work so that compressed pieces
 advance, and ``wait()`` for the result. Layer 3 overlaps the backward all-reduce of a
@@ -68,28 +75,29 @@ def all_reduce(
 
 def reduce_scatter(
     x: torch.Tensor, group=None, config: CodecConfig | None = None, *, site: str | None = None,
-    async_op: bool = False, compress: bool | None = None,
+    async_op: bool = False, compress: bool | None = None, residual: torch.Tensor | None = None,
 ):
     """x has P*m rows along dim 0; returns this rank's m rows of the sum over the group's ranks.
 
     Compressed: each rank's row block is compressed as its own chunk (padded to whole
-    groups), exchanged all-to-all, summed with `sum_packed` and decoded by its rank.
+    groups), exchanged all-to-all, summed with `sum_packed` and decoded by its rank (with a
+    ``residual``: decoded, then summed in fp32; see the module doc).
     """
-    return _public("reduce_scatter", x, group, config, site, async_op, compress, False)
+    return _public("reduce_scatter", x, group, config, site, async_op, compress, False, residual)
 
 
 def all_gather(
     x: torch.Tensor, group=None, config: CodecConfig | None = None, *, site: str | None = None,
-    async_op: bool = False, compress: bool | None = None,
+    async_op: bool = False, compress: bool | None = None, residual: torch.Tensor | None = None,
 ):
     """Concatenation of every rank's ``x`` along dim 0, in rank order.
 
     Compressed: compress, all-gather the buffers, decode all; every rank gets the same bytes.
     """
-    return _public("all_gather", x, group, config, site, async_op, compress, False)
+    return _public("all_gather", x, group, config, site, async_op, compress, False, residual)
 
 
-def _public(kind: str, x, group, config, site, async_op: bool, compress, inplace: bool):
+def _public(kind: str, x, group, config, site, async_op: bool, compress, inplace: bool, residual=None):
     """The argument checks and the size rule of the public functions; then `Pending`."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{kind} expects a torch.Tensor, got {type(x).__name__}")
@@ -108,7 +116,7 @@ def _public(kind: str, x, group, config, site, async_op: bool, compress, inplace
     piece_bytes = config.piece_bytes if isinstance(config, TacoConfig) else PIECE_BYTES
     name = site or kind
     pending = Pending(kind, x, link, None if config is None else config.codec, compress, piece_bytes,
-                      DEFAULT.record(name), name, inplace)
+                      DEFAULT.record(name), name, inplace, check_residual(kind, x, residual))
     return pending if async_op else pending.wait()
 
 
@@ -122,6 +130,23 @@ def output_shape(kind: str, x: torch.Tensor, world: int) -> tuple[int, ...]:
     if kind == "all_gather":
         return (x.shape[0] * world, *x.shape[1:])
     return tuple(x.shape)
+
+
+def check_residual(kind: str, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
+    """``residual`` if it can take x's error feedback (reduce_scatter or all_gather; float32,
+    contiguous, x's number of values, on x's device); a TypeError or ValueError naming the fix."""
+    if residual is None:
+        return None
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(f"{kind}(residual={type(residual).__name__}): pass a float32 tensor of x's size, or None")
+    if kind == "all_reduce":
+        raise ValueError("all_reduce takes no residual (the two-shot's second encoding, of the sum, is no rank's "
+                         "input): for error feedback, reduce_scatter with residual= and then all_gather with residual=")
+    if residual.dtype != torch.float32 or residual.numel() != x.numel() or not residual.is_contiguous() \
+            or residual.device != x.device:
+        raise ValueError(f"{kind}: residual must be a contiguous float32 tensor of {x.numel()} values on {x.device} "
+                         f"(x's size), got {residual.dtype} {list(residual.shape)} on {residual.device}")
+    return residual
 
 
 def check_shape(kind: str, x: torch.Tensor, world: int) -> None:
@@ -143,6 +168,7 @@ class Pending:
     None or the `CodecConfig` (its ``nonfinite`` applies to the plain path too); ``compress``
     the caller's decision (taken plain anyway for one rank, an empty tensor or no codec).
     ``record=None``: no statistics and no agreement check (`autotune`'s timed calls).
+    ``residual``: the error feedback of the module doc (checked by `check_residual`).
 
     The plain collective is one asynchronous call; the compressed one is a `Pipeline` of pieces,
     each `progress` one tick of it (codec work of one piece, the transfers of the others in
@@ -154,7 +180,8 @@ class Pending:
                  "_pipeline", "_tally", "_buffers", "_exact_in", "_done")
 
     def __init__(self, kind: str, x: torch.Tensor, link, codec: CodecConfig | None, compress: bool,
-                 piece_bytes: int, record: SiteRecord | None, site: str, inplace: bool = False) -> None:
+                 piece_bytes: int, record: SiteRecord | None, site: str, inplace: bool = False,
+                 residual: torch.Tensor | None = None) -> None:
         world = link.world
         nbytes = x.numel() * x.element_size()
         compressed = compress and codec is not None and world > 1 and nbytes > 0
@@ -172,10 +199,12 @@ class Pending:
                 self._tally = Tally(check_nonfinite=codec.nonfinite == "raise")
                 self._buffers = acquire(x.device)  # send / receive / sum buffers reused from call to call
                 pieces = PIECES[kind](x.contiguous(), out, wire_codec(codec), link, self._tally, self._buffers,
-                                      piece_bytes)
+                                      piece_bytes, residual)
                 self._pipeline = Pipeline.of(list(pieces))
                 self._pipeline.tick()  # the first piece encoded and on the wire
             else:
+                if residual is not None:
+                    residual.zero_()  # the plain collective carries every value
                 self._work = _plain(kind, x, out, link, codec)
         except Exception as error:
             self._fail(error)

@@ -20,6 +20,13 @@ Group boundaries depend only on the position inside a piece, and pieces are cut 
 of P*G (all_reduce) or G (per block), so a piece boundary is always a group boundary. The
 send, receive, sum and staging buffers come from a `Workspace` and are reused from call to call;
 ``out=None`` skips the decode (an emulated rank whose result another rank already decodes).
+
+Error feedback (``residual``, reduce_scatter and all_gather): the caller's fp32 tensor of x's
+shape receives ``x - decode(what this rank sent)``, the part of x the wire did not carry,
+computed from the send buffer itself while it travels; a reduce_scatter with a residual then
+sums the received chunks decoded, in fp32, without requantising the sum (`sum_packed`'s second
+rounding), so that its result is exactly the sum of what the ranks sent (to fp32 rounding) and
+``result + residuals`` accounts for every input value.
 """
 
 from __future__ import annotations
@@ -156,9 +163,10 @@ def all_reduce_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecCo
 
 
 def reduce_scatter_piece(blocks: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
-                         buffers: Workspace, slot: int) -> Iterator:
+                         buffers: Workspace, slot: int, residual: torch.Tensor | None = None) -> Iterator:
     """out [c] <- this rank's row of the compressed sum over ranks of blocks [P, c] (or any
-    contiguous tensor of P*c values, row r of which is rank r's)."""
+    contiguous tensor of P*c values, row r of which is rank r's). ``residual`` [P, c] (fp32, may
+    be a strided view): blocks minus what was sent; the sum is then taken in fp32 (module doc)."""
     world, device = link.world, blocks.device
     cols = blocks.numel() // world
     width = -(-cols // codec.group_size) * codec.group_size
@@ -173,28 +181,44 @@ def reduce_scatter_piece(blocks: torch.Tensor, out: torch.Tensor | None, codec: 
     encode_into(blocks, send, layout, codec)
     recv = buffers.buffer("recv", slot, total, device)  # [P * cb]
     work = link.all_to_all(recv, send)
+    if residual is not None:  # while the chunks travel: what they do not carry of blocks
+        sent = buffers.typed("decoded", slot, (world, width), torch.float32, device)
+        decode_into(send, layout, codec, sent)
+        residual.copy_(blocks.reshape(world, width)[:, :cols]).sub_(sent[:, :cols])
     yield
     work.wait()
+    tally.sent += (world - 1) * layout.chunk_bytes
+    if residual is not None:  # exactly the sum of what was sent: every chunk decoded, summed in fp32
+        got = buffers.typed("decoded", slot, (world, width), torch.float32, device)  # [P, width], row p: peer p's
+        decode_into(recv, layout, codec, got)
+        tally.note(layout, recv)
+        if out is not None:
+            out.copy_(got.sum(0)[:cols].view(out.shape))
+        return
     mine = buffers.buffer("sum", slot, cb, device)  # [cb]
     sum_packed_into(buffers.buffer("recv", slot, total, device, (world, cb)), layout.chunk_layout(), codec, mine)
     own = WireLayout.for_tensor(cols, codec)
     assert own.total_bytes == mine.numel(), (own, mine.numel())
-    tally.sent += (world - 1) * layout.chunk_bytes
     tally.note(own, mine)
     if out is not None:
         decode_into(mine, own, codec, out)
 
 
 def all_gather_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
-                     buffers: Workspace, slot: int) -> Iterator:
+                     buffers: Workspace, slot: int, residual: torch.Tensor | None = None) -> Iterator:
     """out [P, c] (may be a strided view, or any contiguous tensor of P*c values) <- every
-    rank's src (c values, contiguous) decoded, in rank order."""
+    rank's src (c values, contiguous) decoded, in rank order. ``residual`` [c] (fp32): src
+    minus what was sent of it."""
     world, device, cols = link.world, src.device, src.numel()
     layout = WireLayout.for_tensor(cols, codec)  # one chunk of gpc = ceil(c/G) groups
     send = buffers.buffer("send", slot, layout.total_bytes, device)
     encode_into(src, send, layout, codec)
     full = buffers.buffer("recv", slot, world * layout.total_bytes, device)  # [P * cb]
     work = link.all_gather(full, send)
+    if residual is not None:  # while the buffer travels: what it does not carry of src
+        sent = buffers.typed("decoded", slot, (cols,), torch.float32, device)
+        decode_into(send, layout, codec, sent)
+        residual.copy_(src.view(-1)).sub_(sent)
     yield
     work.wait()
     width = layout.padded_numel  # gpc * G
@@ -217,8 +241,10 @@ def all_gather_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecCo
 
 
 def all_reduce_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
-                      buffers: Workspace, piece_bytes: int):
-    """The pieces of a compressed all_reduce of x into out (same shape, both contiguous)."""
+                      buffers: Workspace, piece_bytes: int, residual: None = None):
+    """The pieces of a compressed all_reduce of x into out (same shape, both contiguous); no
+    error feedback (its second encoding, of the sum, belongs to no rank's input)."""
+    assert residual is None, "the two-shot all_reduce has no residual: reduce_scatter, then all_gather"
     step = piece_length(piece_bytes, x.element_size(), link.world * codec.group_size)
     bounds = piece_bounds(x.numel(), step)
     if len(bounds) == 1:  # one piece: the tensors as they are (each view costs host time)
@@ -230,34 +256,38 @@ def all_reduce_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecCon
 
 
 def reduce_scatter_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
-                          buffers: Workspace, piece_bytes: int):
-    """The pieces of a compressed reduce_scatter of x [P*m, ...] into out [m, ...] (contiguous)."""
+                          buffers: Workspace, piece_bytes: int, residual: torch.Tensor | None = None):
+    """The pieces of a compressed reduce_scatter of x [P*m, ...] into out [m, ...] (contiguous);
+    ``residual``: fp32, contiguous, x's number of values."""
     world = link.world
     step = piece_length(piece_bytes, world * x.element_size(), codec.group_size)
     bounds = piece_bounds(x.numel() // world, step)
+    lost = None if residual is None else residual.view(world, -1)  # [P, k]
     if len(bounds) == 1:
-        yield reduce_scatter_piece(x, out, codec, link, tally, buffers, 0)
+        yield reduce_scatter_piece(x, out, codec, link, tally, buffers, 0, lost)
         return
     blocks = x.view(world, -1)  # [P, k] (row r: the rows of rank r)
     dst = None if out is None else out.view(-1)  # [k]
     for slot, (a, b) in enumerate(bounds):
         yield reduce_scatter_piece(blocks[:, a:b], None if dst is None else dst[a:b], codec, link, tally, buffers,
-                                   slot)
+                                   slot, None if lost is None else lost[:, a:b])
 
 
 def all_gather_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
-                      buffers: Workspace, piece_bytes: int):
-    """The pieces of a compressed all_gather of x [m, ...] into out [P*m, ...] (contiguous)."""
+                      buffers: Workspace, piece_bytes: int, residual: torch.Tensor | None = None):
+    """The pieces of a compressed all_gather of x [m, ...] into out [P*m, ...] (contiguous);
+    ``residual``: fp32, contiguous, x's number of values."""
     step = piece_length(piece_bytes, x.element_size(), codec.group_size)
     bounds = piece_bounds(x.numel(), step)
+    lost = None if residual is None else residual.view(-1)  # [k]
     if len(bounds) == 1:
-        yield all_gather_piece(x, out, codec, link, tally, buffers, 0)
+        yield all_gather_piece(x, out, codec, link, tally, buffers, 0, lost)
         return
     src = x.view(-1)  # [k]
     blocks = None if out is None else out.view(link.world, -1)  # [P, k] (row p: rank p's x)
     for slot, (a, b) in enumerate(bounds):
         yield all_gather_piece(src[a:b], None if blocks is None else blocks[:, a:b], codec, link, tally, buffers,
-                               slot)
+                               slot, None if lost is None else lost[a:b])
 
 
 PIECES = {"all_reduce": all_reduce_pieces, "reduce_scatter": reduce_scatter_pieces, "all_gather": all_gather_pieces}

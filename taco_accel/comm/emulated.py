@@ -34,7 +34,7 @@ import torch
 
 from ..codec import CodecConfig, TacoConfig
 from ..codec.api import check_config
-from .collectives import check_shape, nonfinite_error, relative_error, wire_codec
+from .collectives import check_residual, check_shape, nonfinite_error, relative_error, wire_codec
 from .compressed import PIECES, Tally, Workspace
 from .pieces import PIECE_BYTES, Pipeline
 from .stats import DEFAULT, SiteRecord, plain_bytes
@@ -97,15 +97,19 @@ class EmulatedRank:
 
 
 def run_compressed(kind: str, xs: list[torch.Tensor], outs: list[torch.Tensor | None], codec: CodecConfig,
-                   piece_bytes: int, workspaces: list[Workspace]) -> int:
+                   piece_bytes: int, workspaces: list[Workspace],
+                   residuals: Sequence[torch.Tensor] | None = None) -> int:
     """Every virtual rank's pieces of ``kind`` (`compressed`), advanced in lockstep; rank r reads
-    ``xs[r]`` and decodes into ``outs[r]`` (None: not decoded). Returns the bytes one rank sends."""
+    ``xs[r]`` and decodes into ``outs[r]`` (None: not decoded), and fills ``residuals[r]`` (error
+    feedback, reduce_scatter and all_gather). Returns the bytes one rank sends."""
     world = len(xs)
     exchange = _Exchange(world)
     tallies = [Tally() for _ in range(world)]
+    lost = residuals if residuals is not None else [None] * world
     pipelines = [
-        Pipeline.of(list(PIECES[kind](x, out, codec, EmulatedRank(exchange, r), tally, workspace, piece_bytes)))
-        for r, (x, out, tally, workspace) in enumerate(zip(xs, outs, tallies, workspaces))
+        Pipeline.of(list(PIECES[kind](x, out, codec, EmulatedRank(exchange, r), tally, workspace, piece_bytes,
+                                      residual)))
+        for r, (x, out, tally, workspace, residual) in enumerate(zip(xs, outs, tallies, workspaces, lost))
     ]
     live = True
     while live:
@@ -163,15 +167,21 @@ class EmulatedGroup:
         """Concatenation of every rank's tensor along dim 0, in rank order."""
         return self._public("all_gather", shards, config, site)
 
-    def collective(self, kind: str, xs: Sequence[torch.Tensor], site) -> torch.Tensor:
+    def collective(self, kind: str, xs: Sequence[torch.Tensor], site,
+                   residuals: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """``kind`` on every rank's tensor through the `site.Site` ``site``: its settings and
         decision (the size rule: there is no group to time), its statistics. reduce_scatter
-        returns every rank's rows stacked in rank order."""
+        returns every rank's rows stacked in rank order. ``residuals``: one per rank, the error
+        feedback of `collectives` (reduce_scatter, all_gather)."""
         xs = self._check(kind, xs)
         for x in xs:
             site.observe(x)
+        if residuals is not None:
+            if len(residuals) != self.size:
+                raise ValueError(f"{kind}: {len(residuals)} residuals for an EmulatedGroup of {self.size} ranks")
+            residuals = [check_residual(kind, x, r) for x, r in zip(xs, residuals)]
         compress = site.compresses(kind, xs[0])
-        return self._run(kind, xs, site.codec, compress, site.piece_bytes, site.entry, site.name)
+        return self._run(kind, xs, site.codec, compress, site.piece_bytes, site.entry, site.name, residuals)
 
     # -- shared steps -----------------------------------------------------------------------
 
@@ -198,7 +208,7 @@ class EmulatedGroup:
         return [x.detach().contiguous() for x in xs]
 
     def _run(self, kind: str, xs: list[torch.Tensor], codec: CodecConfig | None, compress: bool, piece_bytes: int,
-             record: SiteRecord, site: str) -> torch.Tensor:
+             record: SiteRecord, site: str, residuals: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The collective ``kind``, plain or compressed, as a tensor (reduce_scatter: all ranks'
         rows stacked in rank order); records the call like one rank would."""
         nbytes = xs[0].numel() * xs[0].element_size()
@@ -207,9 +217,11 @@ class EmulatedGroup:
             if codec is not None and codec.nonfinite == "zero" and xs[0].is_floating_point():
                 xs = [torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0) for x in xs]
             out = _plain(kind, xs)
+            for residual in residuals or ():
+                residual.zero_()  # the plain collective carries every value
             record.add(plain, plain, False)
         else:
-            out, sent = self._compressed(kind, xs, wire_codec(codec), piece_bytes)
+            out, sent = self._compressed(kind, xs, wire_codec(codec), piece_bytes, residuals)
             record.add(sent, plain, True)
             if record.sample_due():
                 record.errors.append(relative_error(out, _plain(kind, [x.double() for x in xs])))
@@ -217,8 +229,8 @@ class EmulatedGroup:
             raise nonfinite_error(site)
         return out
 
-    def _compressed(self, kind: str, xs: list[torch.Tensor], codec: CodecConfig,
-                    piece_bytes: int) -> tuple[torch.Tensor, int]:
+    def _compressed(self, kind: str, xs: list[torch.Tensor], codec: CodecConfig, piece_bytes: int,
+                    residuals: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, int]:
         world, x = self.size, xs[0]
         if kind == "all_reduce" and self.reducer is not two_shot_all_reduce:
             return self.reducer(xs, codec)
@@ -228,7 +240,7 @@ class EmulatedGroup:
         else:
             out = torch.empty_like(x) if kind == "all_reduce" else x.new_empty((world * x.shape[0], *x.shape[1:]))
             outs = [out] + [None] * (world - 1)  # the same bytes on every rank: rank 0 decodes them
-        sent = run_compressed(kind, xs, outs, codec, piece_bytes, self._workspaces_on(x.device))
+        sent = run_compressed(kind, xs, outs, codec, piece_bytes, self._workspaces_on(x.device), residuals)
         return out, sent
 
     def _workspaces_on(self, device: torch.device) -> list[Workspace]:

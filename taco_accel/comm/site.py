@@ -29,7 +29,7 @@ import torch
 
 from ..codec import CodecConfig, TacoConfig
 from . import dist_ops, ops
-from .collectives import Pending, check_shape
+from .collectives import Pending, check_residual, check_shape
 from .pieces import PIECE_BYTES
 from .stats import DEFAULT, Ledger
 
@@ -83,10 +83,12 @@ class Site:
             return ops.OPS[kind](x, self.handle, self.world)
         return self.run(kind, x, inplace=inplace)
 
-    def run(self, kind: str, x: torch.Tensor, *, inplace: bool = False, async_op: bool = False):
+    def run(self, kind: str, x: torch.Tensor, *, inplace: bool = False, async_op: bool = False,
+            residual: torch.Tensor | None = None):
         """The collective, eagerly: calibration sample, decision, statistics. ``inplace``: x is
         the caller's to give away (all_reduce writes the sum into it). ``async_op``: the
-        `collectives.Pending`."""
+        `collectives.Pending`. ``residual``: error feedback (reduce_scatter, all_gather: see
+        `collectives`)."""
         if x.requires_grad:
             x = x.detach()
         if self.samples is not None:
@@ -99,7 +101,8 @@ class Site:
             compress = self.codec is not None and nbytes >= self._threshold and nbytes > 0
         else:
             compress = self.compresses(kind, x)
-        pending = Pending(kind, x, link, self.codec, compress, self.piece_bytes, self.entry, self.name, inplace)
+        pending = Pending(kind, x, link, self.codec, compress, self.piece_bytes, self.entry, self.name, inplace,
+                          check_residual(kind, x, residual))
         return pending if async_op else pending.wait()
 
     # -- the decision ------------------------------------------------------------------------

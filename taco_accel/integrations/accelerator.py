@@ -73,7 +73,7 @@ from torch import nn
 from ..models.loss import LogitsMode, check_logits_mode
 from ..parallel import ModelParts, ParallelDims, build_mesh, clip_grad_norm_, collective_timeout, distribute
 from ..parallel.mesh import PP_ENV
-from ..parallel.stage import taco_context
+from ..parallel.stage import site_tables
 from ..tp import Compression
 from . import checkpoint as ckpt
 from .launch import launch_notes, without_parallelism_config
@@ -103,6 +103,11 @@ class Accelerator(_AccelerateAccelerator):
             the `Compression`). ``"auto"`` (default: each communication site compressed only
             where timing on the real group in the first step says it pays), ``"on"`` or a
             `TacoConfig`, ``"off"`` / ``None``, a `Compression`, its dict or JSON file.
+        grad_compression: how the data-parallel gradient reduction is compressed (DDP's average
+            and FSDP2's reduce-scatter over the dp replicas), in the same forms; ``"off"`` by
+            default (opt-in until the accuracy study says otherwise). On: FP8 with error feedback
+            (`taco_accel.parallel.data_parallel`: fp32 residuals of 4 bytes per local gradient
+            value, kept in checkpoints); its sites are ``dp.grad.*``, with ``backward``'s settings.
         sequence_parallel: Megatron sequence parallelism inside TP, for such a model.
         logits: what ``outputs.logits`` holds for the models prepared here (`parallelize`'s
             ``logits``): ``"full"`` (the full vocabulary, transformers' convention) or
@@ -116,9 +121,10 @@ class Accelerator(_AccelerateAccelerator):
     """
 
     def __init__(self, *args, parallelism_config=None, parallel_dims: ParallelDims | None = None,
-                 pp_size: int | None = None, compression="auto", sequence_parallel: bool = False,
-                 logits: LogitsMode | None = None, **kwargs):
+                 pp_size: int | None = None, compression="auto", grad_compression="off",
+                 sequence_parallel: bool = False, logits: LogitsMode | None = None, **kwargs):
         compression = Compression.resolve(compression)  # before any process group starts
+        grad_compression = Compression.resolve(grad_compression)
         for name, what in _REFUSED_PLUGINS.items():
             if kwargs.get(name) is not None:
                 raise ValueError(
@@ -158,6 +164,7 @@ class Accelerator(_AccelerateAccelerator):
         self._accelerate_sizes = _parallelism_config_of(requested)
         self._taco_mesh = build_mesh(requested, self.device.type, timeout)
         self.compression, self.sequence_parallel, self.logits = compression, sequence_parallel, logits
+        self.grad_compression = grad_compression
         self._parts: list[tuple[nn.Module, ModelParts]] = []
         self._replaced: dict[int, object] = {}  # id -> weakref of parameters that prepare replaced
         if self.is_main_process:
@@ -351,6 +358,7 @@ class Accelerator(_AccelerateAccelerator):
             self._emulate(model)
         before = {id(p): p for p in model.parameters()}
         parts = distribute(model, self._taco_mesh, self.parallel_dims, compression=self.compression,
+                           grad_compression=self.grad_compression,
                            sequence_parallel=self.sequence_parallel, logits=self.logits,
                            device=self.device if self.device_placement or pipeline else None,
                            param_dtype=self._fsdp_param_dtype(), **pipeline)
@@ -454,9 +462,9 @@ class Accelerator(_AccelerateAccelerator):
         return recursively_apply(one, tensor, error_on_other_type=True)
 
     def compression_stats(self) -> dict[str, float]:
-        """What the TP collectives of all ranks sent since the last call, for ``accelerator.log``:
-        ``comm/bytes_sent``, ``comm/bytes_saved`` (against plain collectives) and
-        ``comm/compression`` (plain / sent). A collective; per-site figures:
+        """What the TP (and compressed dp) collectives of all ranks sent since the last call, for
+        ``accelerator.log``: ``comm/bytes_sent``, ``comm/bytes_saved`` (against plain collectives)
+        and ``comm/compression`` (plain / sent). A collective; per-site figures:
         `taco_accel.pop_comm_stats` (this rank's, and it resets them)."""
         from ..comm import pop_comm_stats
 
@@ -475,9 +483,10 @@ class Accelerator(_AccelerateAccelerator):
         mine = {}
         for _, parts in self._parts:
             for module in parts.modules:
-                context, _ = taco_context(module)
-                if context is not None:
-                    mine.update(context.sites.decisions())
+                for table in site_tables(module):  # the TP sites and the pipeline boundaries'
+                    mine.update(table.decisions())
+            if parts.grad_sites is not None:
+                mine.update(parts.grad_sites.decisions())
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         return {site: record for part in everyone for site, record in part.items()}

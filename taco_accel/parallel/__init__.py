@@ -2,23 +2,28 @@
 
 Each parallelism is one pass over a plain transformers model, torchtitan style, taking plain
 values and a ("pp", "dp", "tp") DeviceMesh: `apply_tp` (`taco_accel.parallelize` over the tp
-axis), `apply_pp` (split into stages), `apply_dp` (DDP or FSDP2 over dp). `distribute` runs
-them in order and returns the `ModelParts` of this rank: its modules, and the gradient
-reductions and clipping over the whole mesh that end a step.
+axis), `apply_pp` (split into stages, whose boundaries go through the codec), `apply_dp` (DDP or
+FSDP2 over dp). `distribute` runs them in order and returns the `ModelParts` of this rank: its
+modules, and the gradient reductions and clipping over the whole mesh that end a step.
 """
 
+from .boundary import Boundary, BoundaryStage, PipelineBoundaries, boundary_name
 from .data_parallel import DataParallelGradSync, ReplicaGradSum, TiedEmbeddingSync, apply_dp, local_tensor
 from .mesh import MESH_DIMS, ParallelDims, build_mesh, collective_timeout, default_device
 from .parts import ModelParts, clip_grad_norm_, distribute
-from .pipeline import SCHEDULES, PipelinePlan, apply_pp, build_schedule, make_pipeline_stages, prune_to_stage, split_layers
-from .stage import StageModule, cross_entropy, decoder_layers
+from .pipeline import (SCHEDULES, PipelinePlan, apply_pp, build_schedule, emulate_boundaries, make_pipeline_stages,
+                       prune_to_stage, split_layers)
+from .stage import StageModule, cross_entropy, decoder_layers, site_tables
 from .tensor_parallel import apply_tp, check_parallelized
 
 __all__ = [
+    "Boundary",
+    "BoundaryStage",
     "DataParallelGradSync",
     "MESH_DIMS",
     "ModelParts",
     "ParallelDims",
+    "PipelineBoundaries",
     "PipelinePlan",
     "ReplicaGradSum",
     "SCHEDULES",
@@ -27,6 +32,7 @@ __all__ = [
     "apply_dp",
     "apply_pp",
     "apply_tp",
+    "boundary_name",
     "build_mesh",
     "build_schedule",
     "check_parallelized",
@@ -36,8 +42,10 @@ __all__ = [
     "decoder_layers",
     "default_device",
     "distribute",
+    "emulate_boundaries",
     "local_tensor",
     "make_pipeline_stages",
     "prune_to_stage",
+    "site_tables",
     "split_layers",
 ]

@@ -11,8 +11,10 @@
 
 `ModelParts.finish_gradients` is what every training step runs after its last backward and
 before clipping, exactly once per optimizer step: the tp sums of replicated parameters FSDP2
-hides from `parallelize`'s hooks, the dp average of DDP replicas, and the tied embedding's sum
-across pipeline stages. Which backwards it must finish is learnt from the parameters
+hides from `parallelize`'s hooks, the dp average of DDP replicas (FSDP2 reduce-scatters during
+the last backward), and the tied embedding's sum across pipeline stages. ``grad_compression``
+compresses the dp reduction (`data_parallel`: error feedback, residuals in checkpoints through
+`ModelParts.feedback_state`). Which backwards it must finish is learnt from the parameters
 themselves (`ModelParts.watch_gradients`), whatever tensor the loss was computed from.
 `clip_grad_norm_` clips by the norm of the whole unsharded model's gradient.
 """
@@ -27,10 +29,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..comm.agreement import check_setting
 from ..tp.compression import Compression
-from .data_parallel import DataParallelGradSync, ReplicaGradSum, TiedEmbeddingSync, apply_dp, local_tensor
+from .data_parallel import (
+    DataParallelGradSync,
+    FsdpGradCompression,
+    ReplicaGradSum,
+    TiedEmbeddingSync,
+    apply_dp,
+    grad_sites,
+    local_tensor,
+)
 from .mesh import ParallelDims
 from .pipeline import apply_pp, is_tied
+from .stage import taco_context
 from .tensor_parallel import apply_tp, check_parallelized
 
 logger = logging.getLogger(__name__)
@@ -56,6 +68,8 @@ class ModelParts:
     norm_shares: dict[int, float] = field(default_factory=dict)
     export_drop: set[str] = field(default_factory=set)
     finishers: list = field(default_factory=list)
+    grad_sites: object = None  # a tp.sites.SiteTable over the dp group
+    grad_reduce: object = None  # DataParallelGradSync or FsdpGradCompression, when compressed
     _dirty: bool = False  # a backward accumulated into a trainable parameter since the last finish
     _reduced: bool = False  # finished, and the optimizer has not stepped (or zeroed) since
     _handles: list = field(default_factory=list, repr=False)
@@ -135,6 +149,16 @@ class ModelParts:
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
+    def feedback_state(self) -> dict[str, torch.Tensor]:
+        """This rank's error-feedback residuals of the compressed dp reduction, by name (empty
+        when it is off or has not run): what a checkpoint keeps per mesh coordinate."""
+        return {} if self.grad_reduce is None else self.grad_reduce.feedback_state()
+
+    def load_feedback_state(self, saved: dict[str, torch.Tensor]) -> None:
+        """Take the residuals `feedback_state` gave on the same mesh (a checkpoint's)."""
+        if self.grad_reduce is not None:
+            self.grad_reduce.load_feedback_state(saved)
+
 
 def clip_grad_norm_(parts: list[ModelParts], params: list[nn.Parameter], max_norm: float,
                     finish: bool = True) -> torch.Tensor:
@@ -175,6 +199,7 @@ def distribute(
     dims: ParallelDims,
     *,
     compression="auto",
+    grad_compression="off",
     sequence_parallel: bool = False,
     logits: str | None = None,
     device: torch.device | None = None,
@@ -189,13 +214,17 @@ def distribute(
     ``compression`` / ``sequence_parallel`` / ``logits`` go to `parallelize` when the model is
     not yet tensor parallel (``compression``: anything `Compression.resolve` takes, ``"auto"`` by
     default; ``logits=None``: ``"full"``); a
-    ``logits`` mode given for a parallel model replaces its own. ``pipeline``: split into
+    ``logits`` mode given for a parallel model replaces its own. ``grad_compression`` (anything
+    `Compression.resolve` takes, ``"off"`` by default): the compressed dp gradient reduction
+    with error feedback (`data_parallel`); every rank must pass the same (a `CollectiveMismatch`
+    on every rank otherwise). ``pipeline``: split into
     ``pp * stages_per_rank`` `StageModule`s (``seq_len`` balances them); without it pp must be 1.
     ``param_dtype``: FSDP2's compute dtype (e.g. bf16 under mixed precision).
     ``evaluation``: tensor parallel (and placed) only, as Accelerate's ``evaluation_mode``: no
     FSDP2 sharding, no gradient reductions, nothing watched.
     """
     compression = Compression.resolve(compression)
+    grad_compression = Compression.resolve(grad_compression)
     if not pipeline and dims.pp > 1:
         raise ValueError(
             f"the mesh has pp={dims.pp} but this model is prepared without pipeline stages; use "
@@ -212,7 +241,7 @@ def distribute(
     tied = is_tied(model) if pipeline else False
     if pipeline:
         plan = apply_pp(model, mesh, stages_per_rank, seq_len=seq_len,
-                        sequence_parallel=sequence_parallel and dims.tp > 1)
+                        sequence_parallel=sequence_parallel and dims.tp > 1, compression=compression)
         modules, stage_ids, num_stages = plan.modules, plan.stage_ids, plan.num_stages
         prefix = "model."
     else:
@@ -224,7 +253,7 @@ def distribute(
     split_tied = tied and num_stages > 1
     skip, tied_sync = _split_tied(parts) if split_tied else (set(), None)
     if not evaluation:
-        _apply_dp(parts, mesh, dims, param_dtype)
+        _apply_dp(parts, mesh, dims, param_dtype, grad_compression)
         if tied_sync is not None:
             parts.finishers.append(tied_sync)
     dp_share = 1.0 / dims.dp if dims.dp_mode == "ddp" or evaluation else 1.0  # replicas hold it all
@@ -236,16 +265,31 @@ def distribute(
     return parts
 
 
-def _apply_dp(parts: ModelParts, mesh: DeviceMesh, dims: ParallelDims, param_dtype) -> None:
+def _apply_dp(parts: ModelParts, mesh: DeviceMesh, dims: ParallelDims, param_dtype,
+              grad_compression: Compression) -> None:
     """Data parallelism over ``mesh["dp"]`` for every module of ``parts``, and the reductions
-    that finish its gradients."""
+    that finish its gradients (compressed as ``grad_compression`` says)."""
+    if dims.dp > 1:  # every rank of the world: the same setting, or an error on every rank now
+        check_setting("grad_compression", grad_compression.to_dict(),
+                      fix="pass the same grad_compression (--grad-compression) to every process")
+    context, _ = taco_context(parts.modules[0])
+    sites = grad_sites(mesh, grad_compression, context.sites.ledger if context is not None else None)
     if dims.dp_mode == "fsdp" and dims.dp > 1 and dims.tp > 1:
         replica_sum = ReplicaGradSum(parts.modules, mesh)  # before FSDP2 replaces the parameter objects
         if replica_sum:
             parts.finishers.append(replica_sum)
     parts.modules = [apply_dp(m, mesh, dims.dp_mode, param_dtype=param_dtype) for m in parts.modules]
+    parts.grad_sites = sites
     if dims.dp_mode == "ddp" and dims.dp > 1:
-        parts.finishers.append(DataParallelGradSync(parts.modules, mesh))
+        sync = DataParallelGradSync(parts.modules, mesh, sites=sites)
+        parts.finishers.append(sync)
+        parts.grad_reduce = sync if sites is not None else None
+    elif sites is not None:
+        parts.grad_reduce = FsdpGradCompression(parts.modules, parts.stage_ids, sites)
+    if sites is not None:
+        config = grad_compression.backward
+        logger.info("data-parallel gradient reduction: %s, %s, error feedback, over %d replicas", grad_compression.mode,
+                    "plain" if config is None else f"{config.format} G={config.group_size}", dims.dp)
 
 
 def _replicas_of(model: nn.Module, tp: int) -> dict[str, int]:

@@ -8,6 +8,10 @@ is computed on the last stage by the schedule.
 
 Stage ``s`` of ``pp * v`` lives on pipeline rank ``s % pp`` ("looped" placement), so with
 ``v = stages_per_rank > 1`` every rank holds v non-adjacent stages (interleaved schedules).
+
+What crosses a stage boundary between ranks goes through the codec like a TP collective (sites
+``pp.<b>-<b+1>/fwd`` and ``/bwd``: `boundary`); `emulate_boundaries` applies the same round trip at
+the stage cuts of a model that runs in one process.
 """
 
 from __future__ import annotations
@@ -20,7 +24,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .stage import StageModule, family_of
+from ..comm.p2p import round_trip_message
+from ..tp.compression import Compression, CompressionLike
+from ..tp.sites import SiteTable
+from .boundary import BoundaryStage, attach_boundaries, boundary_name
+from .stage import StageModule, decoder_layers, family_of
 
 logger = logging.getLogger(__name__)
 
@@ -132,11 +140,14 @@ class PipelinePlan:
 
 
 def apply_pp(model: nn.Module, mesh: DeviceMesh, stages_per_rank: int = 1, *, seq_len: int = 2048,
-             sequence_parallel: bool = False) -> PipelinePlan:
+             sequence_parallel: bool = False, compression: CompressionLike = "auto") -> PipelinePlan:
     """Split ``model`` into ``pp * stages_per_rank`` stages; return the ones of this rank.
 
     With pp=1 and one stage per rank this is the whole model as one `StageModule`. With
-    ``sequence_parallel`` the activations sent between stages hold 1/tp of the tokens.
+    ``sequence_parallel`` the activations sent between stages hold 1/tp of the tokens. Each
+    stage module gets its pipeline boundaries (`boundary.attach_boundaries`: the sites
+    ``pp.<b>-<b+1>/fwd`` and ``/bwd``, with the settings of the model's own `Compression` when it
+    is tensor parallel, else of ``compression``). A collective on every rank.
     """
     pp, pp_rank = mesh["pp"].size(), mesh["pp"].get_local_rank()
     num_stages = pp * stages_per_rank
@@ -149,6 +160,9 @@ def apply_pp(model: nn.Module, mesh: DeviceMesh, stages_per_rank: int = 1, *, se
         view = model if num_stages == 1 else prune_to_stage(model, ranges[s], first, last)
         seq_split = mesh["tp"].size() if sequence_parallel else 1
         modules.append(StageModule(view, is_first=first, is_last=last, seq_split=seq_split))
+    context = getattr(model, "taco", None)
+    attach_boundaries(modules, stage_ids, num_stages, mesh, Compression.resolve(compression),
+                      None if context is None else context.sites)
     logger.info(
         "applied pipeline parallelism: %d stage(s), layers per stage %s, this rank runs stage(s) %s",
         num_stages, [len(r) for r in ranges], stage_ids,
@@ -175,13 +189,53 @@ def build_schedule(name: str, stages: list, n_microbatches: int, loss_fn):
     return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
 
 
+class _Cut(torch.autograd.Function):
+    """Identity with the boundary's codec round trip: the forward channel on the value, the
+    backward channel on its gradient."""
+
+    @staticmethod
+    def forward(ctx, x, fwd, bwd):
+        ctx.bwd = bwd
+        return round_trip_message(fwd, x).view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return round_trip_message(ctx.bwd, grad), None, None
+
+
+def emulate_boundaries(model: nn.Module, num_stages: int, compression="on", *, seq_len: int = 2048) -> SiteTable:
+    """Send the hidden states at the cuts of a ``num_stages``-stage pipeline of ``model`` (the
+    stages `apply_pp` would build: `split_layers` balanced for ``seq_len``) and their gradients
+    through the boundary codec, in one process: each cut's ``pp.<b>-<b+1>/fwd`` and ``/bwd`` sites
+    (settings from ``compression``, anything `Compression.resolve` takes; ``"auto"`` by the size
+    rule, there is no link to time) decode what they would send. Returns the sites' table (its
+    ledger counts the bytes; keep it to read them). Without sequence parallelism: the cut holds
+    every token."""
+    table = SiteTable(None, Compression.resolve(compression), timed=False)
+    layers = decoder_layers(model)
+    config = getattr(model, "config", None) or model.get_base_model().config
+    ranges = split_layers(len(layers), num_stages, *stage_costs(config, seq_len))
+    for b in range(num_stages - 1):
+        name = boundary_name(b)
+        fwd, bwd = table.site(f"{name}/fwd"), table.site(f"{name}/bwd")
+
+        def cut(module, args, output, fwd=fwd, bwd=bwd, table=table):  # the table: its ledger lives with the hook
+            if isinstance(output, tuple):
+                return (_Cut.apply(output[0], fwd, bwd), *output[1:])
+            return _Cut.apply(output, fwd, bwd)
+
+        layers[ranges[b][-1]].register_forward_hook(cut)
+    logger.info("emulated pipeline boundaries after layers %s: %s", [r[-1] for r in ranges[:-1]], table.summary())
+    return table
+
+
 def make_pipeline_stages(modules: list[nn.Module], stage_ids: list[int], num_stages: int, mesh: DeviceMesh,
                          device: torch.device) -> list:
-    """Wrap each (possibly DP-wrapped) stage module in a ``PipelineStage`` over the pp group."""
-    from torch.distributed.pipelining import PipelineStage
-
+    """Wrap each (possibly DP-wrapped) stage module in a `boundary.BoundaryStage` over the pp
+    group: a ``PipelineStage`` whose transfers go through the module's boundaries."""
     group = mesh["pp"].get_group()
-    return [PipelineStage(m, s, num_stages, device, group=group) for m, s in zip(modules, stage_ids)]
+    return [BoundaryStage(m, s, num_stages, device, group, getattr(m, "inbound", None), getattr(m, "outbound", None))
+            for m, s in zip(modules, stage_ids)]
 
 
 class PipelineRunner:
@@ -192,6 +246,9 @@ class PipelineRunner:
     and returns the mean micro-batch loss as a float64 0-d tensor on the device (zero on ranks
     without the last stage); ``eval`` runs forwards only. Gradients accumulate in the stages'
     parameters: finish and clip them with `clip_grad_norm_` (the Accelerator's calls it).
+    Around each schedule step the stages' boundaries (`boundary.PipelineBoundaries`) check their
+    settings across each link (first step), raise on non-finite messages under ``"raise"`` and
+    time undecided auto sites (after the step): every rank runs ``step`` / ``eval`` together.
     ``loss_fn(logits, labels)`` defaults to the last stage's own (vocab-parallel) loss function;
     ``shifted_labels``: the labels already hold the next tokens (packed pretraining windows).
     """
@@ -202,6 +259,7 @@ class PipelineRunner:
         loss_fn = loss_fn or self._model_loss(vocab_size, shifted_labels)
         stages = make_pipeline_stages(parts.modules, parts.stage_ids, parts.num_stages, parts.mesh, device)
         self.schedule = build_schedule(schedule, stages, micro_batches, loss_fn)
+        self.boundaries = getattr(parts.modules[0], "boundaries", None)
 
     def _model_loss(self, vocab_size: int, shifted: bool):
         last = [m for s, m in zip(self.parts.stage_ids, self.parts.modules) if s == self.parts.num_stages - 1]
@@ -226,7 +284,11 @@ class PipelineRunner:
         args = (input_ids.to(self.device),) if self.parts.has_first_stage else ()
         target = labels.to(self.device) if self.parts.has_last_stage else None
         losses: list = []
+        if self.boundaries is not None:
+            self.boundaries.check(self.device)
         (self.schedule.step if train else self.schedule.eval)(*args, target=target, losses=losses)
+        if self.boundaries is not None:
+            self.boundaries.settle(self.device)
         if not self.parts.has_last_stage:
             return torch.zeros((), dtype=torch.float64, device=self.device)
         return torch.stack([loss.detach().double() for loss in losses]).mean()

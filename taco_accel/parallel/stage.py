@@ -71,6 +71,18 @@ def taco_context(module: nn.Module):
     return getattr(module, "taco", None), ""
 
 
+def site_tables(module: nn.Module) -> list:
+    """The communication site tables of a module of `ModelParts.modules`: its model's TP sites
+    (``model.taco.sites``, which a tensor-parallel pipeline's boundaries join) and, for a
+    pipeline stage of a model without TP, its boundaries' own table; each once."""
+    context, _ = taco_context(module)
+    tables = [] if context is None else [context.sites]
+    boundaries = getattr(module, "boundaries", None)
+    if boundaries is not None and all(boundaries.table is not t for t in tables):
+        tables.append(boundaries.table)
+    return tables
+
+
 def _mask_fns():
     from transformers import masking_utils
 
@@ -107,6 +119,8 @@ class StageModule(nn.Module):
         self.is_first, self.is_last = is_first, is_last
         # with sequence parallelism the hidden states between stages hold 1/tp of the tokens
         self.seq_split = seq_split
+        # what crosses to other ranks: boundary.Boundary / PipelineBoundaries, set by apply_pp
+        self.inbound = self.outbound = self.boundaries = None
 
     # -- parts ------------------------------------------------------------------------------
     def _base(self) -> nn.Module:

@@ -9,7 +9,8 @@ One value says it at every public entry (`parallelize`, `from_pretrained`, `dist
     Compression.resolve("auto")                    # = Compression(): the default
     Compression.from_json("compression.json")      # {"mode": ..., "forward": {...}, ...}
 
-What a site (`comm.Site`, named like ``layers.3.mlp.down_proj/fwd``) does:
+What a site (`comm.Site`, named like ``layers.3.mlp.down_proj/fwd``; a pipeline stage boundary's
+are ``pp.<b>-<b+1>/fwd`` and ``/bwd``, `parallel.boundary`) does:
 
 - ``mode="off"``: every site plain (the overrides in ``sites`` too).
 - ``mode="on"``: every site with codec settings compressed, every message: its direction's

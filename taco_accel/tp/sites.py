@@ -35,23 +35,26 @@ class SiteTable(Mapping[str, Site]):
     sites only) and ``decider`` (the auto decisions and their shared timings).
 
     ``timed=False`` (an emulated model: no real group) makes auto sites decide by the auto
-    mode's size rule (`comm.autotune.UNTIMED_BYTES`).
+    mode's size rule (`comm.autotune.UNTIMED_BYTES`). ``ledger``: record into this one (a
+    model's data-parallel gradient sites join its TP sites' ledger) instead of a new one.
     `decisions` returns what each site does, for logs and run records; `pop_stats` this model's
     figures (`comm.pop_comm_stats` returns every model's).
     """
 
-    def __init__(self, group, compression: Compression, timed: bool = True) -> None:
+    def __init__(self, group, compression: Compression, timed: bool = True, ledger: Ledger | None = None) -> None:
         self.group = group
         self.compression = compression
         self.decider = AutoDecider(group, timed) if compression.mode == "auto" else None
-        self.ledger = Ledger()
+        self.ledger = ledger if ledger is not None else Ledger()
         self._sites: dict[str, Site] = {}
 
-    def site(self, name: str) -> Site:
-        """The site called ``name``, created with its configured settings on first use."""
+    def site(self, name: str, group=None) -> Site:
+        """The site called ``name``, created with its configured settings on first use; ``group``:
+        its own process group instead of the table's (a pipeline boundary's two ranks)."""
         if name not in self._sites:
             config, auto = self.compression.rule_for(name)
-            self._sites[name] = Site(name, self.group, config, self.decider if auto else None, self.ledger)
+            self._sites[name] = Site(name, self.group if group is None else group, config,
+                                     self.decider if auto else None, self.ledger)
         return self._sites[name]
 
     def plain(self, name: str) -> Site:

@@ -191,6 +191,11 @@ def add_compression_args(p: argparse.ArgumentParser, small: str) -> None:
     c.add_argument("--compression-threshold", type=non_negative_int,
                    help="bytes below which a collective stays plain without timing (default: 0, every message "
                    "may compress)")
+    c.add_argument("--grad-compression", type=compression_mode, default="off",
+                   help="the data-parallel gradient reduction (DDP average, FSDP2 reduce-scatter): off, on (FP8 with "
+                   "error feedback: 4 bytes of fp32 residual per local gradient value), auto, or a JSON settings "
+                   "file as for --compression (its 'backward' settings apply; sites dp.grad.*); --group-size and "
+                   "--compression-threshold do not apply to it")
 
 
 def add_optimisation_args(p: argparse.ArgumentParser, *, steps: int, lr: float | None, warmup: int,
@@ -267,7 +272,8 @@ def config_from_args(family: str, args) -> TrainConfig:
     return TrainConfig(
         family=family, preset=args.preset, pp=args.pp, dp=args.dp, tp=default_tp(args), dp_mode=args.dp_mode,
         schedule=args.schedule, stages_per_rank=args.stages_per_rank, sequence_parallel=args.sequence_parallel,
-        compression=compression_from_args(args, hidden), data=args.data, text_field=args.text_field,
+        compression=compression_from_args(args, hidden), grad_compression=args.grad_compression,
+        data=args.data, text_field=args.text_field,
         tokenizer=args.tokenizer, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
         micro_batches=args.micro_batches, steps=args.steps, lr=args.lr, min_lr_ratio=args.min_lr_ratio,
         warmup_steps=args.warmup, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,

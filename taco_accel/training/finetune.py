@@ -45,7 +45,7 @@ from ..tp import vocab_parallel_cross_entropy
 from ..integrations import Accelerator, export_merged, get_peft_model, save_adapter
 from .ranks import global_rank, main_first, usable_trackers
 from .metrics import plot_losses
-from .loop import TrainingLoop, comm_totals, lr_lambda
+from .loop import TrainingLoop, comm_fields, comm_text, comm_totals, lr_lambda
 from .trainer import MIXED_PRECISION, config_dict, requested_dims, timeout_handler
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,8 @@ class FinetuneConfig:
 
     ``model``: a local checkpoint folder, a hub name, or ``"tiny"`` (a random tiny model of
     ``family`` with a byte tokenizer, for smoke tests). Mesh sizes left as None come from
-    ``accelerate launch``. ``compression=None`` runs the TP collectives uncompressed.
+    ``accelerate launch``. ``compression=None`` runs the TP collectives uncompressed;
+    ``grad_compression`` compresses the data-parallel gradient reduction (default ``"off"``).
     """
 
     model: str = TINY
@@ -78,6 +79,7 @@ class FinetuneConfig:
     dp: int | None = None
     sequence_parallel: bool = False
     compression: CompressionLike = "auto"  # a taco_accel.Compression once built
+    grad_compression: CompressionLike = "off"  # the dp gradient reduction's, a Compression once built
     # data
     data: str | None = None
     eval_data: str | None = None
@@ -122,6 +124,7 @@ class FinetuneConfig:
 
     def __post_init__(self) -> None:
         self.compression = Compression.resolve(self.compression)
+        self.grad_compression = Compression.resolve(self.grad_compression)
         if self.method not in METHODS:
             raise ValueError(f"method={self.method!r}: use one of {METHODS}")
         if self.dtype not in DTYPES:
@@ -184,7 +187,8 @@ class Finetuner(TrainingLoop):
         self.accelerator = acc = Accelerator(
             parallel_dims=requested_dims(1, cfg.dp, cfg.tp, "ddp"), mixed_precision=cfg.mixed_precision,
             cpu=cfg.device == "cpu", project_dir=str(self.out), compression=cfg.compression,
-            sequence_parallel=cfg.sequence_parallel, step_scheduler_with_optimizer=False,
+            grad_compression=cfg.grad_compression, sequence_parallel=cfg.sequence_parallel,
+            step_scheduler_with_optimizer=False,
             log_with=self.trackers or None, kwargs_handlers=[timeout_handler(cfg.timeout_s)],
             logits="local",  # only the loss is used whole: no all-gather of the logits
         )
@@ -326,11 +330,10 @@ class Finetuner(TrainingLoop):
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        sent, plain = comm_totals()
-        loss, sent, plain = self._all_sum([loss / self.dims.dp, sent, plain], replica_only=True)
+        loss, *traffic = self._all_sum([loss / self.dims.dp, *comm_totals()], replica_only=True)
         seconds = time.perf_counter() - start
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": seconds,
-                "tokens_per_s": global_tokens / seconds, "comm_bytes_sent": sent, "comm_bytes_saved": plain - sent}
+                "tokens_per_s": global_tokens / seconds, **comm_fields(traffic)}
 
     # -- evaluation -------------------------------------------------------------------------
     def _token_nll(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -389,9 +392,7 @@ class Finetuner(TrainingLoop):
             self.export()
 
     def format_row(self, row: dict) -> str:
-        text = f"{self.format_head(row)} {row['tokens_per_s']:.0f} scored tok/s"
-        if row["comm_bytes_sent"]:
-            text += f" comm saved {row['comm_bytes_saved'] / 2**20:.2f} MiB"
+        text = f"{self.format_head(row)} {row['tokens_per_s']:.0f} scored tok/s{comm_text(row)}"
         if "eval_loss" in row:
             text += f" eval_loss {row['eval_loss']:.4f} eval_ppl {row['eval_perplexity']:.3f}"
         return text

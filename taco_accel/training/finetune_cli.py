@@ -92,6 +92,7 @@ def config_from_args(family: str, args) -> FinetuneConfig:
         model=args.model, family=family, method=args.method, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
         lora_dropout=args.lora_dropout, target_modules=targets, tp=args.tp, dp=args.dp,
         sequence_parallel=args.sequence_parallel, compression=compression_from_args(args, _hidden_size(args.model), small=args.model == TINY),
+        grad_compression=args.grad_compression,
         data=args.data, eval_data=args.eval_data, split=args.split, eval_split=args.eval_split, format=args.format,
         prompt_field=args.prompt_field, response_field=args.response_field, text_field=args.text_field,
         messages_field=args.messages_field, system_prompt=args.system_prompt, tokenizer=args.tokenizer,

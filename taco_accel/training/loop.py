@@ -212,13 +212,50 @@ class TrainingLoop:
         return f"step {row['step']}: loss {row['loss']:.4f} lr {row['lr']:.2e} grad_norm {row['grad_norm']:.3f}"
 
 
-def comm_totals() -> tuple[float, float]:
-    """(bytes sent, bytes a plain collective would send) by this rank's TP collectives since the
-    last call (a step's figures; the loops sum them over the ranks with their loss)."""
+TRAFFIC_KINDS = ("tp", "pp", "dp")
+
+
+def traffic_kind(site: str) -> str:
+    """The kind of traffic a site moves, from its name: ``pp`` (``pp.<...>``: pipeline stage
+    boundaries), ``dp`` (``dp.<...>``: data-parallel gradients), else ``tp``."""
+    head = site.split(".", 1)[0]
+    return head if head in ("pp", "dp") else "tp"
+
+
+def comm_totals() -> list[float]:
+    """Bytes sent and bytes a plain collective would send by this rank's sites since the last
+    call, per kind of traffic (`traffic_kind`): ``[tp sent, tp plain, pp sent, pp plain, dp sent,
+    dp plain]`` (a step's figures; the loops sum them over the ranks with their loss, then
+    `comm_fields`)."""
     from ..comm import pop_comm_stats
 
-    stats = pop_comm_stats().values()
-    return float(sum(s.bytes_sent for s in stats)), float(sum(s.bytes_uncompressed for s in stats))
+    out = [0.0] * (2 * len(TRAFFIC_KINDS))
+    for name, s in pop_comm_stats().items():
+        k = 2 * TRAFFIC_KINDS.index(traffic_kind(name))
+        out[k] += s.bytes_sent
+        out[k + 1] += s.bytes_uncompressed
+    return out
+
+
+def comm_fields(totals) -> dict:
+    """A history row's communication fields from `comm_totals`' numbers (summed over ranks):
+    ``comm_bytes_sent``, ``comm_bytes_saved`` and ``comm_compression`` (plain / sent) over every
+    kind, and ``comm_<kind>_bytes_sent`` / ``comm_<kind>_bytes_saved`` per kind."""
+    sent, plain = sum(totals[0::2]), sum(totals[1::2])
+    row = {"comm_bytes_sent": sent, "comm_bytes_saved": plain - sent, "comm_compression": plain / sent if sent else 1.0}
+    for i, kind in enumerate(TRAFFIC_KINDS):
+        row[f"comm_{kind}_bytes_sent"] = totals[2 * i]
+        row[f"comm_{kind}_bytes_saved"] = totals[2 * i + 1] - totals[2 * i]
+    return row
+
+
+def comm_text(row: dict) -> str:
+    """`` comm saved X MiB (R x; tp a, dp b MiB)``: the log line's part, kinds with traffic only."""
+    if not row.get("comm_bytes_sent"):
+        return ""
+    kinds = ", ".join(f"{kind} {row[f'comm_{kind}_bytes_saved'] / 2**20:.2f}" for kind in TRAFFIC_KINDS
+                      if row.get(f"comm_{kind}_bytes_sent"))
+    return f" comm saved {row['comm_bytes_saved'] / 2**20:.2f} MiB ({row['comm_compression']:.2f}x; {kinds} MiB)"
 
 
 def lr_lambda(cfg):

@@ -36,7 +36,7 @@ from ..tp import Compression, CompressionLike
 from ..parallel import SCHEDULES, ParallelDims, collective_timeout
 from ..integrations import Accelerator, export_pretrained
 from .ranks import global_rank, main_first, usable_trackers
-from .loop import TrainingLoop, comm_totals, lr_lambda
+from .loop import TrainingLoop, comm_fields, comm_text, comm_totals, lr_lambda
 from .metrics import flops_per_token, plot_losses
 from .presets import model_config, pad_vocab
 
@@ -51,7 +51,8 @@ class TrainConfig:
 
     Mesh sizes left as None come from ``accelerate launch`` (`ParallelDims.from_env`).
     ``compression``: any form `taco_accel.Compression.resolve` takes (default ``"auto"``),
-    resolved when the config is built. ``data: what
+    resolved when the config is built; ``grad_compression`` the same for the data-parallel
+    gradient reduction (default ``"off"``; `taco_accel.Accelerator`'s argument). ``data: what
     `load_texts` reads, or several such sources. ``output_dir=None``: a run that writes nothing
     (its history is what `Trainer.train` returns), without checkpoints, export or plot.
     """
@@ -68,6 +69,7 @@ class TrainConfig:
     stages_per_rank: int | None = None
     sequence_parallel: bool = False
     compression: CompressionLike = "auto"  # a taco_accel.Compression once built
+    grad_compression: CompressionLike = "off"  # the dp gradient reduction's, a Compression once built
     # data
     data: str | tuple[str, ...] | None = None
     text_field: str = "text"
@@ -101,6 +103,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self.compression = Compression.resolve(self.compression)
+        self.grad_compression = Compression.resolve(self.grad_compression)
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is not supported; use one of {SCHEDULES}")
         if self.mixed_precision not in MIXED_PRECISION:
@@ -127,9 +130,11 @@ class TrainConfig:
 
 
 def config_dict(cfg) -> dict:
-    """A run config (a dataclass with a ``compression`` field) as JSON-ready values."""
+    """A run config (a dataclass with ``compression`` and ``grad_compression`` fields) as
+    JSON-ready values."""
     out = dataclasses.asdict(cfg)
     out["compression"] = cfg.compression.to_dict()
+    out["grad_compression"] = cfg.grad_compression.to_dict()
     return out
 
 
@@ -148,7 +153,8 @@ class Trainer(TrainingLoop):
         self.accelerator = acc = Accelerator(
             parallel_dims=requested_dims(cfg.pp, cfg.dp, cfg.tp, cfg.dp_mode), mixed_precision=cfg.mixed_precision,
             cpu=cfg.device == "cpu", project_dir=cfg.output_dir, compression=cfg.compression,
-            sequence_parallel=cfg.sequence_parallel, step_scheduler_with_optimizer=False,
+            grad_compression=cfg.grad_compression, sequence_parallel=cfg.sequence_parallel,
+            step_scheduler_with_optimizer=False,
             log_with=self.trackers or None, kwargs_handlers=[timeout_handler(cfg.timeout_s)],
             logits="local",  # the pipeline's loss is vocab-parallel: no all-gather of the logits
         )
@@ -246,16 +252,14 @@ class Trainer(TrainingLoop):
         self.scheduler.step()
         self.step += 1
         self.batches.step = self.step
-        sent, plain = comm_totals()
-        loss, sent, plain = self._reduce(loss, sent, plain)
+        loss, *traffic = self._reduce(loss, *comm_totals())
         seconds = time.perf_counter() - start
         tokens = self.global_batch * cfg.seq_len
         return {
             "step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": seconds,
             "tokens_per_s": tokens / seconds,
             "tflops_per_device": self.flops_per_token * tokens / seconds / self.dims.world_size / 1e12,
-            "comm_bytes_sent": sent, "comm_bytes_saved": plain - sent,
-            "comm_compression": plain / sent if sent else 1.0,
+            **comm_fields(traffic),
         }
 
     def evaluate(self) -> dict:
@@ -280,8 +284,7 @@ class Trainer(TrainingLoop):
 
     def format_row(self, row: dict) -> str:
         text = f"{self.format_head(row)} {row['tokens_per_s']:.0f} tok/s {row['tflops_per_device']:.3f} TFLOPS/device"
-        if row["comm_bytes_sent"]:
-            text += f" comm saved {row['comm_bytes_saved'] / 2**20:.2f} MiB ({row['comm_compression']:.2f}x)"
+        text += comm_text(row)
         if "val_loss" in row:
             text += f" val_loss {row['val_loss']:.4f}"
         return text

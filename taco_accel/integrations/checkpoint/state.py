@@ -1,7 +1,9 @@
 """What a checkpoint holds of a training run, per rank: the models' parameters and buffers under
 their transformers names (split ones as blocks of the full tensor), the optimizers' state
-under their parameters' names, the random states of each mesh coordinate, and the shared
-values (schedulers, scaler, DataLoader positions, registered objects, step); `save` and
+under their parameters' names, the random states of each mesh coordinate, the error-feedback
+residuals of a compressed dp gradient reduction (``grad_feedback.<model>.pp<p>.dp<d>.tp<t>.<name>``:
+per coordinate, restored on the same mesh only, else started at zero with a warning), and the
+shared values (schedulers, scaler, DataLoader positions, registered objects, step); `save` and
 `load` of a `TrainingState`, resharding to the mesh it is loaded on."""
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ def save(folder: str | os.PathLike, state: TrainingState, mesh, dims: ParallelDi
     for j, opt in enumerate(state.optimizers):
         entries.update(_optimizer_entries(j, _inner(opt), names, layouts))
     entries[_rng_key(coords)] = _rng_state()
+    for i, parts in enumerate(state.parts):
+        entries.update({_feedback_prefix(i, coords) + name: value for name, value in parts.feedback_state().items()})
     if this_rank() == 0:
         entries["shared"] = {
             "schedulers": [s.state_dict() for s in state.schedulers],
@@ -117,6 +121,7 @@ def load(folder: str | os.PathLike, state: TrainingState, mesh, dims: ParallelDi
         for j, opt in enumerate(state.optimizers):
             entries.update(_optimizer_destinations(j, _inner(opt), names, layouts, known, folder, extra))
         entries[_rng_source(_coords(mesh), known, folder)] = None
+        extra["feedback"] = _feedback_destinations(state.parts, models, _coords(mesh), record, dims, known, entries)
         if "shared" not in known:
             raise CheckpointError(f"{folder}: no 'shared' entry (schedulers, step): not a checkpoint of save_state")
         entries["shared"] = None
@@ -124,6 +129,8 @@ def load(folder: str | os.PathLike, state: TrainingState, mesh, dims: ParallelDi
 
     entries, extra = agree(plan, f"checkpoint {folder}")
     read(reader, entries)
+    for i, keys in extra["feedback"].items():
+        state.parts[i].load_feedback_state({name: entries[key] for name, key in keys.items()})
     _restore(entries, extra, state, folder)
     logger.info("resumed from %s (saved at step %s on mesh %s)", folder, record.get("step"), record.get("mesh"))
     return record
@@ -299,6 +306,34 @@ def _coords(mesh) -> dict[str, int]:
 
 def _rng_key(coords: dict) -> str:
     return f"rng.pp{coords['pp']}.dp{coords['dp']}.tp{coords['tp']}"
+
+
+def _feedback_prefix(model: int, coords: dict) -> str:
+    return f"grad_feedback.{model}.pp{coords['pp']}.dp{coords['dp']}.tp{coords['tp']}."
+
+
+def _feedback_destinations(parts_list: list[ModelParts], models: list[int], coords: dict, record: dict,
+                           dims: ParallelDims, known: dict, entries: dict) -> dict[int, dict[str, str]]:
+    """Where a load puts this coordinate's error-feedback residuals (``entries`` gets a tensor of
+    the saved size for each): ``{model index: {name: entry}}``. Only on the mesh (and dp mode)
+    they were saved on: elsewhere a rank's residuals have no counterpart (another split of the
+    gradient among other ranks), so they start at zero, which loses at most one step's
+    quantisation error of the gradient (logged once)."""
+    out: dict[int, dict[str, str]] = {}
+    for i in models:
+        parts = parts_list[i]
+        prefix = _feedback_prefix(i, coords)
+        saved = {key[len(prefix):]: key for key in known if key.startswith(prefix)}
+        if parts.grad_reduce is not None and saved and record.get("mesh") == dataclasses.asdict(dims):
+            for key in saved.values():
+                entries[key] = torch.empty(tuple(known[key].size), dtype=torch.float32, device=parts.device)
+            out[i] = saved
+        elif any(key.startswith(f"grad_feedback.{i}.") for key in known) and this_rank() == 0:
+            logger.warning("the checkpoint holds the error-feedback residuals of a compressed dp gradient reduction "
+                           "on mesh %s; this run has mesh %s%s: they are dropped (at most one step's quantisation "
+                           "error of the gradient)", record.get("mesh"), dataclasses.asdict(dims),
+                           "" if parts.grad_reduce is not None else " and no compressed reduction")
+    return out
 
 
 def _rng_source(coords: dict, known: dict, folder: Path) -> str:
