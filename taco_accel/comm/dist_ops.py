@@ -19,7 +19,6 @@ current CUDA stream wait: no host sync).
 
 from __future__ import annotations
 
-import atexit
 import logging
 
 import torch
@@ -115,11 +114,6 @@ class Link:
 
 
 _links: dict = {}  # ProcessGroup -> Link
-# The Links hold their ProcessGroups: drop them at exit, before the interpreter tears modules down.
-# A gloo group of the default world freed during that teardown aborts the process ("terminate called
-# without an active exception", exit code -6) after a script has finished its work, as a launched
-# 4-rank loop that never calls destroy_process_group did about 2 runs in 3.
-atexit.register(_links.clear)
 
 
 def link(group=None) -> Link:

@@ -8,8 +8,10 @@ micro-batch to the next stage. The sizes come from arguments or from the environ
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -209,7 +211,37 @@ def build_mesh(dims: ParallelDims, device_type: str | None = None, timeout: time
     mesh = init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=MESH_DIMS,
                             backend_override={name: (backend, options) for name in MESH_DIMS})
     logger.info("device mesh %s on %d %s process(es)", dims, dims.world_size, device_type)
+    _destroy_groups_at_clean_exit()
     return mesh
+
+
+_exit_hook = False
+
+
+def _destroy_groups_at_clean_exit() -> None:
+    """Destroy the process groups when the interpreter exits normally, if the script has not.
+
+    Scripts often end without ``destroy_process_group`` (or Accelerate's ``end_training``). Gloo
+    then frees its groups during interpreter teardown, where the tensors its worker threads still
+    hold from their last collectives cannot be released (that needs the interpreter): the process
+    aborts after its work is done ("terminate called without an active exception", exit -6) and
+    the launcher reports the run as failed. Destroying the groups while the interpreter is alive
+    avoids it. Not after an uncaught exception: peers may still be inside a collective with this
+    rank, and tearing a group down under them could block; the launcher ends such a run anyway.
+    """
+    global _exit_hook
+    if not _exit_hook:
+        _exit_hook = True
+        atexit.register(_destroy_if_clean)
+
+
+def _destroy_if_clean() -> None:
+    if getattr(sys, "last_value", None) is not None or not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception as error:  # noqa: BLE001 - exiting anyway; say why the groups stayed
+        logger.debug("process groups left to the interpreter's exit: %s", error)
 
 
 def _free_port() -> int:
