@@ -118,3 +118,34 @@ def test_layering_of_parallel_data_and_integrations():
                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
                 for name in names:
                     assert not any(part in forbidden for part in name.split(".")), f"{file.name} imports {name}"
+
+
+_EXIT_SCRIPT = """
+import atexit, json, sys
+import torch.distributed as dist
+atexit.register(lambda: open(sys.argv[1], "w").write(json.dumps(dist.is_initialized())))  # runs after taco_accel's hook
+from taco_accel.parallel import ParallelDims, build_mesh
+build_mesh(ParallelDims())
+if sys.argv[2] == "raise":
+    raise RuntimeError("the script failed")
+"""
+
+
+@pytest.mark.parametrize("ending, code, left_initialized", [("return", 0, False), ("raise", 1, True)])
+def test_process_groups_are_destroyed_at_a_clean_exit_only(tmp_path, ending, code, left_initialized):
+    """A script that never destroys its groups: gloo would free them in the interpreter's teardown
+    and may abort there; taco_accel destroys them at a normal exit, and not after an uncaught
+    exception (peers may still be inside a collective with this rank)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+    env["PYTHONPATH"] = str(root)
+    done = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(tmp_path / "state.json"), ending], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == code, done.stderr[-3000:]
+    assert json.loads((tmp_path / "state.json").read_text()) is left_initialized
