@@ -149,3 +149,34 @@ def test_process_groups_are_destroyed_at_a_clean_exit_only(tmp_path, ending, cod
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == code, done.stderr[-3000:]
     assert json.loads((tmp_path / "state.json").read_text()) is left_initialized
+
+
+def _pair_groups(pp: int) -> dict:
+    import torch.distributed as dist
+
+    from taco_accel.parallel import build_mesh
+    from taco_accel.parallel.mesh import pp_pair_groups
+
+    mesh = build_mesh(ParallelDims(pp=pp, tp=4 // pp))
+    pairs = [(b, (b + 1) % pp) for b in range(pp)] + [(0, pp - 1), (1, 1)]
+    out = {}
+    for key, group in pp_pair_groups(mesh, pairs).items():
+        ranks = torch.zeros(dist.get_world_size())
+        ranks[dist.get_rank()] = 1
+        dist.all_reduce(ranks, group=group)
+        out[tuple(sorted(key))] = ranks.nonzero().flatten().tolist()
+    return out
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_pp_pair_groups_join_the_two_pp_ranks_of_one_dp_tp_coordinate(pp):
+    from harness import run_ranks
+
+    for rank, groups in enumerate(run_ranks(_pair_groups, 4, pp)):
+        me = rank // (4 // pp)  # pp is the outermost mesh axis
+        expected = {tuple(sorted(p)) for p in [(b, (b + 1) % pp) for b in range(pp)] if me in p and p[0] != p[1]}
+        assert set(groups) == expected  # only this rank's pairs; (1, 1) is no pair
+        for p, q in groups:
+            # the same (dp, tp) coordinate at pp ranks p and q: global ranks p * step + offset
+            step, offset = 4 // pp, rank % (4 // pp)
+            assert groups[p, q] == [p * step + offset, q * step + offset]

@@ -54,7 +54,7 @@ from ..comm.p2p import Channel
 from ..errors import NonFiniteError
 from ..tp.compression import Compression
 from ..tp.sites import SiteTable
-from .mesh import collective_timeout
+from .mesh import pp_pair_groups
 
 logger = logging.getLogger(__name__)
 
@@ -123,34 +123,15 @@ class PipelineBoundaries:
             )
 
 
-def link_groups(mesh: DeviceMesh, num_stages: int) -> dict[frozenset, object]:
-    """The process group of each pair of pp ranks that a boundary links, for this rank's (dp, tp)
-    coordinate, keyed by the pair of pp ranks: the pp group itself when pp = 2; otherwise new
-    groups of two ranks (a collective on every rank: each group is created everywhere)."""
-    pp = mesh["pp"].size()
-    pairs = sorted({tuple(sorted((b % pp, (b + 1) % pp))) for b in range(num_stages - 1)} - {(0, 0)})
-    if pp == 2:
-        return {frozenset(pair): mesh["pp"].get_group() for pair in pairs}
-    ranks, me, groups = mesh.mesh, dist.get_rank(), {}
-    for p, q in pairs:
-        for d in range(ranks.shape[1]):
-            for t in range(ranks.shape[2]):
-                pair = [int(ranks[p, d, t]), int(ranks[q, d, t])]
-                group = dist.new_group(sorted(pair), timeout=collective_timeout())
-                if me in pair:
-                    groups[frozenset((p, q))] = group
-    return groups
-
-
 def attach_boundaries(modules: list[nn.Module], stage_ids: list[int], num_stages: int, mesh: DeviceMesh,
                       compression: Compression, table: SiteTable | None) -> PipelineBoundaries:
     """Give each stage module of this rank its ``inbound`` / ``outbound`` `Boundary` (None where
     there is none, or the neighbour stage runs on this rank: no transfer) and every module the
     rank's `PipelineBoundaries` (``boundaries``). ``table``: the model's site table (None: one of
-    the boundaries' own). A collective on every rank (`link_groups`)."""
+    the boundaries' own). A collective on every rank (`mesh.pp_pair_groups`: each link's group)."""
     pp, pp_rank = mesh["pp"].size(), mesh["pp"].get_local_rank()
     table = table or SiteTable(None, compression)
-    groups = link_groups(mesh, num_stages)
+    groups = pp_pair_groups(mesh, [(b % pp, (b + 1) % pp) for b in range(num_stages - 1)])
     mine = set(stage_ids)
 
     def boundary(index: int, sender: bool) -> Boundary:

@@ -57,7 +57,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..comm import Ledger, Site
 from ..tp.compression import Compression
 from ..tp.sites import SiteTable
-from .mesh import collective_timeout
+from .mesh import pp_pair_groups
 from .stage import decoder_layers, taco_context
 
 logger = logging.getLogger(__name__)
@@ -365,17 +365,8 @@ class TiedEmbeddingSync:
     def __init__(self, stages: list[nn.Module], mesh: DeviceMesh, first_param: nn.Parameter | None,
                  last_param: nn.Parameter | None):
         self.first, self.last = first_param, last_param
-        self.group = None
-        pp = mesh["pp"].size()
-        if pp > 1:
-            ranks = mesh.mesh  # (pp, dp, tp) tensor of global ranks
-            me = dist.get_rank()
-            for d in range(ranks.shape[1]):
-                for t in range(ranks.shape[2]):
-                    pair = [int(ranks[0, d, t]), int(ranks[pp - 1, d, t])]
-                    group = dist.new_group(pair, timeout=collective_timeout())
-                    if me in pair:
-                        self.group = group
+        last = mesh["pp"].size() - 1  # pp = 1: no pair, no group
+        self.group = pp_pair_groups(mesh, [(0, last)]).get(frozenset((0, last)))
 
     def __call__(self) -> None:
         if self.first is not None and self.last is not None:  # both on this rank

@@ -244,6 +244,26 @@ def _destroy_if_clean() -> None:
         logger.debug("process groups left to the interpreter's exit: %s", error)
 
 
+def pp_pair_groups(mesh: DeviceMesh, pairs) -> dict[frozenset, object]:
+    """For each pair ``(p, q)`` of pp ranks (p != q), the process group of this rank's (dp, tp)
+    coordinate at pp ranks p and q, keyed ``frozenset((p, q))``; only the pairs holding this rank.
+    The pp group itself when pp = 2; otherwise new groups of two ranks, one per (dp, tp)
+    coordinate (a collective on every rank: each group is created everywhere, in one order)."""
+    pp = mesh["pp"].size()
+    pairs = sorted({tuple(sorted(pair)) for pair in pairs if pair[0] != pair[1]})
+    if pp == 2:
+        return {frozenset(pair): mesh["pp"].get_group() for pair in pairs}
+    ranks, rank, groups = mesh.mesh, dist.get_rank(), {}
+    for p, q in pairs:
+        for d in range(ranks.shape[1]):
+            for t in range(ranks.shape[2]):
+                pair = sorted((int(ranks[p, d, t]), int(ranks[q, d, t])))
+                group = dist.new_group(pair, timeout=collective_timeout())
+                if rank in pair:
+                    groups[frozenset((p, q))] = group
+    return groups
+
+
 def _free_port() -> int:
     import socket
 
