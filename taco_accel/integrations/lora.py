@@ -108,7 +108,7 @@ def _make_tp_lora_linear():
                 return out + self._delta(x, adapters).to(out.dtype)
             partial = base.partial(x)  # (b, s, out), this rank's share of W x
             out = base.reduce(partial + self._delta(x, adapters).to(partial.dtype))  # one collective for both
-            return out if base.bias is None else out + base.bias
+            return out if base.bias is None else out + base.bias.to(out.dtype)  # as RowParallelLinear
 
         def _delta(self, x: torch.Tensor, adapters: list[str]) -> torch.Tensor:
             """``sum_a s_a B_a A_a dropout(x)``: this rank's output slice (column) or partial sum (row)."""

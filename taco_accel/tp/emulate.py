@@ -346,7 +346,7 @@ class EmulatedRowParallelLinear(_EmulatedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.reduce(self.partials(x))  # (b, s, out)
-        return out if self.bias is None else out + self.bias
+        return out if self.bias is None else out + self.bias.to(out.dtype)  # bf16 under autocast, as nn.Linear's
 
 
 class EmulatedVocabParallelEmbedding(nn.Module):

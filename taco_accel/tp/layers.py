@@ -155,7 +155,7 @@ class RowParallelLinear(_ParallelLinear):
             out = RowSequenceLinear.apply(x, self.weight, self.conv1d, self.reduce)  # (b, s/tp, out)
         else:
             out = self.reduce(self.partial(x))  # (b, s, out), or (b, s/tp, out) sequence parallel
-        return out if self.bias is None else out + self.bias
+        return out if self.bias is None else out + self.bias.to(out.dtype)  # bf16 under autocast, as nn.Linear's
 
 
 class VocabParallelEmbedding(nn.Module):

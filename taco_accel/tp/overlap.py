@@ -22,7 +22,10 @@ its block of the token rows, `mappings`):
     row backward     the gradient shards all-gathered by broadcasts, each multiplied as it lands
 
 The numbers are the unfused path's (compression off: up to the fp32 rounding of matmuls on row
-subsets; compressed: the same groups, the same codec). `OverlapState` switches it
+subsets; compressed: the same groups, the same codec). Under autocast both functions follow
+``nn.Linear`` (`autocast.MatmulCast`): the matmuls in the autocast dtype, the input gradient
+summed and sent in the input's dtype, the row reduce-scatter in the autocast dtype (the dtype
+of the unparallelised layer's output). `OverlapState` switches it
 (``model.taco.overlap.enabled``); it is off under torch.compile (the compiled graph keeps the
 unfused collectives) and with one rank.
 """
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 
 from ..comm.chunked import GatherChunks, ScatterChunks
 from ..comm.dist_ops import group_size
+from .autocast import MatmulCast
 from .mappings import blocks
 from .regions import SEQ_DIM, RegionEntry
 
@@ -104,15 +108,16 @@ class _ColumnRegionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, region: ColumnRegion, sp: bool, *params):
         n = len(region.layers)
-        weights, biases = params[:n], params[n:]
+        cast = MatmulCast(x.device.type)
+        ctx.dtypes = [x.dtype] + [w.dtype for w in params[:n]] + [b.dtype for b in params[n:] if b is not None]
+        weights, biases = [cast(w) for w in params[:n]], [cast(b) for b in params[n:]]
         conv = [layer.conv1d for layer in region.layers]
         if sp:
-            x, ys = _gather_then_multiply(x, region.entry.fwd, weights, biases, conv)  # (b, s, h)
-            entered = x
+            entered, x, ys = _gather_then_multiply(x, region.entry.fwd, weights, biases, conv, cast)  # (b, s, h)
         else:
+            entered, x = x.view_as(x), cast(x)
             ys = [_linear(x, w, b, c) for w, b, c in zip(weights, biases, conv)]
-            entered = x.view_as(x)
-        ctx.save_for_backward(x, *weights)
+        ctx.save_for_backward(x, *weights)  # the casts, as nn.Linear's backward under autocast keeps them
         ctx.region, ctx.sp, ctx.conv, ctx.bias = region, sp, conv, [b is not None for b in biases]
         return (entered, *ys)
 
@@ -121,41 +126,49 @@ class _ColumnRegionFn(torch.autograd.Function):
         x, *weights = ctx.saved_tensors
         site = ctx.region.bwd
         n = len(weights)
+        x_dtype, w_dtypes, b_dtypes = ctx.dtypes[0], ctx.dtypes[1:1 + n], iter(ctx.dtypes[1 + n:])
+        grad_ys = [None if gy is None else gy.to(x.dtype) for gy in grad_ys]  # the matmul dtype
         if ctx.sp:
-            pending = _scatter_input_grad(x, grad_x, grad_ys, weights, ctx.conv, site)
+            pending = _scatter_input_grad(x, grad_x, grad_ys, weights, ctx.conv, site, x_dtype)
         else:
             grad, owned = grad_x, False  # the incoming gradient is not ours to overwrite
             for gy, w, c in zip(grad_ys, weights, ctx.conv):
                 if gy is not None:
-                    term = _input_grad(gy, w, c)
+                    term = MatmulCast.grad_for(_input_grad(gy, w, c), x_dtype)
                     grad, owned = (term if grad is None else grad + term), True
             pending = site.run("all_reduce", grad, inplace=owned, async_op=True)
         grad_w, grad_b = [None] * n, [None] * n
         for i, (gy, c) in enumerate(zip(grad_ys, ctx.conv)):
+            b_dtype = next(b_dtypes) if ctx.bias[i] else None
             if gy is None:
                 continue
             if ctx.needs_input_grad[3 + i]:
-                grad_w[i] = _weight_grad(gy, x, c)
+                grad_w[i] = MatmulCast.grad_for(_weight_grad(gy, x, c), w_dtypes[i])
             if ctx.bias[i] and ctx.needs_input_grad[3 + n + i]:
-                grad_b[i] = gy.reshape(-1, gy.shape[-1]).sum(0)
+                grad_b[i] = MatmulCast.grad_for(gy.reshape(-1, gy.shape[-1]).sum(0), b_dtype)
             pending.progress()
         return (pending.wait(), None, None, *grad_w, *grad_b)
 
 
-def _gather_then_multiply(shard, site, weights, biases, conv):
+def _gather_then_multiply(shard, site, weights, biases, conv, cast: MatmulCast):
     """The all-gather of the block ``shard`` (b, s/tp, h) into the whole (b, s, h), each rank's
-    block multiplied as it lands; returns the whole input and each layer's whole output."""
+    block multiplied as it lands; returns the whole input, its cast to the matmul dtype (the
+    blocks cast once, as they land) and each layer's whole output."""
     if site.samples is not None:
         site.observe(shard)
     world = site.link.world
     full = shard.new_empty(_whole(shard.shape, world))  # (b, s, h): rank r's block is its r-th tp-th
+    cast_full = full.new_empty(full.shape, dtype=cast.dtype) if cast.changes(shard) else full  # filled per block
+    cast_blocks = blocks(cast_full, world, SEQ_DIM)
     parts = GatherChunks(shard, site, out=full)
     ys = [[None] * world for _ in weights]
     for rank, part in parts:  # (b, s/tp, h) each, a view of full
+        if cast_full is not full:
+            part = cast_blocks[rank].copy_(part)
         for y, w, b, c in zip(ys, weights, biases, conv):
             y[rank] = _linear(part, w, b, c)
     parts.finish()
-    return full, [_join(y) for y in ys]
+    return full, cast_full, [_join(y) for y in ys]
 
 
 def _whole(shape, world: int) -> tuple[int, ...]:
@@ -168,20 +181,21 @@ def _join(blocks: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([b.reshape(-1) for b in blocks]).view(_whole(blocks[0].shape, len(blocks)))
 
 
-def _scatter_input_grad(x_full, grad_x, grad_ys, weights, conv, site):
+def _scatter_input_grad(x_full, grad_x, grad_ys, weights, conv, site, dtype):
     """Submit rank r's block of the input gradient of ``x_full`` (b, s, h) to its reduction as
-    soon as it is computed; returns a handle whose ``wait`` gives this rank's (b, s/tp, h)."""
+    soon as it is computed, in ``dtype`` (the input's); returns a handle whose ``wait`` gives
+    this rank's (b, s/tp, h)."""
     world = site.link.world
     block = list(x_full.shape)
     block[SEQ_DIM] //= world
-    sums = ScatterChunks(site, block, x_full.dtype, x_full.device)
+    sums = ScatterChunks(site, block, dtype, x_full.device)
     grad_x = None if grad_x is None else blocks(grad_x, world, SEQ_DIM)
     grad_ys = [None if gy is None else blocks(gy, world, SEQ_DIM) for gy in grad_ys]
     for rank in range(world):
         part, owned = (None if grad_x is None else grad_x[rank]), False  # a view of the incoming gradient
         for gy, w, c in zip(grad_ys, weights, conv):
             if gy is not None:
-                term = _input_grad(gy[rank], w, c)
+                term = MatmulCast.grad_for(_input_grad(gy[rank], w, c), dtype)
                 part, owned = (term if part is None else part + term), True
         if site.samples is not None:
             site.observe(part)
@@ -211,6 +225,9 @@ class RowSequenceLinear(torch.autograd.Function):
     def forward(ctx, x, weight, conv1d: bool, exit_):
         site = exit_.fwd
         world = site.link.world
+        cast = MatmulCast(x.device.type)
+        ctx.dtypes = x.dtype, weight.dtype
+        x, weight = cast(x), cast(weight)  # the product and its reduce-scatter in the matmul dtype
         block = list(x.shape[:-1]) + [weight.shape[1] if conv1d else weight.shape[0]]
         block[SEQ_DIM] //= world
         sums = ScatterChunks(site, block, x.dtype, x.device)
@@ -233,9 +250,11 @@ class RowSequenceLinear(torch.autograd.Function):
         full = grad.new_empty(_whole(grad.shape, world))  # (b, s, out)
         parts = GatherChunks(grad, site, out=full)
         grads_x = [None] * world
+        x_dtype, w_dtype = ctx.dtypes
         for rank, g in parts:  # (b, s/tp, out) each, a view of full
-            grads_x[rank] = _input_grad(g, weight, ctx.conv1d) if ctx.needs_input_grad[0] else None
+            if ctx.needs_input_grad[0]:
+                grads_x[rank] = MatmulCast.grad_for(_input_grad(g.to(x.dtype), weight, ctx.conv1d), x_dtype)
         parts.finish()
         grad_x = _join(grads_x) if ctx.needs_input_grad[0] else None
-        grad_w = _weight_grad(full, x, ctx.conv1d) if ctx.needs_input_grad[1] else None
+        grad_w = MatmulCast.grad_for(_weight_grad(full.to(x.dtype), x, ctx.conv1d), w_dtype) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None, None
