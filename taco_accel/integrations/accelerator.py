@@ -603,13 +603,16 @@ class _StepOptimizer(AcceleratedOptimizer):
     def __init__(self, optimizer, finish, done, **kwargs):
         super().__init__(optimizer, **kwargs)
         self._finish, self._done = finish, done
+        self.steps = 0  # optimizer steps taken (not skipped): the training step a checkpoint records
 
     def step(self, closure=None):
         if not self.gradient_state.sync_gradients:
             return super().step(closure)
         self._finish()
         try:
-            return super().step(closure)
+            out = super().step(closure)
+            self.steps += not self.step_was_skipped
+            return out
         finally:
             self._done()
 

@@ -427,3 +427,29 @@ def install_input_checks(model: nn.Module, plan: TPPlan, group, same_batch: bool
     embedding = model.get_submodule(plan.embedding)
     hook = InputIdsCheck(embedding.num_embeddings, group, int(same_batch), same_shape=same_batch)
     embedding.register_forward_pre_hook(hook, with_kwargs=True)
+    if plan.position_embedding is not None:  # learned positions (GPT-2): a longer sequence names the limit
+        positions = model.get_submodule(plan.position_embedding)
+        positions.register_forward_pre_hook(PositionsCheck(positions.num_embeddings))
+
+
+class PositionsCheck:
+    """Forward pre-hook on a learned position embedding: a sequence longer than the model's
+    positions raises an IndexError that names the limit and the fix (``nn.Embedding`` says only
+    "index out of range in self" on the CPU, and asserts on the device). Its cost is
+    `_out_of_range`'s: one min/max pass over the position ids."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+
+    def __call__(self, module: nn.Module, args) -> None:
+        ids = args[0] if args else None
+        if not torch.is_tensor(ids) or ids.numel() == 0 or ids.device.type == "meta":
+            return
+        high = ids.max()
+        message = (f"the model has {self.limit} learned positions (config n_positions / max_position_embeddings): "
+                   f"a sequence (with its cache) may hold at most {self.limit} tokens; truncate the inputs "
+                   f"(tokenizer max_length={self.limit}) or split longer texts")
+        if ids.device.type != "cpu" or torch.compiler.is_compiling():
+            torch._assert_async(high < self.limit, message)
+        elif int(high) >= self.limit:
+            raise IndexError(f"position {int(high)} is out of range: " + message)

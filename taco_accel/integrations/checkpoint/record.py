@@ -5,6 +5,7 @@ the same save); finding the newest undamaged checkpoint of a run."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -34,7 +35,9 @@ MAX_RECORD_BYTES = 64 << 20
 
 def begin_save(folder: Path, data: Path):
     """Make the folder and this save's data folder, lock it (held until the save ends), and
-    delete data folders that killed saves left (unreferenced, lock free). Rank 0."""
+    delete data folders that killed saves left (unreferenced, lock free). Rank 0; returns the
+    open lock and whether this save made ``folder``."""
+    made = not folder.is_dir()
     folder.mkdir(parents=True, exist_ok=True)
     data.mkdir()
     try:
@@ -42,9 +45,18 @@ def begin_save(folder: Path, data: Path):
         fcntl.flock(lock, fcntl.LOCK_EX)
         _delete_stale(folder, keep=data.name)
     except BaseException:
-        shutil.rmtree(data, ignore_errors=True)
+        abandon_save(folder, data, made)
         raise
-    return lock
+    return lock, made
+
+
+def abandon_save(folder: Path, data: Path, made: bool) -> None:
+    """Delete what a save that failed before its commit made: its data folder, and ``folder``
+    itself if the save made it and nothing else is in it (no empty ``step_N/`` left behind)."""
+    shutil.rmtree(data, ignore_errors=True)
+    if made:
+        with contextlib.suppress(OSError):  # not empty: someone else's files, kept
+            folder.rmdir()
 
 
 def _delete_stale(folder: Path, keep: str) -> None:
@@ -203,8 +215,8 @@ def _check(path: Path, expected: dict, hash_it: bool = True) -> str | None:
 def latest(root: str | os.PathLike, mesh=None) -> Path | None:
     """The newest complete, undamaged checkpoint folder (``step_<N>`` / ``checkpoint_<N>``)
     under ``root``, or None when there is none. Damaged ones are skipped with a warning that
-    names their files; if every one is damaged, a `CheckpointError`. A collective (it also
-    works without torch.distributed, for a look at a run's folder)."""
+    names their files; if every one is damaged, a `CheckpointError` that names each one and
+    why. A collective (it also works without torch.distributed, for a look at a run's folder)."""
     root = Path(root)
     found = broadcast(candidates(root) if this_rank() == 0 else None)
     damaged = []
@@ -213,12 +225,12 @@ def latest(root: str | os.PathLike, mesh=None) -> Path | None:
             verify(folder)
             return folder
         except CheckpointError as e:
-            damaged.append(folder)
+            damaged.append(f"[{folder.name}] {e}")
             if this_rank() == 0:
                 logger.warning("skipping %s: %s", folder, e)
     if damaged:
-        raise CheckpointError(f"every checkpoint under {root} is damaged ({', '.join(map(str, damaged))}); "
-                              "start without --resume or restore them from a copy")
+        raise CheckpointError(f"every checkpoint under {root} is damaged: " + " ".join(damaged)
+                              + " -- start without --resume or restore them from a copy")
     return None
 
 
@@ -230,9 +242,11 @@ def prune(root: Path, keep: int) -> None:
 
 
 def exists(root: str | os.PathLike) -> bool:
-    """Whether ``root`` holds any checkpoint folder (complete or not)."""
+    """Whether ``root`` holds any committed checkpoint folder (complete or damaged; the folder
+    of a save killed before its commit holds no checkpoint and does not count)."""
     root = Path(root)
-    return root.is_dir() and any(NAME.fullmatch(p.name) and p.is_dir() for p in root.iterdir())
+    return root.is_dir() and any(NAME.fullmatch(p.name) and p.is_dir() and os.path.lexists(p / COMMIT)
+                                 for p in root.iterdir())
 
 
 def candidates(root: Path) -> list[Path]:

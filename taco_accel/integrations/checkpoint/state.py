@@ -80,10 +80,18 @@ def save(folder: str | os.PathLike, state: TrainingState, mesh, dims: ParallelDi
             "dataloaders": [_loader_state(dl) for dl in state.dataloaders],
             "custom": [obj.state_dict() for obj in state.custom],
             "step": getattr(state.owner, "step", 0),
+            "optimizer_steps": [getattr(opt, "steps", 0) for opt in state.optimizers],
         }
+    # the record's step is the training step (optimizer steps taken), which a resume log shows;
+    # Accelerate's own ``step`` counts accumulation calls (0 in a loop that never calls accumulate)
     record = {"run": run, "mesh": dataclasses.asdict(dims), "world_size": world_size(), "models": len(weights),
-              "step": getattr(state.owner, "step", 0)}
+              "step": training_step(state.optimizers)}
     return write(folder, entries, record)
+
+
+def training_step(optimizers: list) -> int:
+    """The training step of a run: the most optimizer steps any of its optimizers took."""
+    return max((getattr(opt, "steps", 0) for opt in optimizers), default=0)
 
 
 def model_weights(parts: ModelParts) -> dict[str, torch.Tensor]:
@@ -164,6 +172,9 @@ def _restore(entries: dict, extra: dict, state: TrainingState, folder: Path) -> 
         _set_loader_state(dl, saved)
     for obj, saved in zip(state.custom, shared["custom"]):
         obj.load_state_dict(saved)
+    for opt, steps in zip(state.optimizers, shared.get("optimizer_steps", [])):
+        if hasattr(opt, "steps"):
+            opt.steps = steps
     if state.owner is not None:
         state.owner.step = shared["step"]
     _set_rng_state(next(v for k, v in entries.items() if k.startswith("rng.")))

@@ -12,7 +12,6 @@ import io
 import logging
 import os
 import pickle
-import shutil
 import time
 import uuid
 from pathlib import Path
@@ -30,7 +29,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from ...errors import CheckpointError
 from .collective import agree, all_gather, broadcast, cause, on_rank0, single_process_quiet, this_rank
-from .record import COMMIT, FORMAT, VERSION, begin_save, commit_record, referenced, verify
+from .record import COMMIT, FORMAT, VERSION, abandon_save, begin_save, commit_record, referenced, verify
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +42,10 @@ def write(folder: str | os.PathLike, entries: dict[str, object], record: dict | 
     folder = Path(folder)
     token = broadcast(uuid.uuid4().hex[:16] if this_rank() == 0 else None)
     data = folder / f"taco_state-{token}"
-    lock = None
+    lock = made = None
     try:
-        lock = on_rank0(lambda: begin_save(folder, data), f"cannot write a checkpoint into {folder}")
+        opened = on_rank0(lambda: begin_save(folder, data), f"cannot write a checkpoint into {folder}")
+        lock, made = opened if opened is not None else (None, False)
         writer = _Writer(data)
         try:
             with single_process_quiet():
@@ -60,7 +60,7 @@ def write(folder: str | os.PathLike, entries: dict[str, object], record: dict | 
         on_rank0(lambda: commit_record(folder, data, commit), f"committing the checkpoint {folder} failed")
     except BaseException:
         if lock is not None and referenced(folder) != data.name:
-            shutil.rmtree(data, ignore_errors=True)  # our own temporary, never another writer's
+            abandon_save(folder, data, made)  # our own temporary, never another writer's
         raise
     finally:
         if lock is not None:
