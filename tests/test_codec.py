@@ -1,7 +1,7 @@
 """The PyTorch reference codec (the specification and the CPU path) and its contracts.
 
 Part 1 checks the reference against an independent float64 model of the same algorithm,
-written here from TACO_SPEC.md and the `layout` docstring only: a Sylvester Hadamard matrix
+written here from the algorithm (README, "What the codec does") and the `layout` docstring only: a Sylvester Hadamard matrix
 built with numpy (coefficient k at payload byte k), FP8 round-to-nearest-even with subnormals
 and saturation emulated on the float64 grid, INT8 round-half-even, and the buffer parsed at
 its documented byte offsets (only the random sign vector, a seeded constant, is taken from
@@ -175,7 +175,8 @@ def model_quantize(z: np.ndarray, config: TacoConfig):
 
 
 def model_encode(x: np.ndarray, config: TacoConfig):
-    """Input groups [n, G] float64 -> (payload bytes, scales), TACO_SPEC.md steps 1-3."""
+    """Input groups [n, G] float64 -> (payload bytes, scales): the codec's steps 1-3 (signs and
+    Hadamard, scale, rounding)."""
     if config.hadamard:
         x = x @ model_transform_matrix(config) / math.sqrt(config.group_size)
     return model_quantize(x, config)
@@ -436,7 +437,7 @@ def test_buffer_size_is_the_documented_one(numel, g, scales, chunks):
 
 def test_bytes_per_element_at_g128():
     assert cfg(scales="single").bytes_per_element == 1.03125
-    assert cfg(scales="dual").bytes_per_element == 1.0625  # TACO_SPEC.md: 1.88x fewer than bf16
+    assert cfg(scales="dual").bytes_per_element == 1.0625  # 2 / 1.0625 = 1.88x fewer bytes than bf16
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -413,13 +413,56 @@ def _run_state() -> dict:
     return out
 
 
+def _checks() -> dict:
+    """Integer and float64 tensors through compressing settings (exact: they go plain), forced
+    compression of one (an error), and ranks whose later calls at a site differ in length."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    big = torch.arange(world * 3000, dtype=torch.int64) * 1_000_003 + rank  # far past fp8's 3 mantissa bits
+    for dtype in (torch.int64, torch.int32, torch.float64):
+        x = big.to(dtype)
+        exact_ar = x.clone()
+        dist.all_reduce(exact_ar)
+        exact_ag = torch.empty(world * x.numel(), dtype=dtype)
+        _ALL_GATHER(exact_ag, x)
+        exact_rs = torch.empty(x.numel() // world, dtype=dtype)
+        _REDUCE_SCATTER(exact_rs, x)
+        site = comm.Site(f"int/{dtype}", None, CFG)  # "on": every message it may compress
+        out[str(dtype)] = dict(
+            same=torch.equal(comm.all_reduce(x, None, CFG), exact_ar)
+            and torch.equal(comm.all_gather(x, None, CFG), exact_ag)
+            and torch.equal(comm.reduce_scatter(x, None, CFG), exact_rs)
+            and torch.equal(site.run("all_reduce", x), exact_ar),
+            compressed=site.entry.compressed_calls,
+        )
+    try:
+        comm.all_reduce(big, None, CFG, compress=True)
+        out["forced"] = "no error"
+    except TypeError as error:
+        out["forced"] = str(error)
+    for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+        site = comm.Site(f"later/{kind}", None, CFG)
+        # 4000 against 4090 values (reduce_scatter: rows of 2000 against 2045 per rank): the same
+        # wire size at P <= 4 (as many whole groups of 128), so the transfer itself cannot tell
+        rows = (world,) if kind == "reduce_scatter" else ()
+        cols = 2000 if kind == "reduce_scatter" else 4000
+        site.run(kind, torch.ones(*rows, cols))  # the first call: the same on every rank (and checked)
+        try:
+            got = site.run(kind, torch.ones(*rows, cols if rank == 0 else cols + cols * 90 // 4000))
+            out[kind] = f"no error: {list(got.shape)}"
+        except ValueError as error:
+            out[kind] = str(error)
+    out["after"] = _digest(comm.all_reduce(torch.ones(300), None, CFG))  # the group still works
+    return out
+
+
 def _battery() -> dict:
     world = dist.get_world_size()
     cases = dict(
         accuracy=functools.partial(_accuracy, None, list(range(world))), formats=_formats, plain=_plain,
         threshold=_threshold, pieces=_pieces, drift=_drift, nonfinite=_nonfinite,
         stats=_stats, misc=_misc, autotune=_autotune, chunked=_chunked, in_flight=_in_flight,
-        run_state=_run_state,
+        run_state=_run_state, checks=_checks,
     )
     if world == 4:
         cases["subgroups"] = _subgroups
@@ -642,6 +685,29 @@ def test_steady_calls_allocate_nothing_but_a_new_output(ranks):
         assert own["plain, in place"]["collectives"] == 1 and own["plain, in place"]["allocations"] == 0, own
         assert own["compressed, in place"]["collectives"] == 2 and own["compressed, in place"]["allocations"] == 0, own
         assert own["compressed, new output"]["allocations"] == 1, own  # the result itself
+
+
+def test_dtypes_the_codec_does_not_encode_go_plain_and_exact(ranks):
+    """Integers (and float64) under compressing settings arrive exact: they are never compressed."""
+    ranks = _view(ranks, "checks")
+    for per_rank in ranks:
+        got = per_rank["checks"]
+        for dtype in ("torch.int64", "torch.int32", "torch.float64"):
+            assert got[dtype] == {"same": True, "compressed": 0}, (dtype, got[dtype])
+        assert "compress=True) of a torch.int64 tensor" in got["forced"], got["forced"]
+        assert "leave compress=None" in got["forced"]
+
+
+def test_later_calls_of_another_length_fail_on_every_rank(ranks):
+    """Ranks whose later call at a site differs in length (the first one was checked) get a clear
+    error naming the site, on every rank, not results of different shapes; the group still works."""
+    ranks = _view(ranks, "checks")
+    for per_rank in ranks:
+        got = per_rank["checks"]
+        for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+            assert got[kind].startswith(f"later/{kind}: "), got[kind]
+            assert "message of another length" in got[kind] and "pad the batch" in got[kind], got[kind]
+        assert got["after"] == ranks[0]["checks"]["after"]
 
 
 def test_subgroups(ranks):

@@ -43,7 +43,7 @@ def test_resolve_forms(tmp_path):
     assert Compression.resolve({}) == Compression() == Compression.resolve("auto")
     path = _saved(tmp_path, RICH.to_dict())
     assert Compression.resolve(str(path)) == RICH == Compression.resolve(path)  # a str ending in .json, a Path
-    # what the command lines pass today (integrations/cli.py): TacoConfig values, the deprecated "auto" key
+    # what the command lines pass today (training/cli.py, training/finetune_cli.py): TacoConfig values, the deprecated "auto" key
     with pytest.warns(DeprecationWarning, match="pass mode='auto'"):
         legacy = Compression.resolve({"forward": G64, "backward": G64, "auto": True})
     assert legacy == Compression("auto", G64, G64)

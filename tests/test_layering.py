@@ -1,4 +1,4 @@
-"""The one-way flow of DESIGN.md: a layer imports only the layers below it; no module imports
+"""The one-way flow of ARCHITECTURE.md: a layer imports only the layers below it; no module imports
 another's private names; no import cycle between modules."""
 
 from __future__ import annotations

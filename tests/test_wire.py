@@ -115,7 +115,7 @@ def test_off_the_cpu_each_config_and_layout_is_checked_once(monkeypatch):
     from taco_accel.codec import api
 
     checked = []
-    monkeypatch.setattr(api, "check_wire", lambda buffer, layout, config: checked.append(buffer.device.type))
+    monkeypatch.setattr(api, "check_wire", lambda buffer, layout, config, tag=0: checked.append(buffer.device.type))
     layout = WireLayout.for_tensor(1003, BASE)  # a size no other test reads off the CPU
     for device in ("meta", "meta", "cpu", "cpu"):
         buffer = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device)
@@ -126,3 +126,29 @@ def test_off_the_cpu_each_config_and_layout_is_checked_once(monkeypatch):
     decompress(Packed(torch.zeros(layout.total_bytes, dtype=torch.uint8, device="meta"), torch.Size([1003]),
                       torch.float32, other, layout))
     assert checked[-1] == "meta" and len(checked) == 6
+
+
+def test_a_chunk_of_another_message_length_raises():
+    """The collectives tag each chunk with the message's length (`layout.length_tag`): a chunk of
+    a message of another length, same wire size, fails the read instead of decoding."""
+    from taco_accel.codec.api import decode_into, encode_into, sum_packed_into
+    from taco_accel.codec.layout import length_tag
+
+    assert length_tag(4000) != length_tag(4090) and length_tag(4000) != length_tag(4000 + (1 << 16))
+    layout = WireLayout.for_tensor(4096, BASE)
+    wire = torch.empty(layout.total_bytes, dtype=torch.uint8)
+    encode_into(torch.ones(4096), wire, layout, BASE, tag=length_tag(4000))
+    out = torch.empty(4096)
+    decode_into(wire, layout, BASE, out, tag=length_tag(4000))  # the same length: read, as untagged bytes are
+    assert torch.equal(out, decompress(compress(torch.ones(4096), BASE)))
+    for read in (lambda: decode_into(wire, layout, BASE, out, tag=length_tag(4090)),
+                 lambda: sum_packed_into(wire[None], layout, BASE, torch.empty_like(wire), tag=length_tag(4090))):
+        with pytest.raises(WireFormatError, match="message of another length"):
+            read()
+    with pytest.raises(WireFormatError, match="format="):  # untagged reads of a tagged chunk: a plain mismatch
+        decompress(Packed(wire, torch.Size([4096]), torch.float32, BASE, layout))
+
+
+def test_compress_of_a_meta_tensor_says_so():
+    with pytest.raises(ValueError, match="meta tensor .*materialise it"):
+        compress(torch.empty(300, device="meta"), BASE)

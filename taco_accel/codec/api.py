@@ -10,6 +10,12 @@ which would stall the collectives (they overlap codec kernels and transfers with
 cannot run while a CUDA graph is captured; there the first buffer of each (config, layout,
 device) is checked and later ones are not: a config that differs between ranks or call sites
 differs from the first call on. `check_wire` checks any buffer on demand.
+
+A caller may tag the chunks it encodes (``tag=``, 16 bits in the header: `layout.length_tag`):
+the collectives of `comm` tag them with the whole message's length, so a peer that sent a
+message of another length fails the same check. The set of (header, layout, device) already
+checked on a GPU is the caller's (``seen=``: `comm` keeps one per call site, so each site of
+each model checks its own first call of each length); without one, a process-wide set.
 """
 
 from __future__ import annotations
@@ -56,6 +62,10 @@ def _check_input(x: torch.Tensor) -> None:
         raise TypeError(f"compress expects a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"compress supports {SUPPORTED_DTYPES}, got {x.dtype}; cast the tensor first")
+    if x.is_meta:
+        raise ValueError(f"compress got a meta tensor (shape {list(x.shape)}: no data to encode); materialise it "
+                         "first, e.g. model.to_empty(device=...) and load its weights, or x = torch.empty_like(x, "
+                         "device='cpu')")
 
 
 def check_config(config: object, where: str) -> CodecConfig:
@@ -108,10 +118,10 @@ def _raise_if_nonfinite(x: torch.Tensor, buffer: torch.Tensor, layout: WireLayou
 _verified_on_device: set[tuple] = set()  # (header, layout, device) checked once on a GPU (module docstring)
 
 
-def check_wire(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig) -> None:
+def check_wire(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig, tag: int = 0) -> None:
     """Raise `WireFormatError` unless every chunk header of ``buffer`` (one buffer of ``layout``,
-    or a stack of them, ``[..., total_bytes]``) says ``config``. Reads the headers: a host sync on
-    a GPU."""
+    or a stack of them, ``[..., total_bytes]``) says ``config`` and the message tag ``tag``. Reads
+    the headers: a host sync on a GPU."""
     if layout.group_size != config.group_size or layout.num_scales != config.num_scales:
         raise WireFormatError(
             f"{layout} does not belong to TacoConfig(group_size={config.group_size}, scales={config.scales!r}); "
@@ -119,13 +129,20 @@ def check_wire(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig) ->
         )
     if not layout.used_bytes:
         return
-    expected = signed_header(config)
+    expected = signed_header(config, tag)
     words = layout.headers(buffer)
     wrong = words != expected
     if bool(wrong.any()):
         where = wrong.nonzero()[0].tolist()
         word = int(words[tuple(where)])
         place = f"input {where[0]}, chunk {where[1]}" if len(where) == 2 else f"chunk {where[0]}"
+        if (word ^ expected) & 0xFFFF == 0 and tag:  # the settings agree, the message tag does not
+            raise WireFormatError(
+                f"{place} of the buffer belongs to a message of another length than this one (length tag "
+                f"{(word >> 16 ^ expected >> 16) & 0xFFFF ^ tag:#06x}, expected {tag:#06x}): the ranks of a "
+                "collective sent messages of different sizes; every rank must send the same shape at each call "
+                "(pad the batch to one length on every rank of the group)"
+            )
         raise WireFormatError(
             f"{place} of the buffer was written with {describe_header(word)}, but is read with "
             f"{describe_header(expected)}: decode and sum a buffer under the TacoConfig that encoded it "
@@ -133,21 +150,24 @@ def check_wire(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig) ->
         )
 
 
-def _check_wire_where_cheap(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig) -> None:
-    """`check_wire` on every CPU buffer; elsewhere once per (config, layout, device), and never
-    while a CUDA graph is captured (module docstring)."""
+def _check_wire_where_cheap(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig, tag: int = 0,
+                            seen: set | None = None) -> None:
+    """`check_wire` on every CPU buffer; elsewhere once per (config and tag, layout, device) in
+    ``seen`` (the caller's set, or the process's), and never while a CUDA graph is captured
+    (module docstring)."""
     device = buffer.device
     if device.type == "cpu":
-        check_wire(buffer, layout, config)
+        check_wire(buffer, layout, config, tag)
         return
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return
-    key = (signed_header(config), layout, device)
-    if key not in _verified_on_device:
-        check_wire(buffer, layout, config)
-        if len(_verified_on_device) >= 4096:  # many sizes: start over rather than grow
-            _verified_on_device.clear()
-        _verified_on_device.add(key)
+    verified = _verified_on_device if seen is None else seen
+    key = (signed_header(config, tag), layout, device)
+    if key not in verified:
+        check_wire(buffer, layout, config, tag)
+        if len(verified) >= 4096:  # many sizes: start over rather than grow
+            verified.clear()
+        verified.add(key)
 
 
 def compress(x: torch.Tensor, config: CodecConfig | None = None, *, chunks: int = 1,
@@ -213,30 +233,35 @@ def sum_packed(stacked: torch.Tensor, layout: WireLayout, config: CodecConfig, *
 
 
 def encode_into(x: torch.Tensor, out: torch.Tensor, layout: WireLayout, config: CodecConfig,
-                tuning: Tuning | None = None) -> None:
+                tuning: Tuning | None = None, tag: int = 0) -> None:
     """`compress` of the contiguous ``x`` (``layout.numel`` values) into ``out`` (the layout's
-    uint8 buffer)."""
+    uint8 buffer), its headers carrying the message tag ``tag``."""
     if layout.numel:
         dispatch.compress_into(x if x.dim() == 1 else x.view(-1), out, layout, config, tuning or DEFAULT_TUNING)
+        if tag:
+            layout.headers(out).fill_(signed_header(config, tag))
         if config.nonfinite == "raise":
             _raise_if_nonfinite(x, out, layout)
 
 
 def decode_into(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig, out: torch.Tensor,
-                tuning: Tuning | None = None) -> None:
-    """`decompress` of ``buffer`` (one buffer of ``layout``) into the contiguous ``out``."""
+                tuning: Tuning | None = None, tag: int = 0, seen: set | None = None) -> None:
+    """`decompress` of ``buffer`` (one buffer of ``layout``, tagged ``tag``) into the contiguous ``out``."""
     if layout.numel:
-        _check_wire_where_cheap(buffer, layout, config)
+        _check_wire_where_cheap(buffer, layout, config, tag, seen)
         dispatch.decompress_into(buffer, layout, config, out if out.dim() == 1 else out.view(-1),
                                  tuning or DEFAULT_TUNING)
 
 
 def sum_packed_into(stacked: torch.Tensor, layout: WireLayout, config: CodecConfig, out: torch.Tensor,
-                    tuning: Tuning | None = None) -> None:
-    """`sum_packed` of ``stacked`` [P, layout.total_bytes] into ``out`` (the layout's uint8 buffer)."""
+                    tuning: Tuning | None = None, tag: int = 0, seen: set | None = None) -> None:
+    """`sum_packed` of ``stacked`` [P, layout.total_bytes] (tagged ``tag``) into ``out`` (the
+    layout's uint8 buffer, tagged alike)."""
     if layout.numel:
-        _check_wire_where_cheap(stacked, layout, config)
+        _check_wire_where_cheap(stacked, layout, config, tag, seen)
         dispatch.sum_into(stacked, layout, config, out, tuning or DEFAULT_TUNING)
+        if tag:
+            layout.headers(out).fill_(signed_header(config, tag))
 
 
 _DEFAULT = CodecConfig()

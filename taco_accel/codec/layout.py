@@ -24,8 +24,11 @@ The header says how the chunk was encoded, so that a buffer decoded or summed un
 `TacoConfig` is an error (`WireFormatError`) instead of numbers (`header_word`): byte 0 is
 0xA0 + the wire version (1); byte 1 holds log2(G) - 5 (bits 0-2), the format (bits 3-4: e4m3 0,
 e5m2 1, int8 2), dual scales (bit 5), the Hadamard step (bit 6) and random signs (bit 7); bytes
-2-3 a 16-bit hash of ``sign_seed`` (0 without random signs). Settings that do not change how
-bytes are read (``adaptive_scale``, ``nonfinite``, ``backend``, the size settings) are not in it.
+2-3 a 16-bit hash of ``sign_seed`` (0 without random signs) XOR a 16-bit message tag (0 unless the
+caller gives one: the collectives of `comm` tag every chunk with the length of the whole message,
+`length_tag`, so that ranks whose messages differ in length fail the header check instead of
+decoding each other's bytes as numbers). Settings that do not change how bytes are read
+(``adaptive_scale``, ``nonfinite``, ``backend``, the size settings) are not in it.
 
 Each chunk ends with up to 12 zero bytes of padding to a multiple of 16 bytes, so that every
 chunk, payload and scale section starts 16-byte aligned (the kernels then move 16 bytes per
@@ -57,8 +60,16 @@ WIRE_VERSION = 1
 HEADER_MAGIC = 0xA0  # high nibble of byte 0: a chunk of zeros or of another layout has no header
 
 
-def header_word(config: CodecConfig) -> int:
-    """The 4 header bytes of every chunk encoded under ``config``, as a little-endian uint32."""
+def length_tag(numel: int) -> int:
+    """A 16-bit tag of a message length (every bit of ``numel`` counts: 4000 and 4000 + 65536
+    differ)."""
+    return (numel ^ (numel >> 16) ^ (numel >> 32) ^ (numel >> 48)) & 0xFFFF
+
+
+@functools.lru_cache(maxsize=4096)
+def header_word(config: CodecConfig, tag: int = 0) -> int:
+    """The 4 header bytes of every chunk encoded under ``config`` with the message tag ``tag``
+    (16 bits), as a little-endian uint32."""
     flags = (
         (config.group_size.bit_length() - 6)  # log2(G) - 5: G = 32..512
         | FORMAT_CODES[config.format] << 3
@@ -67,12 +78,12 @@ def header_word(config: CodecConfig) -> int:
         | config.random_signs << 7
     )
     seed = zlib.crc32(config.sign_seed.to_bytes(8, "little")) & 0xFFFF if config.random_signs else 0
-    return (HEADER_MAGIC | WIRE_VERSION) | flags << 8 | seed << 16
+    return (HEADER_MAGIC | WIRE_VERSION) | flags << 8 | (seed ^ (tag & 0xFFFF)) << 16
 
 
-def signed_header(config: CodecConfig) -> int:
+def signed_header(config: CodecConfig, tag: int = 0) -> int:
     """`header_word` as a signed int32: the kernels' HEADER and the values of `WireLayout.headers`."""
-    word = header_word(config)
+    word = header_word(config, tag)
     return word - (1 << 32) if word >= 1 << 31 else word
 
 

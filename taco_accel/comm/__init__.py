@@ -14,16 +14,15 @@ per-site figures of the process (bytes sent against the plain collective, calls,
 error); `set_error_sampling` turns the error sampling on. `EmulatedGroup` runs the same
 collectives for P virtual ranks in one process (lists of per-rank tensors in, the same bytes
 out), for emulated TP. Also: `chunked` (the collectives cut per rank, for compute overlap),
-`ops` (custom ops for torch.compile), `release_workspaces` (the reused buffers).
+`ops` (custom ops for torch.compile).
 """
 
 from ..errors import CollectiveMismatch, CollectiveTimeout
 from .collectives import Pending, all_gather, all_reduce, reduce_scatter
-from .compressed import release_workspaces
 from .emulated import EmulatedGroup
 from .pieces import PIECE_BYTES
 from .site import Site
-from .stats import CommStats, Ledger, error_sampling, pop_comm_stats, set_error_sampling
+from .stats import CommStats, Ledger, pop_comm_stats, set_error_sampling
 
 __all__ = [
     "PIECE_BYTES",
@@ -36,9 +35,7 @@ __all__ = [
     "Site",
     "all_gather",
     "all_reduce",
-    "error_sampling",
     "pop_comm_stats",
     "reduce_scatter",
-    "release_workspaces",
     "set_error_sampling",
 ]

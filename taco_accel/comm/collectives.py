@@ -5,8 +5,9 @@ Each function takes an explicit ``group`` (None: the default group, i.e. the wor
 on any group: the world, or a sub-group such as the TP group of a dp x tp mesh. The caller's
 decision says plain or compressed: ``compress=None`` (the default) takes it by the size rule of
 the `TacoConfig` (``config.threshold_bytes``; a bare `CodecConfig` always compresses),
-``True`` / ``False`` impose it; ``config=None``, a group of one rank or an empty tensor is always
-plain. Plain is the collective in the input dtype; compressed is the TACO path (`compressed`),
+``True`` / ``False`` impose it; ``config=None``, a group of one rank, an empty tensor or a dtype
+the codec does not encode (integers, bool, float64: they go exact) is always plain
+(``compress=True`` on such a dtype raises). Plain is the collective in the input dtype; compressed is the TACO path (`compressed`),
 in pieces of about ``config.piece_bytes`` whose codec work overlaps the transfer of their
 neighbours (`pieces`). Every rank of the group must make the same call.
 
@@ -36,6 +37,14 @@ after the transfer, on bytes every rank holds identically (the all_reduce / all_
 or on a flag all ranks agree on through one tiny all-reduce (reduce_scatter), so that a
 rank-local NaN never leaves the others blocked in a collective. It costs one host sync per call.
 
+Ranks whose calls differ in length: every compressed chunk carries a 16-bit tag of the whole
+message's length in its header (`codec.layout.length_tag`), checked wherever a chunk is summed or
+decoded: on the CPU on every call (a `WireFormatError` on the ranks that receive a chunk of
+another length), on a GPU at each site's first call of each length (a check reads the headers: a
+host sync). A plain call of another length is the backend's to notice (gloo aborts the process;
+NCCL does not check): the agreement check below compares lengths on each site's first call only,
+or on every call with ``TACO_CHECK_COLLECTIVES=1``.
+
 Statistics (bytes sent, sampled error) are recorded per site (`stats`): the functions here record
 under the ``site`` name in the process's ``stats.DEFAULT`` ledger, a `site.Site` in its own
 table's. Each site's first call (every call with ``TACO_CHECK_COLLECTIVES=1``) first checks that
@@ -50,8 +59,9 @@ import functools
 import torch
 
 from ..codec import CodecConfig, TacoConfig
-from ..codec.api import check_config
-from ..errors import NonFiniteError
+from ..codec.api import SUPPORTED_DTYPES, check_config
+from ..codec.layout import length_tag
+from ..errors import NonFiniteError, WireFormatError
 from . import agreement, dist_ops
 from .compressed import PIECES, Tally, acquire, release
 from .dist_ops import DONE
@@ -110,6 +120,9 @@ def _public(kind: str, x, group, config, site, async_op: bool, compress, inplace
         raise TypeError(f"{kind}(compress={compress!r}): pass True, False or None (the config's size rule)")
     elif compress and config is None:
         raise ValueError(f"{kind}(compress=True) needs the codec settings: pass config=TacoConfig(...)")
+    elif compress and x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{kind}(compress=True) of a {x.dtype} tensor: the codec encodes only {SUPPORTED_DTYPES} "
+                        "(anything else would arrive inexact); leave compress=None, which sends it plain, or cast it")
     x = x.detach()
     link = dist_ops.link(group)
     check_shape(kind, x, link.world)
@@ -184,7 +197,7 @@ class Pending:
                  residual: torch.Tensor | None = None) -> None:
         world = link.world
         nbytes = x.numel() * x.element_size()
-        compressed = compress and codec is not None and world > 1 and nbytes > 0
+        compressed = compress and codec is not None and world > 1 and nbytes > 0 and x.dtype in SUPPORTED_DTYPES
         self.kind, self.x, self.link, self.codec, self.record, self.site = kind, x, link, codec, record, site
         self.compressed, self.nbytes, self._done = compressed, nbytes, False
         if record is not None and agreement.due(record):  # the same calls on every rank: checked before any byte moves
@@ -196,7 +209,8 @@ class Pending:
         self.out = out = x if owned else torch.empty(output_shape(kind, x, world), dtype=x.dtype, device=x.device)
         try:
             if compressed:
-                self._tally = Tally(check_nonfinite=codec.nonfinite == "raise")
+                self._tally = Tally(codec.nonfinite == "raise", length_tag(x.numel()),
+                                    None if record is None else record.verified)
                 self._buffers = acquire(x.device)  # send / receive / sum buffers reused from call to call
                 pieces = PIECES[kind](x.contiguous(), out, wire_codec(codec), link, self._tally, self._buffers,
                                       piece_bytes, residual)
@@ -254,6 +268,8 @@ class Pending:
         """Give the workspace back; raise ``error``, named after the site if it is a timeout."""
         if self.compressed and hasattr(self, "_buffers"):
             release(self._buffers)
+        if isinstance(error, WireFormatError):
+            raise WireFormatError(f"{self.site}: {error}") from error
         named = agreement.timeout_error(error, self.site, self.kind, self.link.group) \
             if isinstance(error, RuntimeError) else error
         if named is error:

@@ -41,12 +41,15 @@ from .pieces import piece_bounds, piece_length
 
 
 class Tally:
-    """What the pieces of one call report: bytes sent, and (if asked) non-finite flags."""
+    """What the pieces of one call share and report: the message tag of every chunk they encode
+    (``tag``: `codec.layout.length_tag` of the whole message's length, checked on every chunk
+    they decode or sum), the set of wire checks already made on a GPU (``seen``: the site's), and
+    back the bytes sent and (if asked) non-finite flags."""
 
-    __slots__ = ("check_nonfinite", "sent", "flags")
+    __slots__ = ("check_nonfinite", "sent", "flags", "tag", "seen")
 
-    def __init__(self, check_nonfinite: bool = False) -> None:
-        self.check_nonfinite, self.sent, self.flags = check_nonfinite, 0, []
+    def __init__(self, check_nonfinite: bool = False, tag: int = 0, seen: set | None = None) -> None:
+        self.check_nonfinite, self.sent, self.flags, self.tag, self.seen = check_nonfinite, 0, [], tag, seen
 
     def note(self, layout: WireLayout, buffer: torch.Tensor) -> None:
         """Remember whether the scales of ``buffer`` hold a NaN (a non-finite group) when checking is on."""
@@ -68,7 +71,7 @@ class Workspace:
     and a call holds the workspace from its start to its result (`acquire` / `release`; a
     second call in flight meanwhile, or a CUDA graph capture, gets a workspace of its own). A
     piece uses slot ``index % 3``: at most three pieces are in flight (`pieces`). Each buffer
-    grows to the largest message seen and stays; `release_workspaces` frees them. Reuse is safe
+    grows to the largest message seen and stays. Reuse is safe
     on NCCL: a collective's stream waits for the work queued before it, which includes the
     previous call's reads of the same buffer.
     """
@@ -133,11 +136,6 @@ def release(buffers: Workspace) -> None:
     buffers.busy = False
 
 
-def release_workspaces() -> None:
-    """Free every workspace (they grow to the largest message and stay otherwise)."""
-    _workspaces.clear()
-
-
 def all_reduce_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
                      buffers: Workspace, slot: int) -> Iterator:
     """out <- compressed two-shot sum over the ranks of src (same numel, both contiguous)."""
@@ -145,13 +143,14 @@ def all_reduce_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecCo
     layout = WireLayout.for_tensor(src.numel(), codec, world)
     total, cb = layout.total_bytes, layout.chunk_bytes
     send = buffers.buffer("send", slot, total, device)  # [P * cb]: chunk p for rank p
-    encode_into(src, send, layout, codec)
+    encode_into(src, send, layout, codec, tag=tally.tag)
     recv = buffers.buffer("recv", slot, total, device)  # [P * cb]: chunk `rank` of every peer
     work = link.all_to_all(recv, send)
     yield
     work.wait()
     mine = buffers.buffer("sum", slot, cb, device)  # [cb]
-    sum_packed_into(buffers.buffer("recv", slot, total, device, (world, cb)), layout.chunk_layout(), codec, mine)
+    sum_packed_into(buffers.buffer("recv", slot, total, device, (world, cb)), layout.chunk_layout(), codec, mine,
+                    tag=tally.tag, seen=tally.seen)
     full = recv  # [P * cb]: every reduced chunk, rank order (the received chunks are summed by now)
     work = link.all_gather(full, mine)
     yield
@@ -159,7 +158,7 @@ def all_reduce_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecCo
     tally.sent += 2 * (world - 1) * layout.chunk_bytes
     tally.note(layout, full)
     if out is not None:
-        decode_into(full, layout, codec, out)
+        decode_into(full, layout, codec, out, tag=tally.tag, seen=tally.seen)
 
 
 def reduce_scatter_piece(blocks: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
@@ -178,30 +177,31 @@ def reduce_scatter_piece(blocks: torch.Tensor, out: torch.Tensor | None, codec: 
     layout = WireLayout.for_tensor(world * width, codec, world)  # chunk r = block r
     total, cb = layout.total_bytes, layout.chunk_bytes
     send = buffers.buffer("send", slot, total, device)
-    encode_into(blocks, send, layout, codec)
+    encode_into(blocks, send, layout, codec, tag=tally.tag)
     recv = buffers.buffer("recv", slot, total, device)  # [P * cb]
     work = link.all_to_all(recv, send)
     if residual is not None:  # while the chunks travel: what they do not carry of blocks
         sent = buffers.typed("decoded", slot, (world, width), torch.float32, device)
-        decode_into(send, layout, codec, sent)
+        decode_into(send, layout, codec, sent, tag=tally.tag, seen=tally.seen)
         residual.copy_(blocks.reshape(world, width)[:, :cols]).sub_(sent[:, :cols])
     yield
     work.wait()
     tally.sent += (world - 1) * layout.chunk_bytes
     if residual is not None:  # exactly the sum of what was sent: every chunk decoded, summed in fp32
         got = buffers.typed("decoded", slot, (world, width), torch.float32, device)  # [P, width], row p: peer p's
-        decode_into(recv, layout, codec, got)
+        decode_into(recv, layout, codec, got, tag=tally.tag, seen=tally.seen)
         tally.note(layout, recv)
         if out is not None:
             out.copy_(got.sum(0)[:cols].view(out.shape))
         return
     mine = buffers.buffer("sum", slot, cb, device)  # [cb]
-    sum_packed_into(buffers.buffer("recv", slot, total, device, (world, cb)), layout.chunk_layout(), codec, mine)
+    sum_packed_into(buffers.buffer("recv", slot, total, device, (world, cb)), layout.chunk_layout(), codec, mine,
+                    tag=tally.tag, seen=tally.seen)
     own = WireLayout.for_tensor(cols, codec)
     assert own.total_bytes == mine.numel(), (own, mine.numel())
     tally.note(own, mine)
     if out is not None:
-        decode_into(mine, own, codec, out)
+        decode_into(mine, own, codec, out, tag=tally.tag, seen=tally.seen)
 
 
 def all_gather_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
@@ -212,12 +212,12 @@ def all_gather_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecCo
     world, device, cols = link.world, src.device, src.numel()
     layout = WireLayout.for_tensor(cols, codec)  # one chunk of gpc = ceil(c/G) groups
     send = buffers.buffer("send", slot, layout.total_bytes, device)
-    encode_into(src, send, layout, codec)
+    encode_into(src, send, layout, codec, tag=tally.tag)
     full = buffers.buffer("recv", slot, world * layout.total_bytes, device)  # [P * cb]
     work = link.all_gather(full, send)
     if residual is not None:  # while the buffer travels: what it does not carry of src
         sent = buffers.typed("decoded", slot, (cols,), torch.float32, device)
-        decode_into(send, layout, codec, sent)
+        decode_into(send, layout, codec, sent, tag=tally.tag, seen=tally.seen)
         residual.copy_(src.view(-1)).sub_(sent)
     yield
     work.wait()
@@ -229,10 +229,10 @@ def all_gather_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecCo
     if out is None:
         return
     if width == cols and out.is_contiguous():
-        decode_into(full, whole, codec, out)
+        decode_into(full, whole, codec, out, tag=tally.tag, seen=tally.seen)
     else:
         decoded = buffers.typed("stage", slot, (world, width), out.dtype, device)
-        decode_into(full, whole, codec, decoded)
+        decode_into(full, whole, codec, decoded, tag=tally.tag, seen=tally.seen)
         rows = out.view(world, cols) if out.is_contiguous() else out  # [P, c]
         rows.copy_(decoded[:, :cols])
 

@@ -125,26 +125,6 @@ def link(group=None) -> Link:
     return found
 
 
-def all_gather_into(out: torch.Tensor, x: torch.Tensor, group=None):
-    """out [P*n] <- every rank's x [n] in rank order; returns a work handle."""
-    return link(group).all_gather(out, x)
-
-
-def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group=None):
-    """out [n] <- this rank's block of the sum over ranks of x [P*n]; returns a work handle."""
-    return link(group).reduce_scatter(out, x)
-
-
-def all_reduce_(x: torch.Tensor, group=None, op: str = "sum"):
-    """x <- the sum (or ``op="max"``) over the ranks of x, in place; returns a work handle."""
-    return link(group).all_reduce(x, op)
-
-
-def all_to_all(out: torch.Tensor, x: torch.Tensor, group=None):
-    """`Link.all_to_all` on ``group``; returns a work handle."""
-    return link(group).all_to_all(out, x)
-
-
 def all_to_all_p2p(out: torch.Tensor, x: torch.Tensor, group=None):
     """`all_to_all` as P-1 isend/irecv pairs plus a local copy; returns a work handle."""
     world = dist.get_world_size(group)

@@ -33,7 +33,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..codec import CodecConfig, TacoConfig
-from ..codec.api import check_config
+from ..codec.api import SUPPORTED_DTYPES, check_config
+from ..codec.layout import length_tag
 from .collectives import check_residual, check_shape, nonfinite_error, relative_error, wire_codec
 from .compressed import PIECES, Tally, Workspace
 from .pieces import PIECE_BYTES, Pipeline
@@ -104,7 +105,7 @@ def run_compressed(kind: str, xs: list[torch.Tensor], outs: list[torch.Tensor | 
     feedback, reduce_scatter and all_gather). Returns the bytes one rank sends."""
     world = len(xs)
     exchange = _Exchange(world)
-    tallies = [Tally() for _ in range(world)]
+    tallies = [Tally(tag=length_tag(xs[0].numel())) for _ in range(world)]
     lost = residuals if residuals is not None else [None] * world
     pipelines = [
         Pipeline.of(list(PIECES[kind](x, out, codec, EmulatedRank(exchange, r), tally, workspace, piece_bytes,
@@ -213,7 +214,7 @@ class EmulatedGroup:
         rows stacked in rank order); records the call like one rank would."""
         nbytes = xs[0].numel() * xs[0].element_size()
         plain = plain_bytes(kind, nbytes, self.size)
-        if not (compress and codec is not None and self.size > 1 and nbytes > 0):
+        if not (compress and codec is not None and self.size > 1 and nbytes > 0 and xs[0].dtype in SUPPORTED_DTYPES):
             if codec is not None and codec.nonfinite == "zero" and xs[0].is_floating_point():
                 xs = [torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0) for x in xs]
             out = _plain(kind, xs)

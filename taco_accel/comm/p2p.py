@@ -72,11 +72,6 @@ def decode(wire: torch.Tensor, codec: CodecConfig, out: torch.Tensor) -> torch.T
     return out
 
 
-def round_trip(x: torch.Tensor, codec: CodecConfig) -> torch.Tensor:
-    """What the receiver of ``x`` gets: ``decode(encode(x))``, a new tensor of x's shape and dtype."""
-    return decode(encode(x, codec), codec, torch.empty(x.shape, dtype=x.dtype, device=x.device))
-
-
 def wire_bytes(numel: int, codec: CodecConfig) -> int:
     """Bytes on the wire for a compressed message of ``numel`` values."""
     return WireLayout.for_tensor(numel, codec).total_bytes
@@ -107,7 +102,7 @@ class Channel:
         ends); an undecided auto site says plain and remembers the message for `settle`."""
         site = self.site
         nbytes = torch.Size(shape).numel() * dtype.itemsize
-        if not site.floor_allows(nbytes):
+        if not site.floor_allows(nbytes, dtype):
             return False
         decider = site.decider
         if decider is None:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 from ..codec import CodecConfig, TacoConfig
+from ..codec.api import SUPPORTED_DTYPES
 from . import dist_ops, ops
 from .collectives import Pending, check_residual, check_shape
 from .pieces import PIECE_BYTES
@@ -98,7 +99,8 @@ class Site:
             check_shape(kind, x, link.world)
         if self.decider is None:  # the size floor, inline: this is every plain site's path
             nbytes = x.numel() * x.element_size()
-            compress = self.codec is not None and nbytes >= self._threshold and nbytes > 0
+            compress = self.codec is not None and nbytes >= self._threshold and nbytes > 0 \
+                and x.dtype in SUPPORTED_DTYPES
         else:
             compress = self.compresses(kind, x)
         pending = Pending(kind, x, link, self.codec, compress, self.piece_bytes, self.entry, self.name, inplace,
@@ -107,9 +109,10 @@ class Site:
 
     # -- the decision ------------------------------------------------------------------------
 
-    def floor_allows(self, nbytes: int) -> bool:
-        """The config's floor: a message of ``nbytes`` from ``threshold_bytes`` on may be compressed."""
-        return self.codec is not None and nbytes >= self._threshold and nbytes > 0
+    def floor_allows(self, nbytes: int, dtype: torch.dtype) -> bool:
+        """The config's floor: a message of ``nbytes`` from ``threshold_bytes`` on may be
+        compressed, if the codec encodes its ``dtype`` (others go plain: exact)."""
+        return self.codec is not None and nbytes >= self._threshold and nbytes > 0 and dtype in SUPPORTED_DTYPES
 
     def compresses(self, kind: str, x: torch.Tensor) -> bool:
         """Whether sending ``x`` through ``kind`` from this site is compressed.
@@ -120,16 +123,16 @@ class Site:
         timed size on (smaller ones were never shown to pay). Without a group to time, each
         message follows the auto mode's size rule (`autotune.UNTIMED_BYTES`).
         """
-        return self._decide(kind, x.numel() * x.element_size(), lambda: x)
+        return self._decide(kind, x.numel() * x.element_size(), x.dtype, lambda: x)
 
     def compresses_like(self, kind: str, shape, dtype: torch.dtype, device) -> bool:
         """`compresses` for a message of ``shape`` and ``dtype`` sent in parts (the decomposed
         collectives of `chunked`); a timing, if one is due, runs on zeros of that shape."""
         nbytes = torch.Size(shape).numel() * dtype.itemsize
-        return self._decide(kind, nbytes, lambda: torch.zeros(shape, dtype=dtype, device=device))
+        return self._decide(kind, nbytes, dtype, lambda: torch.zeros(shape, dtype=dtype, device=device))
 
-    def _decide(self, kind: str, nbytes: int, message: Callable[[], torch.Tensor]) -> bool:
-        allowed = self.floor_allows(nbytes)
+    def _decide(self, kind: str, nbytes: int, dtype: torch.dtype, message: Callable[[], torch.Tensor]) -> bool:
+        allowed = self.floor_allows(nbytes, dtype)
         if not allowed or self.decider is None:
             return allowed
         compress = None if self.decision is None else self.decision.covers(nbytes)

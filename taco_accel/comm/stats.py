@@ -70,12 +70,13 @@ class SiteRecord:
     counter of the error sampling (``ticks``) and the agreement checks made (``checked``)."""
 
     __slots__ = ("calls", "compressed_calls", "bytes_sent", "bytes_uncompressed", "errors", "ticks", "checked",
-                 "generation")
+                 "generation", "verified")
 
     def __init__(self) -> None:
         self.calls = self.compressed_calls = self.bytes_sent = self.bytes_uncompressed = 0
         self.errors: list[torch.Tensor] = []  # 0-d float tensors, possibly on a device
         self.ticks = self.checked = 0
+        self.verified: set = set()  # the wire checks made on a GPU (`codec.api`: its first call of each length)
         self.generation = _sampling.generation
 
     def add(self, sent: int, uncompressed: int, compressed: bool) -> None:
@@ -149,11 +150,6 @@ def set_error_sampling(every: int) -> None:
         raise ValueError(f"set_error_sampling(every={every!r}): use an int >= 0 (0 turns sampling off)")
     _sampling.every = every
     _sampling.generation += 1
-
-
-def error_sampling() -> int:
-    """The current ``every`` of `set_error_sampling` (0: off)."""
-    return _sampling.every
 
 
 def pop_comm_stats() -> dict[str, CommStats]:

@@ -9,7 +9,7 @@ modules, and the gradient reductions and clipping over the whole mesh that end a
 
 from .boundary import Boundary, BoundaryStage, PipelineBoundaries, boundary_name
 from .data_parallel import DataParallelGradSync, ReplicaGradSum, TiedEmbeddingSync, apply_dp, local_tensor
-from .mesh import MESH_DIMS, ParallelDims, build_mesh, collective_timeout, default_device
+from .mesh import MESH_DIMS, ParallelDims, build_mesh, collective_timeout
 from .parts import ModelParts, clip_grad_norm_, distribute
 from .pipeline import (SCHEDULES, PipelinePlan, apply_pp, build_schedule, emulate_boundaries, make_pipeline_stages,
                        prune_to_stage, split_layers)
@@ -40,7 +40,6 @@ __all__ = [
     "collective_timeout",
     "cross_entropy",
     "decoder_layers",
-    "default_device",
     "distribute",
     "emulate_boundaries",
     "local_tensor",

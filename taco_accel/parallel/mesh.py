@@ -178,15 +178,6 @@ class ParallelDims:
         return dims
 
 
-def default_device() -> torch.device:
-    """This process's device: ``cuda:LOCAL_RANK`` with GPUs, else the CPU."""
-    if torch.cuda.is_available():
-        index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    return torch.device("cpu")
-
-
 def build_mesh(dims: ParallelDims, device_type: str | None = None, timeout: timedelta | None = None) -> DeviceMesh:
     """The ``("pp", "dp", "tp")`` DeviceMesh over all ranks (a collective: call it on every rank).
 
