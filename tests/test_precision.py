@@ -149,8 +149,107 @@ for _sp in (False, True):
     CASES["qwen3", _name, "compressed"] = dict(arch="qwen3", sp=_sp, compression=COMPRESSED)
 
 
+def _accelerator(mixed_precision: str, **kwargs):
+    """A `taco_accel.Accelerator` at tp=2 in ``mixed_precision``, a fresh Accelerate state each (its
+    mixed precision is fixed once per state; the process group stays)."""
+    from accelerate import ParallelismConfig
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    kwargs.setdefault("parallelism_config", ParallelismConfig(tp_size=2))
+    return taco_accel.Accelerator(mixed_precision=mixed_precision, compression=None, **kwargs)
+
+
+def _own_loop(sp: bool, bf16_params: bool) -> dict:
+    """A user's own loop: Accelerator(mixed_precision="bf16") (or bf16 parameters, "no"), one
+    step's logits and gradients against the same model on one process in the same precision,
+    then two more optimizer steps."""
+    acc = _accelerator("no" if bf16_params else "bf16", sequence_parallel=sp)
+    params, autocast = (torch.bfloat16, None) if bf16_params else (torch.float32, torch.bfloat16)
+    ref = tiny_model("qwen3").to(params)
+    model = copy.deepcopy(ref)
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ids, labels = _batch(ref.config.vocab_size)
+    count = _Roundings(torch.bfloat16)
+    with count:
+        out = model(ids, labels=labels)  # the prepared forward runs in the accelerator's autocast
+        n_fwd = count.count
+        acc.backward(out.loss)
+    want = _step(ref, ids, labels, autocast, torch.bfloat16)
+    specs, rank = shard_specs(model), model.taco.rank
+    diff_sq = ref_sq = 0.0
+    for name, param in model.named_parameters():
+        expected = ref.get_parameter(name).grad
+        expected = specs[name].take(expected, rank) if name in specs else expected
+        diff_sq += float((param.grad.double() - expected.double()).pow(2).sum())
+        ref_sq += float(expected.double().pow(2).sum())
+    losses = [out.loss.item()]
+    for _ in range(2):
+        opt.step()
+        opt.zero_grad()
+        loss = model(ids, labels=labels).loss
+        acc.backward(loss)
+        losses.append(loss.item())
+    return {"logits": _rel_rms(out.logits, want["logits"]), "grads": math.sqrt(diff_sq / ref_sq),
+            "logits_bound": _bound(torch.bfloat16, n_fwd, want["n_fwd"]),
+            "grads_bound": _bound(torch.bfloat16, count.count, want["n_all"]),
+            "logits_dtype": str(out.logits.dtype), "losses": losses}
+
+
+def _fp16_overflow_on_one_rank() -> dict:
+    """fp16 autocast and loss scaling; rank 1's shard of one gradient overflows (set to inf after
+    the backward, as a large fp16 product on that rank alone would make it): every rank skips the
+    step and backs off the scale; the next step, without overflow, every rank takes."""
+    acc = _accelerator("fp16")
+    model = tiny_model("qwen3")
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ids, labels = _batch(model.config.vocab_size)
+    shard = model.model.layers[0].mlp.gate_proj.weight  # column parallel: each rank its own rows
+    out = {"scaler": type(acc.scaler).__name__, "scale0": acc.scaler.get_scale()}
+    for step in range(2):
+        before = shard.detach().clone()
+        with acc.autocast():
+            loss = model(ids, labels=labels).loss
+        acc.backward(loss)
+        if step == 0 and dist.get_rank() == 1:
+            shard.grad[0, 0] = float("inf")
+        acc.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        out[f"skipped{step}"] = bool(opt.step_was_skipped)
+        out[f"moved{step}"] = bool(not torch.equal(before, shard.detach()))
+        out[f"scale{step + 1}"] = acc.scaler.get_scale()
+        out[f"loss{step}"] = loss.item()
+    return out
+
+
+def _refusals() -> dict:
+    """What prepare refuses, on every rank, in one line: fp16 autocast over fp16 parameters; fp16
+    with pipeline stages."""
+    from taco_accel import ParallelDims
+
+    out = {}
+    for key, build in (("half_params", lambda: _accelerator("fp16").prepare(tiny_model("qwen3").half())),
+                       ("pipeline", lambda: _accelerator("fp16", parallelism_config=None,
+                                                         parallel_dims=ParallelDims(pp=2)).prepare_pipeline(
+                           tiny_model("qwen3"), micro_batches=2))):
+        try:
+            build()
+            out[key] = None
+        except ValueError as e:
+            out[key] = str(e)
+    return out
+
+
 def _worker() -> dict:
-    return per_case({key: functools.partial(_precision_case, **kwargs) for key, kwargs in CASES.items()})
+    cases = {key: functools.partial(_precision_case, **kwargs) for key, kwargs in CASES.items()}
+    for sp in (False, True):
+        cases["loop", sp, "bf16 autocast"] = functools.partial(_own_loop, sp, False)
+        cases["loop", sp, "bf16 params"] = functools.partial(_own_loop, sp, True)
+    cases["fp16 overflow"] = _fp16_overflow_on_one_rank
+    cases["refusals"] = _refusals
+    return per_case(cases)
 
 
 @pytest.fixture(scope="module")
@@ -176,3 +275,30 @@ def test_compressed_under_bf16_autocast_stays_close(measured, sp):
         # within the codec's per-message bound (E4M3: 2**-4 relative at most) plus bf16's
         assert r["loss"] / r["loss_value"] < 5e-3, r
         assert r["logits"] < 2.0**-4 + r["logits_bound"], r
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+@pytest.mark.parametrize("precision", ["bf16 autocast", "bf16 params"])
+def test_own_loop_in_bf16_matches_one_process(measured, sp, precision):
+    for r in case(measured, ("loop", sp, precision)):
+        # Accelerate returns autocast outputs in fp32 (convert_outputs_to_fp32), as for a plain model
+        assert r["logits_dtype"] == ("torch.bfloat16" if precision == "bf16 params" else "torch.float32"), r
+        # the first step: relative rms within the rounding bound of the module docstring
+        assert r["logits"] < r["logits_bound"] and r["grads"] < r["grads_bound"], r
+        assert all(math.isfinite(x) for x in r["losses"]) and r["losses"][-1] < r["losses"][0], r  # it trains
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(measured):
+    ranks = case(measured, "fp16 overflow")
+    for r in ranks:
+        assert r["scaler"] == "MeshGradScaler", r
+        assert r["skipped0"] and not r["moved0"], r  # rank 1's overflow: rank 0 skips too
+        assert r["scale1"] == r["scale0"] / 2, r  # and backs off with it
+        assert not r["skipped1"] and r["moved1"] and r["scale2"] == r["scale1"], r
+    assert len({(r["scale1"], r["loss1"]) for r in ranks}) == 1  # the ranks still agree
+
+
+def test_prepare_refuses_what_cannot_work_in_one_line(measured):
+    for r in case(measured, "refusals"):
+        assert "fp32 trainable parameters" in r["half_params"] and "\n" not in r["half_params"], r
+        assert "pipeline stages" in r["pipeline"] and "\n" not in r["pipeline"], r

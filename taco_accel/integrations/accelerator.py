@@ -72,6 +72,7 @@ from torch import nn
 
 from ..models.loss import LogitsMode, check_logits_mode
 from ..parallel import ModelParts, ParallelDims, build_mesh, clip_grad_norm_, collective_timeout, distribute
+from ..parallel.grad_scaler import MeshGradScaler
 from ..parallel.mesh import PP_ENV
 from ..parallel.stage import site_tables
 from ..tp import Compression
@@ -148,6 +149,7 @@ class Accelerator(_AccelerateAccelerator):
                 "out itself: use distributed_type MULTI_GPU (or --multi_gpu) with a parallelism_config block "
                 "(parallelism_config_tp_size, parallelism_config_dp_shard_size for FSDP2)"
             )
+        self._mesh_scaler()
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world != self.state.num_processes:
             raise RuntimeError(f"torch.distributed has {world} processes but Accelerate sees "
@@ -174,6 +176,29 @@ class Accelerator(_AccelerateAccelerator):
                 logger.info("taco_accel: accelerator.num_processes is %d, the data-parallel replicas of %d processes "
                             "(the world size: accelerator.state.num_processes)", self.num_processes, world)
         logger.info("taco_accel: %s on %d process(es)", self.parallel_layout, world)
+
+    def _mesh_scaler(self) -> None:
+        """fp16: autocast and a `MeshGradScaler` on every device type. Accelerate leaves fp16 off
+        on CPU (no autocast, no scaler) and its scaler decides per process, which would let one
+        rank skip a step its tp / pp / dp peers take."""
+        if self.mixed_precision != "fp16":
+            return
+        self.native_amp = True
+        kwargs = self.scaler_handler.to_kwargs() if self.scaler_handler is not None else {}
+        self.scaler = MeshGradScaler(self.device.type, **kwargs)
+
+    def _check_precision(self, model: nn.Module, pipeline: bool) -> None:
+        """Refuse at prepare, on every rank, the precisions that would fail mid-step."""
+        if self.mixed_precision != "fp16":
+            return
+        if pipeline:
+            raise ValueError("mixed_precision='fp16' is not supported with pipeline stages (the schedule's backward "
+                             "has no loss scaling); use mixed_precision='bf16'")
+        half = sorted({n for n, p in model.named_parameters() if p.requires_grad and p.dtype == torch.float16})
+        if half:
+            raise ValueError(f"mixed_precision='fp16' needs fp32 trainable parameters, {len(half)} are float16 (e.g. "
+                             f"{half[0]}): the gradient scaler cannot unscale fp16 gradients; load the model in "
+                             "float32 (dtype=torch.float32) or use mixed_precision='bf16'")
 
     # -- the mesh ---------------------------------------------------------------------------
     @property
@@ -283,7 +308,7 @@ class Accelerator(_AccelerateAccelerator):
         parts = self._lay_out(model, pipeline=True, stages_per_rank=stages_per_rank, seq_len=seq_len)
         vocab = model.config.vocab_size
         return PipelineRunner(parts, schedule, micro_batches, self.device, loss_fn=loss_fn, vocab_size=vocab,
-                              shifted_labels=shifted_labels)
+                              shifted_labels=shifted_labels, autocast=self.autocast)
 
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
         """Accelerate's DataLoader sharding over the dp ranks only: every tp and pp rank of a
@@ -354,6 +379,7 @@ class Accelerator(_AccelerateAccelerator):
     def _lay_out(self, model: nn.Module, **pipeline) -> ModelParts:
         """`distribute` ``model`` over the mesh (emulated TP in one process), keeping its parts and
         which parameters it replaced; ``pipeline``: `distribute`'s pipeline and evaluation arguments."""
+        self._check_precision(model, bool(pipeline.get("pipeline")))
         if self.emulated_tp > 1:
             self._emulate(model)
         before = {id(p): p for p in model.parameters()}

@@ -16,8 +16,10 @@ the stage cuts of a model that runs in one process.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -251,11 +253,15 @@ class PipelineRunner:
     time undecided auto sites (after the step): every rank runs ``step`` / ``eval`` together.
     ``loss_fn(logits, labels)`` defaults to the last stage's own (vocab-parallel) loss function;
     ``shifted_labels``: the labels already hold the next tokens (packed pretraining windows).
+    ``autocast``: a callable returning the context the schedule runs in (the Accelerator's
+    ``autocast``: its mixed precision), as a prepared model's forward runs in it.
     """
 
     def __init__(self, parts, schedule: str, micro_batches: int, device: torch.device, *, loss_fn=None,
-                 vocab_size: int | None = None, shifted_labels: bool = False):
+                 vocab_size: int | None = None, shifted_labels: bool = False,
+                 autocast: Callable[[], contextlib.AbstractContextManager] | None = None):
         self.parts, self.device = parts, device
+        self.autocast = autocast or contextlib.nullcontext
         loss_fn = loss_fn or self._model_loss(vocab_size, shifted_labels)
         stages = make_pipeline_stages(parts.modules, parts.stage_ids, parts.num_stages, parts.mesh, device)
         self.schedule = build_schedule(schedule, stages, micro_batches, loss_fn)
@@ -286,7 +292,8 @@ class PipelineRunner:
         losses: list = []
         if self.boundaries is not None:
             self.boundaries.check(self.device)
-        (self.schedule.step if train else self.schedule.eval)(*args, target=target, losses=losses)
+        with self.autocast():
+            (self.schedule.step if train else self.schedule.eval)(*args, target=target, losses=losses)
         if self.boundaries is not None:
             self.boundaries.settle(self.device)
         if not self.parts.has_last_stage:
