@@ -13,7 +13,7 @@ main = os.environ.get("RANK", "0") == "0"
 logging.basicConfig(level=logging.INFO if main else logging.WARNING, format="%(name)s: %(message)s")
 config = taco_accel.TrainConfig(
     family="qwen2", preset="nano", dp=2, pp=2, tp=2, schedule="1f1b", micro_batches=4, seq_len=64, steps=20,
-    compression=taco_accel.TacoConfig(group_size=32, threshold_bytes=0), eval_every=10,
+    compression=taco_accel.TacoConfig(group_size=32), eval_every=10,
     output_dir="runs/example_3d", trackers=(),
 )
 history = taco_accel.Trainer(config).train()

@@ -25,7 +25,7 @@ from .models import (
     save_pretrained,
     supported_model_types,
 )
-from .tp import Compression
+from .comm import Compression
 from .parallel import ParallelDims, build_mesh
 from .integrations import (
     Accelerator,

@@ -194,13 +194,13 @@ def main() -> None:
 
     if "parity" in checks:
         run("off", parity, None)
-        run("on", parity, taco_accel.TacoConfig(group_size=32, threshold_bytes=0))
+        run("on", parity, taco_accel.TacoConfig(group_size=32))
     if "fsdp_parity" in checks:  # the same processes, the sizes passed in Python: dp=2 FSDP2 shards x tp=2
         from accelerate import ParallelismConfig
 
         sizes = ParallelismConfig(tp_size=2, dp_shard_size=2, dp_replicate_size=1)  # not the launch's dp_replicate_size
         run("fsdp_off", parity, None, sizes)
-        run("fsdp_on", parity, taco_accel.TacoConfig(group_size=32, threshold_bytes=0), sizes)
+        run("fsdp_on", parity, taco_accel.TacoConfig(group_size=32), sizes)
     with tempfile.TemporaryDirectory() as tmp:
         shared = [tmp if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(shared, src=0)

@@ -232,8 +232,7 @@ def main() -> None:
         "trainer": lambda: run_trainer(args, "trainer"),
         # other initial weights: what the resumed run trains comes from the checkpoint
         "resume": lambda: run_trainer(args, "resume", resume=os.path.join(args.dir, "trainer", "checkpoint-2"), seed=1),
-        "compressed": lambda: run_trainer(args, "compressed", compression=taco_accel.TacoConfig(group_size=32,
-                                                                                               threshold_bytes=0)),
+        "compressed": lambda: run_trainer(args, "compressed", compression=taco_accel.TacoConfig(group_size=32)),
         "sft": lambda: run_sft(args, "sft"),
         "lora": lambda: run_sft(args, "lora", lora=True),
         "plain_checkpoint": lambda: run_plain_checkpoint(args),

@@ -23,7 +23,7 @@ import taco_accel
 from taco_accel import comm
 from taco_accel.models.tiny import tiny_model
 
-ON = taco_accel.TacoConfig(threshold_bytes=0)
+ON = taco_accel.TacoConfig()
 
 
 def _steps(model, ids, n: int = 2) -> list[float]:

@@ -734,8 +734,6 @@ INVALID = {
     "hadamard": ([1, 0, "yes", None], "True or False"),
     "random_signs": ([1, "no", None], "True or False"),
     "adaptive_scale": ([0, "true", None], "True or False"),
-    "threshold_bytes": ([-1, 1.5, True, "8MiB", None], "int >= 0"),
-    "piece_bytes": ([-4096, 2.0, False, None], "int >= 0"),
     "sign_seed": ([-1, 2**64, 1.5, True, "seed", None], "int in [0, 2**64)"),
 }
 

@@ -19,7 +19,7 @@ from taco_accel.codec import NonFiniteError, TacoConfig, WireLayout
 from taco_accel.comm import EmulatedGroup, dist_ops
 from taco_accel.comm.pieces import piece_bounds, piece_length, run_pipelined
 
-CFG = TacoConfig(threshold_bytes=0)  # compress even tiny messages
+CFG = TacoConfig()  # compress even tiny messages
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SHAPES = ((1,), (5, 77), (3, 256), (2, 3, 129))  # numel 1, 385, 768, 774: most not multiples of P or G
 # Relative RMS error vs the exact float64 result. One e4m3 round trip keeps 3 mantissa bits,
@@ -103,7 +103,7 @@ def _formats() -> list[dict]:
 
 
 def _plain() -> dict:
-    """config=None and messages under the threshold must equal torch.distributed bit for bit."""
+    """config=None and compress=False must equal torch.distributed bit for bit."""
     world, rank = dist.get_world_size(), dist.get_rank()
     same = {}
     for dtype in DTYPES:
@@ -114,27 +114,28 @@ def _plain() -> dict:
         _REDUCE_SCATTER(ref_rs, x)
         ref_ag = torch.empty(world * world * 3, 5, dtype=dtype)
         _ALL_GATHER(ref_ag, x)
-        for name, cfg in (("none", None), ("threshold", TacoConfig(threshold_bytes=1 << 20))):  # 1 MiB floor
+        for name, cfg, compress in (("none", None, None), ("compress=False", TacoConfig(), False)):
             same[(str(dtype), name)] = (
-                torch.equal(comm.all_reduce(x, None, cfg), ref_ar)
-                and torch.equal(comm.reduce_scatter(x, None, cfg), ref_rs)
-                and torch.equal(comm.all_gather(x, None, cfg), ref_ag)
+                torch.equal(comm.all_reduce(x, None, cfg, compress=compress), ref_ar)
+                and torch.equal(comm.reduce_scatter(x, None, cfg, compress=compress), ref_rs)
+                and torch.equal(comm.all_gather(x, None, cfg, compress=compress), ref_ag)
             )
     return same
 
 
 def _threshold() -> dict:
-    """A message of threshold_bytes or more is compressed, a smaller one is not."""
+    """A site's message of its Compression's threshold_bytes or more is compressed, a smaller one is not."""
     x = _input(50, dist.get_rank(), (1000,))  # 4000 bytes
     comm.pop_comm_stats()
     seen = {}
     for threshold in (3999, 4000, 4001):
-        comm.all_reduce(x, None, CFG.replace(threshold_bytes=threshold), site="t")
+        policy = comm.Compression("on", CFG, CFG, threshold_bytes=threshold)
+        comm.Site("t", None, policy.config_for("t"), threshold_bytes=policy.threshold_bytes).run("all_reduce", x)
         seen[threshold] = comm.pop_comm_stats()["t"].compressed_calls
     return seen
 
 
-def _count_pieces(op: str, x: torch.Tensor, cfg: TacoConfig):
+def _count_pieces(op: str, x: torch.Tensor, cfg: TacoConfig, piece_bytes: int):
     """Run ``op`` and count the collectives its pieces issued (first exchange of each piece)."""
     name = "all_gather" if op == "all_gather" else "all_to_all"
     original = getattr(dist_ops.Link, name)
@@ -146,7 +147,7 @@ def _count_pieces(op: str, x: torch.Tensor, cfg: TacoConfig):
 
     setattr(dist_ops.Link, name, counting)
     try:
-        out = getattr(comm, op)(x, None, cfg)
+        out = getattr(comm, op)(x, None, cfg, piece_bytes=piece_bytes)
     finally:
         setattr(dist_ops.Link, name, original)
     return out, len(calls)
@@ -160,10 +161,10 @@ def _pieces() -> list[dict]:
     for dtype in (torch.float32, torch.bfloat16):
         for op, shape in (("all_reduce", (7, 433)), ("reduce_scatter", (world * 3, 301)), ("all_gather", (5, 301))):
             x = _input(60, rank, shape, dtype)
-            whole, n_whole = _count_pieces(op, x, CFG.replace(piece_bytes=0))
+            whole, n_whole = _count_pieces(op, x, CFG, 0)
             _, exact = _run_op(op, 60, shape, dtype, None, members)
             for piece_bytes in (512, 1024, 2000):
-                split, n_split = _count_pieces(op, x, CFG.replace(piece_bytes=piece_bytes))
+                split, n_split = _count_pieces(op, x, CFG, piece_bytes)
                 records.append(dict(
                     op=op, dtype=str(dtype), piece_bytes=piece_bytes, pieces=(n_whole, n_split),
                     err=_rel(split, exact), same=torch.equal(split, whole), digest=_digest(split),
@@ -193,10 +194,10 @@ def _nonfinite() -> dict:
             if rank == 1:
                 x[1, 5] = bad  # group 2 of rank 1's input (row 0 of block 0 for reduce_scatter)
             for policy in ("propagate", "zero", "raise"):
-                for label, cfg in (("compressed", CFG), ("plain", TacoConfig(threshold_bytes=1 << 20))):  # plain: under the floor
-                    cfg = cfg.replace(nonfinite=policy)
+                for label, compress in (("compressed", True), ("plain", False)):
+                    cfg = CFG.replace(nonfinite=policy)
                     try:
-                        y = getattr(comm, op)(x, None, cfg)
+                        y = getattr(comm, op)(x, None, cfg, compress=compress)
                         got = ("ok", torch.isfinite(y).logical_not().nonzero().tolist())
                     except NonFiniteError:
                         got = ("raised", None)
@@ -323,19 +324,20 @@ def _chunked() -> list[dict]:
 
     world, rank = dist.get_world_size(), dist.get_rank()
     records = []
-    for label, cfg in (("plain", None), ("compressed", CFG.replace(piece_bytes=1024))):
+    pieces = 1024
+    for label, cfg in (("plain", None), ("compressed", CFG)):
         for dtype in (torch.float32, torch.bfloat16):
             x = _input(99, rank, (2, 3, 70), dtype)  # a (b, s/P, h) shard; 420 values: not whole groups
-            gathered = GatherChunks(x, comm.Site("g", None, cfg))
+            gathered = GatherChunks(x, comm.Site("g", None, cfg, piece_bytes=pieces))
             order = [r for r, _ in gathered]
             parts = gathered.finish()  # (P, *x.shape): part r at [r]
-            one_shot = comm.all_gather(x.unsqueeze(0), None, cfg)  # (P, 2, 3, 70)
+            one_shot = comm.all_gather(x.unsqueeze(0), None, cfg, piece_bytes=pieces)  # (P, 2, 3, 70)
             partials = [_input(100 + r, rank, (2, 3, 70), dtype) for r in range(world)]  # rank r's rows
-            sums = ScatterChunks(comm.Site("s", None, cfg), x.shape, dtype, x.device)
+            sums = ScatterChunks(comm.Site("s", None, cfg, piece_bytes=pieces), x.shape, dtype, x.device)
             for r, part in enumerate(partials):
                 sums.submit(r, part)
             mine = sums.wait()
-            expect = comm.reduce_scatter(torch.stack(partials), None, cfg).squeeze(0)
+            expect = comm.reduce_scatter(torch.stack(partials), None, cfg, piece_bytes=pieces).squeeze(0)
             figures = comm.pop_comm_stats()
             records.append(dict(
                 label=label, dtype=str(dtype), order=order,
@@ -353,10 +355,11 @@ def _in_flight() -> dict:
     """Two compressed collectives in flight at once (async_op, several pieces each, advanced in
     turn): the second cannot use the busy workspace; both equal their synchronous results."""
     rank = dist.get_rank()
-    cfg = CFG.replace(piece_bytes=1024)
+    cfg, p = CFG, 1024
     a, b = _input(110, rank, (7, 433)), _input(111, rank, (5, 301))
-    expect_a, expect_b = comm.all_reduce(a, None, cfg), comm.all_gather(b, None, cfg)
-    first, second = comm.all_reduce(a, None, cfg, async_op=True), comm.all_gather(b, None, cfg, async_op=True)
+    expect_a, expect_b = comm.all_reduce(a, None, cfg, piece_bytes=p), comm.all_gather(b, None, cfg, piece_bytes=p)
+    first = comm.all_reduce(a, None, cfg, async_op=True, piece_bytes=p)
+    second = comm.all_gather(b, None, cfg, async_op=True, piece_bytes=p)
     for _ in range(3):
         first.progress()
         second.progress()
@@ -407,7 +410,7 @@ def _run_state() -> dict:
 
     x = torch.ones(64)
     with Ops() as ops:
-        comm.all_reduce(x, None, TacoConfig(threshold_bytes=1 << 20), inplace=True)  # under the floor: plain
+        comm.all_reduce(x, None, TacoConfig(), compress=False, inplace=True)  # config given, plain
     out["plain_ops"] = ops.names
     out["own"] = own_costs(1024, 2, 1, torch.device("cpu"))  # transfers and codec kernels stubbed
     return out

@@ -29,7 +29,7 @@ import taco_accel
 from taco_accel import comm
 from taco_accel.models.tiny import tiny_model
 
-ON = taco_accel.TacoConfig(threshold_bytes=0, group_size=32)
+ON = taco_accel.TacoConfig(group_size=32)
 
 
 def _layer_call(model, layer_index: int, sp: bool):

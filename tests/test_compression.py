@@ -9,19 +9,18 @@ from __future__ import annotations
 import inspect
 import json
 import pathlib
-import warnings
 
 import pytest
 import torch
 
 import taco_accel
 from taco_accel import Compression, ConfigError, ConfigTypeError, TacoConfig, TacoError
-from taco_accel.codec import CodecConfig
 from taco_accel.models.tiny import tiny_model
 
 G64 = TacoConfig(group_size=64)
 RICH = Compression("on", forward=G64.replace(format="int8"), backward=None,
-                   sites={"lm_head/*": None, "layers.0.*": TacoConfig(group_size=32, threshold_bytes=4096)})
+                   sites={"lm_head/*": None, "layers.0.*": TacoConfig(group_size=32)}, threshold_bytes=4096,
+                   piece_bytes=2**20)
 
 
 def _saved(tmp_path, values, name="c.json") -> pathlib.Path:
@@ -38,15 +37,14 @@ def test_resolve_forms(tmp_path):
     assert Compression.resolve(G64) == Compression("on", G64, G64)
     assert Compression.resolve({"group_size": 64}) == Compression("on", G64, G64)  # TacoConfig fields alone
     assert Compression.resolve({"mode": "on", "forward": {"format": "int8", "group_size": 64}, "backward": None,
-                                "sites": {"lm_head/*": None, "layers.0.*": {"group_size": 32, "threshold_bytes": 4096}}
-                                }) == RICH
+                                "sites": {"lm_head/*": None, "layers.0.*": {"group_size": 32}},
+                                "threshold_bytes": 4096, "piece_bytes": 2**20}) == RICH
     assert Compression.resolve({}) == Compression() == Compression.resolve("auto")
     path = _saved(tmp_path, RICH.to_dict())
     assert Compression.resolve(str(path)) == RICH == Compression.resolve(path)  # a str ending in .json, a Path
-    # what the command lines pass today (training/cli.py, training/finetune_cli.py): TacoConfig values, the deprecated "auto" key
-    with pytest.warns(DeprecationWarning, match="pass mode='auto'"):
-        legacy = Compression.resolve({"forward": G64, "backward": G64, "auto": True})
-    assert legacy == Compression("auto", G64, G64)
+    assert Compression.resolve({"forward": G64, "backward": G64, "mode": "auto"}) == Compression("auto", G64, G64)
+    floor = Compression.resolve({"group_size": 64, "threshold_bytes": 4096})  # fields alone, with the floor
+    assert floor == Compression("on", G64, G64, threshold_bytes=4096)
 
 
 def test_json_round_trip(tmp_path):
@@ -58,17 +56,33 @@ def test_json_round_trip(tmp_path):
     assert Compression.from_dict(Compression().to_dict()) == Compression()
 
 
-def test_deprecated_auto_flag():
-    with pytest.warns(DeprecationWarning, match="pass mode='on'"):
-        assert Compression(forward=G64, auto=False) == Compression("on", forward=G64)
-    with pytest.raises(ConfigError, match="disagree: pass mode alone"):
-        Compression("off", auto=True)
+def test_removed_auto_flag_and_moved_policy_fields_name_the_fix():
+    """``auto=`` is gone (``mode`` says it); the floor and the piece size are `Compression`'s, not the codec's."""
+    for value in (True, False):
+        with pytest.raises(ConfigError, match=r"Compression\(auto=.*\) was removed: pass mode='auto'"):
+            Compression(forward=G64, auto=value)
+    with pytest.raises(ConfigError, match="the key 'auto' was removed"):
+        Compression.resolve({"forward": {"group_size": 64}, "auto": True})
+    for name in ("threshold_bytes", "piece_bytes"):
+        for moved in (lambda: TacoConfig(**{name: 0}), lambda: G64.replace(**{name: 0}),
+                      lambda: TacoConfig.from_dict({"group_size": 64, name: 0}),
+                      lambda: Compression.resolve({"forward": {name: 0}})):
+            with pytest.raises(ConfigError, match=rf"compression policy, not codec settings; pass "
+                                                  rf"taco_accel.Compression\(\.\.\., {name}=\.\.\.\)"):
+                moved()
+
+
+@pytest.mark.parametrize("field", ["threshold_bytes", "piece_bytes"])
+def test_policy_sizes_are_validated(field):
+    assert getattr(Compression(**{field: 4096}), field) == 4096
+    for value in (-1, 1.5, True, "8MiB", None):
+        with pytest.raises(ConfigError, match=rf"Compression.{field}=.* must be an int >= 0 \(bytes\)"):
+            Compression(**{field: value})
 
 
 @pytest.mark.parametrize(("value", "error", "message"), [
     (42, ConfigTypeError, r"compression=42 \(int\) is not supported; pass a taco_accel.Compression, 'auto'"),
     (True, ConfigTypeError, "for a switch, pass 'on' or 'off'"),
-    (CodecConfig(), ConfigTypeError, r"pass TacoConfig\(\*\*config.to_dict\(\)\)"),
     ("fp8", ConfigError, "compression='fp8' is not supported; pass 'auto', 'on', 'off' or the path of a .json file"),
     ("nowhere.json", ConfigError, "'nowhere.json' does not exist or is not a regular file"),
     ({"mode": "fast"}, ConfigError, r"Compression.mode='fast' is not supported; use one of \('auto', 'on', 'off'\)"),
@@ -78,7 +92,7 @@ def test_deprecated_auto_flag():
     ({"forward": "e4m3"}, ConfigTypeError, r"compression\['forward'\]='e4m3' must be a TacoConfig, a dict"),
     ({"sites": ["lm_head/*"]}, ConfigTypeError, r"compression\['sites'\]=\['lm_head/\*'\] must be a dict"),
     ({"sites": {"x/*": {"codec": 1}}}, ConfigError, r"compression\['sites'\]\['x/\*'\]: unknown TacoConfig fields"),
-], ids=["int", "bool", "codec", "word", "missing_file", "mode", "key", "mixed_keys", "field", "type", "sites",
+], ids=["int", "bool", "word", "missing_file", "mode", "key", "mixed_keys", "field", "type", "sites",
         "site_field"])
 def test_bad_values_name_themselves_and_the_fix(value, error, message):
     with pytest.raises(error, match=message) as raised:
@@ -150,12 +164,9 @@ def _losses(compression, steps: int = 2) -> tuple[list[str], int]:
 
 def test_every_spelling_of_on_trains_alike(tmp_path):
     path = _saved(tmp_path, {"mode": "on"})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        legacy = Compression(auto=False)
     spellings = {"on": "on", "TacoConfig()": TacoConfig(), "Compression('on')": Compression("on"),
                  "dict": {"mode": "on"}, "fields": {"group_size": 128}, "json str": str(path), "json Path": path,
-                 "round trip": Compression.from_dict(Compression("on").to_dict()), "auto=False": legacy}
+                 "round trip": Compression.from_dict(Compression("on").to_dict())}
     on, compressed = _losses("on")
     assert compressed > 0  # "on" really compresses: every site, every message
     for name, spelling in spellings.items():

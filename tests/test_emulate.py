@@ -39,12 +39,13 @@ from taco_accel.tp.shards import ShardSpec
 
 ARCHS = tuple(tiny_model_types())  # every registered family: one parity suite
 STEPS = 3
-CFG = taco_accel.TacoConfig(threshold_bytes=0)  # tiny tensors compress too
+CFG = taco_accel.TacoConfig()  # tiny tensors compress too
 MIXED = taco_accel.Compression(
     "on",
-    forward=CFG.replace(piece_bytes=2048),  # several pieces per message
+    forward=CFG,
     backward=CFG.replace(scales="dual", random_signs=True),
     sites={"layers.0.*": CFG.replace(group_size=32, format="int8"), "lm_head/*": CFG.replace(format="e5m2")},
+    piece_bytes=2048,  # several pieces per message
 )
 
 

@@ -362,7 +362,7 @@ DISAGREEMENTS = {  # case: what rank 1 does differently from rank 0, and the fie
     "format": ({"format": "e5m2"}, "format"),
     "random_signs": ({"random_signs": True}, "random_signs"),
     "scale_layout": ({"scales": "dual"}, "scales"),
-    "plain_vs_compressed": ({"threshold_bytes": 1 << 30}, "compressed"),
+    "plain_vs_compressed": ({"compress": False}, "compressed"),
 }
 
 
@@ -370,12 +370,13 @@ def _disagreeing_calls() -> dict:
     out = {}
     rank = dist.get_rank()
     for case, (change, _) in DISAGREEMENTS.items():
-        settings = dict(numel=1000, dtype=torch.float32, group_size=128, threshold_bytes=0)
+        settings = dict(numel=1000, dtype=torch.float32, group_size=128, compress=None)
         if rank == 1:
             settings.update(change)
-        numel, dtype = settings.pop("numel"), settings.pop("dtype")
+        numel, dtype, compress = settings.pop("numel"), settings.pop("dtype"), settings.pop("compress")
         x = torch.randn(numel, generator=torch.Generator().manual_seed(rank)).to(dtype)
-        out[case] = _error(lambda: taco_accel.all_reduce(x, config=taco_accel.TacoConfig(**settings), site=f"case/{case}"))
+        out[case] = _error(lambda: taco_accel.all_reduce(x, config=taco_accel.TacoConfig(**settings), compress=compress,
+                                                         site=f"case/{case}"))
     return out
 
 
@@ -402,7 +403,7 @@ def _stalled_peer(released: str) -> dict:
     from taco_accel.parallel import ParallelDims, build_mesh
 
     group = build_mesh(ParallelDims(tp=2), "cpu")["tp"].get_group()  # its timeout: TACO_TIMEOUT_S
-    x, config = torch.ones(4096), taco_accel.TacoConfig(threshold_bytes=0)
+    x, config = torch.ones(4096), taco_accel.TacoConfig()
     taco_accel.all_reduce(x, group, config, site="layers.0.mlp.down_proj/fwd")  # checked, and fine
     if dist.get_rank() == 1:  # a peer that stopped answering
         deadline = time.monotonic() + FAST_S

@@ -213,10 +213,10 @@ def _resume(out: str, cache: str, config, mode: str) -> dict:
 def _two_ranks(out: str, cache: str) -> dict:
     from taco_accel import TacoConfig
 
-    config = TacoConfig(threshold_bytes=0)
+    config = TacoConfig()
     return per_case({
         "first_step": functools.partial(_first_step, dict(dp=2), config),
-        "feedback": functools.partial(_feedback_invariant, TacoConfig(threshold_bytes=0, group_size=32)),
+        "feedback": functools.partial(_feedback_invariant, TacoConfig(group_size=32)),
         "mismatch": _mismatch,
         "resume_ddp": functools.partial(_resume, out, cache, config, "ddp"),
         "resume_fsdp": functools.partial(_resume, out, cache, config, "fsdp"),
@@ -239,7 +239,7 @@ def test_ddp_first_step_within_the_codec_bound(two):
     from taco_accel import TacoConfig
 
     for r in case(two, "first_step"):
-        assert r["on"] <= _bound(r, TacoConfig(threshold_bytes=0), ddp=True), r
+        assert r["on"] <= _bound(r, TacoConfig(), ddp=True), r
         assert r["on_vs_off"] > 100 * r["off"]  # the codec really ran
         stats = r["on_stats"]
         assert stats["comm/bytes_saved"] > 2 * stats["comm/bytes_sent"]  # fp32 gradients: about 1/4 sent
@@ -280,7 +280,7 @@ def _fsdp_tp() -> dict:
     from taco_accel import TacoConfig
 
     return per_case({"first_step": functools.partial(_first_step, dict(dp=2, tp=2, dp_mode="fsdp"),
-                                                     TacoConfig(threshold_bytes=0))})
+                                                     TacoConfig())})
 
 
 @pytest.fixture(scope="module")
@@ -294,7 +294,7 @@ def test_fsdp_tp_first_step_within_the_codec_bound(four):
     for r in case(four, "first_step"):
         assert r["default_equals_off"]
         assert r["off"] < 1e-5 * r["mean_norm"]
-        assert r["on"] <= _bound(r, TacoConfig(threshold_bytes=0), ddp=False), r
+        assert r["on"] <= _bound(r, TacoConfig(), ddp=False), r
         assert r["on_vs_off"] > 100 * r["off"]
 
 

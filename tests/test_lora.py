@@ -22,7 +22,7 @@ from taco_accel.models.state import shard_specs
 from taco_accel.models.tiny import tiny_model
 
 ARCHS = ("qwen2", "llama", "gpt2", "qwen3")  # tied + GQA, one kv head replicated, fused Conv1D, q/k norms
-COMPRESSED = taco_accel.TacoConfig(threshold_bytes=0)  # tiny tensors compress too
+COMPRESSED = taco_accel.TacoConfig()  # tiny tensors compress too
 SEED = 7
 
 

@@ -31,7 +31,7 @@ from taco_accel.tp import overlap
 from taco_accel.tp.layers import ColumnParallelLinear
 from taco_accel.tp.mappings import blocks
 
-ON = taco_accel.TacoConfig(threshold_bytes=0, group_size=32)
+ON = taco_accel.TacoConfig(group_size=32)
 ARCHS = ("qwen3", "gpt2", "llama")
 # The codec's worst case for one group, relative in L2 (tests/test_codec.py worst_case_error):
 # E4M3 rounding to nearest moves a normal value by at most 2**-4 of itself, a subnormal by half a

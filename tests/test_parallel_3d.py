@@ -38,7 +38,7 @@ def _three_d(out: str, cache: str) -> dict:
     from taco_accel import TacoConfig
 
     # threshold 0: the nano model's messages are tiny, compress them all; G=32 divides h=32
-    taco = TacoConfig(group_size=32, threshold_bytes=0)
+    taco = TacoConfig(group_size=32)
     return per_case({
         "plain": functools.partial(train_losses, os.path.join(out, "plain"), cache, **MESH),
         "taco": functools.partial(train_losses, os.path.join(out, "taco"), cache, compression=taco, **MESH),

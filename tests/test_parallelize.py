@@ -24,7 +24,7 @@ from taco_accel.models.tiny import tiny_config, tiny_model, tiny_model_types
 ARCHS = tuple(tiny_model_types())  # every registered family: one parity suite
 TPS = (2, 4)
 WORLD = 4
-COMPRESSED = taco_accel.TacoConfig(threshold_bytes=0)  # tiny tensors compress too
+COMPRESSED = taco_accel.TacoConfig()  # tiny tensors compress too
 # compressed parity: every family at tp=4 (the world); on the two-rank groups one family, its
 # subgroup collectives compressed (the codec path does not depend on the family)
 COMPRESSED_TP2 = ("gpt2",)

@@ -38,7 +38,7 @@ SCHEDULES = {"gpipe": 2, "1f1b": 2, "interleaved_1f1b": 4}  # schedule -> stages
 def _codec(**fields):
     from taco_accel import TacoConfig
 
-    return TacoConfig(group_size=G, threshold_bytes=0, **fields)  # threshold 0: the nano messages are tiny
+    return TacoConfig(group_size=G, **fields)  # threshold 0: the nano messages are tiny
 
 
 def _shared(out: str) -> str:

@@ -29,8 +29,8 @@ def test_compression_flags():
     assert tiny.mode == "on" and tiny.forward == tiny.backward == TacoConfig(group_size=32)  # G fits h
     assert compression_from_args(_args("--preset", "small", "--compression", "on"), 512) == Compression("on")
     auto = compression_from_args(_args("--preset", "small", "--group-size", "64", "--compression-threshold", "4096"), 512)
-    cfg = TacoConfig(group_size=64, threshold_bytes=4096)
-    assert auto == Compression("auto", cfg, cfg)
+    cfg = TacoConfig(group_size=64)
+    assert auto == Compression("auto", cfg, cfg, threshold_bytes=4096)
 
 
 def test_compression_settings_file(tmp_path):

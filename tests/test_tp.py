@@ -73,7 +73,8 @@ def test_compression_rules_per_site():
     assert c.config_for("layers.0.mlp/fwd") == cfg and c.config_for("layers.0.mlp/bwd") is None
     assert c.config_for("lm_head/bwd") == cfg  # the last matching pattern wins
     auto = Compression.resolve("auto")
-    assert auto == Compression() and auto.rule_for("layers.0.mlp/bwd") == (TacoConfig(piece_bytes=PIECE_BYTES), True)
+    assert auto == Compression() and auto.rule_for("layers.0.mlp/bwd") == (TacoConfig(), True)
+    assert auto.piece_bytes == PIECE_BYTES and auto.threshold_bytes == 0
     assert PIECE_BYTES == 32 * 2**20  # bench.projection's choice (comm.pieces)
     on = TacoConfig(group_size=32)
     mixed = Compression("auto", forward=TacoConfig(), backward=None, sites={"lm_head/*": on})
@@ -86,15 +87,15 @@ def test_compression_rules_per_site():
 
 def test_auto_sites_decide_once_and_record():
     """Without a group to time (emulation), an auto site decides by the auto mode's size rule
-    (`UNTIMED_BYTES`, per message); under its config's floor it stays plain, undecided."""
-    from taco_accel.comm.autotune import UNTIMED_BYTES
+    (`UNTIMED_BYTES`, per message); under its Compression's floor it stays plain, undecided."""
+    from taco_accel.comm.policy import UNTIMED_BYTES
 
     floor = 2 * UNTIMED_BYTES
-    table = SiteTable(None, Compression("auto", backward=TacoConfig(threshold_bytes=floor), sites={"b/*": None}),
-                      timed=False)
+    table = SiteTable(None, Compression("auto", sites={"b/*": None}), timed=False)
+    floored = SiteTable(None, Compression("auto", threshold_bytes=floor), timed=False)
     small, big = table.site("a/fwd"), table.site("c/fwd")
-    off, bwd = table.site("b/fwd"), table.site("a/bwd")
-    assert "3 decided by timing in the first steps (auto), 1 plain" in table.summary()
+    off, bwd = table.site("b/fwd"), floored.site("a/bwd")
+    assert "2 decided by timing in the first steps (auto), 1 plain" in table.summary()
     assert small.decision is None and table.decisions()["a/fwd"]["compressed"] is None
     at, under = torch.ones(UNTIMED_BYTES // 4), torch.ones(UNTIMED_BYTES // 4 - 1)  # fp32 messages
     assert not small.compresses("all_reduce", torch.ones(100))  # 400 B: plain
@@ -103,10 +104,10 @@ def test_auto_sites_decide_once_and_record():
     assert small.compresses("all_reduce", at) and small.decision.compress  # the rule, per message
     assert not bwd.compresses("all_reduce", at) and bwd.decision is None  # under the floor: plain, untimed
     assert not off.compresses("all_reduce", at) and off.mode == "off" and off.codec is None
-    record = table.decisions()
+    record = {**table.decisions(), **floored.decisions()}
     assert record["a/fwd"]["compressed"] and record["b/fwd"] == {"mode": "off", "config": None, "compressed": False}
     assert record["a/bwd"]["compressed"] is None and bwd.mode == "auto"  # never decided
-    assert "auto: compressed (size rule" in str(table) and "auto: undecided" in str(table)
+    assert "auto: compressed (size rule" in str(table) and "auto: undecided" in str(floored)
     table.set_group_sizes({"c/fwd": 32})  # calibration keeps the decision
     assert big.compresses("all_reduce", at) and big.codec.group_size == 32
     assert not big.compresses("all_reduce", under) and not big.decision.compress  # the rule, per message
@@ -129,7 +130,7 @@ def test_two_models_keep_separate_counts():
     """Each parallelised model's sites record into its own ledger; `pop_comm_stats` adds them up."""
     from taco_accel.models.tiny import tiny_model
 
-    on = TacoConfig(threshold_bytes=0)
+    on = TacoConfig()
     first, second = (taco_accel.parallelize(tiny_model("qwen2"), tp=2, compression=on, emulate=True) for _ in range(2))
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
     comm.pop_comm_stats()
@@ -261,7 +262,7 @@ def _replicated_kv() -> dict:
 def _compressed_site() -> dict:
     """A compressed backward site records its statistics under its own name."""
     torch.manual_seed(dist.get_rank())
-    cfg = TacoConfig(threshold_bytes=0, group_size=32)
+    cfg = TacoConfig(group_size=32)
     x = torch.randn(4, 64, requires_grad=True)
     entry = RegionEntry(None, _site("blk/bwd", cfg))
     comm.pop_comm_stats()
@@ -277,7 +278,7 @@ def _auto_sites() -> dict:
     torch.manual_seed(dist.get_rank())
     decider = AutoDecider(None)
     first, second = (Site(f"blk{i}/bwd", None, TacoConfig(group_size=32), decider) for i in range(2))
-    floor = Site("blk2/bwd", None, TacoConfig(group_size=32, threshold_bytes=4 * 64 * 4 + 1), decider)
+    floor = Site("blk2/bwd", None, TacoConfig(group_size=32), decider, threshold_bytes=4 * 64 * 4 + 1)
     comm.pop_comm_stats()
     for site in (first, second, floor):
         x = torch.randn(4, 64, requires_grad=True)

@@ -26,7 +26,7 @@ def _worker() -> dict:
         ref = tiny_model(arch).cuda().to(torch.bfloat16)
         plain = taco_accel.parallelize(copy.deepcopy(ref), compression=None, sequence_parallel=True)
         packed = taco_accel.parallelize(
-            copy.deepcopy(ref), compression=taco_accel.TacoConfig(threshold_bytes=0, group_size=64),
+            copy.deepcopy(ref), compression=taco_accel.TacoConfig(group_size=64),
             sequence_parallel=True,
         )
         losses = {}

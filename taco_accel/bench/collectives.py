@@ -133,12 +133,14 @@ def bench_one(op: str, size: int, config: TacoConfig, args, device: torch.device
     rows = []
     for mode, cfg in (("plain", None), ("taco", config)):
         comm.pop_comm_stats()
-        seconds = _seconds_per_call(lambda: fn(x, None, cfg, site="bench"), device, args.budget, args.max_iters)
+        pieces = int(args.piece_mib * MiB)
+        seconds = _seconds_per_call(lambda: fn(x, None, cfg, site="bench", piece_bytes=pieces), device, args.budget,
+                                    args.max_iters)
         figures = comm.pop_comm_stats()["bench"]
         error = same = None
         if cfg is not None:
             comm.set_error_sampling(1)
-            out = fn(x, None, cfg, site="error")
+            out = fn(x, None, cfg, site="error", piece_bytes=pieces)
             error = comm.pop_comm_stats()["error"].error_mean
             comm.set_error_sampling(0)
             same = _same_on_all_ranks(out) if op != "reduce_scatter" else None
@@ -173,17 +175,15 @@ def format_table(rows: list[dict]) -> str:
 def run_collectives(args) -> None:
     """The body of every rank: benchmark each op and size, print the table on rank 0."""
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    config = TacoConfig(
-        threshold_bytes=0, piece_bytes=int(args.piece_mib * MiB), group_size=args.group_size,
-        backend=args.codec_backend,
-    )
+    config = TacoConfig(group_size=args.group_size, backend=args.codec_backend)
     rows = []
     for op in args.ops.split(","):
         for size in parse_sizes(args.sizes):
             rows += bench_one(op, size, config, args, device)
     if dist.get_rank() == 0:
         world = dist.get_world_size()
-        print(f"# {world} ranks, {args.backend}, {args.dtype}, {config}, torch {torch.__version__}")
+        print(f"# {world} ranks, {args.backend}, {args.dtype}, {config}, pieces {args.piece_mib:g} MiB, "
+              f"torch {torch.__version__}")
         print(format_table(rows), flush=True)
 
 
@@ -387,7 +387,7 @@ def real_costs(numel: int, calls: int, rounds: int, device: torch.device) -> dic
     queued; on a CPU the reference codec's compute is in it), and on CUDA the blocks the caching
     allocator hands out during one steady call."""
     x = torch.zeros(numel, device=device)
-    plain, packed = comm.Site("bench/real_plain", None, None), comm.Site("bench/real", None, TacoConfig(threshold_bytes=0))
+    plain, packed = comm.Site("bench/real_plain", None, None), comm.Site("bench/real", None, TacoConfig())
     variants = {"plain": lambda: plain.run("all_reduce", x, inplace=True),
                 "compressed": lambda: packed.run("all_reduce", x, inplace=True)}
     times = _interleaved(variants, calls, rounds, device)
@@ -410,7 +410,7 @@ def own_costs(numel: int, calls: int, rounds: int, device: torch.device) -> dict
     torch operations and tensors allocated, for a plain and a compressed all-reduce site (in
     place, and into a new output)."""
     x = torch.zeros(numel, device=device)
-    plain, packed = comm.Site("bench/own_plain", None, None), comm.Site("bench/own", None, TacoConfig(threshold_bytes=0))
+    plain, packed = comm.Site("bench/own_plain", None, None), comm.Site("bench/own", None, TacoConfig())
     variants = {
         "plain, in place": lambda: plain.run("all_reduce", x, inplace=True),
         "compressed, in place": lambda: packed.run("all_reduce", x, inplace=True),

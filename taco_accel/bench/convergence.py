@@ -7,7 +7,7 @@ its AdamW, schedule, clipping and evaluation) on an `Accelerator` that emulates 
 (``parallelize(model, tp=tp, emulate=True)``): each row-parallel output,
 the embedding's output and each column-parallel input gradient is summed over tp virtual
 ranks through that variant's codec, exactly as a real tp group would (ARCHITECTURE.md has the
-sites). Every message is compressed (``threshold_bytes=0``), as in a large model.
+sites). Every message is compressed (mode "on", no size floor), as in a large model.
 
 Variants (``--variants``, keys in brackets):
 
@@ -159,7 +159,7 @@ class Variant:
     def compression(self, group_size: int) -> TacoConfig | None:
         if self.fields is None:
             return None
-        return TacoConfig(group_size=group_size, threshold_bytes=0, **self.fields)
+        return TacoConfig(group_size=group_size, **self.fields)
 
     def prepare(self, model, preset: Preset, group_size: int) -> None:
         """What the variant changes in a built model beyond its TP codec (nothing here)."""
@@ -241,7 +241,7 @@ class EmulatedReplicas:
         self.params = [p for p in run.parts.parameters() if p.requires_grad]
         self.replicas, self.feedback = variant.replicas, variant.feedback
         self.group = EmulatedGroup(variant.replicas)
-        config = None if variant.grad is None else TacoConfig(group_size=run.group_size, threshold_bytes=0,
+        config = None if variant.grad is None else TacoConfig(group_size=run.group_size,
                                                               **variant.grad)
         ledger = context_of(run.model).sites.ledger
         self.rs, self.ag, self.ar = (Site(f"dp.grad.bucket0/{kind}", None, config, ledger=ledger)
@@ -312,7 +312,7 @@ class BoundaryVariant(Variant):
         return min(BOUNDARY_STAGES, preset.model["num_hidden_layers"])
 
     def prepare(self, model, preset: Preset, group_size: int) -> None:
-        config = TacoConfig(group_size=group_size, threshold_bytes=0, **self.fields)
+        config = TacoConfig(group_size=group_size, **self.fields)
         emulate_boundaries(model, self.stages(preset), config, seq_len=preset.seq_len)
 
     def describe(self, group_size: int) -> str:

@@ -56,7 +56,7 @@ def _model(args, device):
                          num_attention_heads=8, num_key_value_heads=8, vocab_size=256,
                          max_position_embeddings=args.seq)
     model = LlamaForCausalLM(config)
-    compression = taco_accel.TacoConfig(threshold_bytes=0) if args.compressed else "off"
+    compression = taco_accel.TacoConfig() if args.compressed else "off"
     return taco_accel.parallelize(model, compression=compression, sequence_parallel=args.sp).to(device)
 
 
@@ -171,7 +171,7 @@ def main(argv=None) -> None:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
-    p.add_argument("--compressed", action="store_true", help="compress every message (TacoConfig(threshold_bytes=0))")
+    p.add_argument("--compressed", action="store_true", help="compress every message (compression=TacoConfig())")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     args = p.parse_args(argv)

@@ -370,7 +370,7 @@ def _gloo_worker(rank: int, world: int, init_file: str, numel: int, reps: int, p
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     x = torch.randn(numel) * 0.02
-    cfg = TacoConfig(threshold_bytes=0, piece_bytes=piece_bytes)
+    cfg = TacoConfig()
 
     def clock(fn):
         fn()
@@ -382,9 +382,9 @@ def _gloo_worker(rank: int, world: int, init_file: str, numel: int, reps: int, p
         return (time.perf_counter() - t0) / reps
 
     plain = clock(lambda: dist.all_reduce(x.clone()))
-    taco = clock(lambda: all_reduce(x, config=cfg))
+    taco = clock(lambda: all_reduce(x, config=cfg, piece_bytes=piece_bytes))
     # the codec stages alone, on this rank's share, as the cost model counts them
-    packed = compress(x, cfg.replace(piece_bytes=0), chunks=world)
+    packed = compress(x, cfg, chunks=world)
     chunk = packed.layout.chunk_layout()
     stacked = packed.buffer.view(world, -1)
     t_c = clock(lambda: compress(x, cfg, chunks=world))

@@ -1,19 +1,19 @@
-"""The settings of TACO: `CodecConfig` (how the codec encodes) and `TacoConfig` (that plus the
-collective policy: an opt-in size floor, the piece size), each validated once. Which sites of a
-model compress at all (off / on / auto) is `taco_accel.Compression`'s business, a layer above.
+"""`TacoConfig`: how the TACO codec encodes a tensor (group size, payload format, scales,
+transform, non-finite policy, backend), validated once.
 
-The codec (`codec.api`, the kernels, the wire header) reads only `CodecConfig`'s fields. The
-policy fields of `TacoConfig` (``threshold_bytes``, ``piece_bytes``) are read where a collective
-is started: `comm` takes the codec settings, the plain-or-compressed decision and the piece size
-as separate, explicit values (``config.codec``, ``compress=``, ``piece_bytes``), and layer 3's
-sites take the decision (the floor, then the auto mode's timing where asked) before they call it.
+Codec settings only. Which messages are compressed (the modes off / on / auto, the size floor,
+per-site overrides) and in what pieces a collective sends them is `taco_accel.Compression`'s
+business (`comm.policy`), a layer above. ``CodecConfig`` is the same class under the codec
+layer's name.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Literal
+
+from ..errors import ConfigError
 
 Format = Literal["e4m3", "e5m2", "int8"]
 ScaleLayout = Literal["single", "dual"]
@@ -25,7 +25,15 @@ SCALE_LAYOUTS = ("single", "dual")
 NONFINITE_POLICIES = ("propagate", "raise", "zero")
 BACKENDS = ("auto", "triton", "torch")
 GROUP_SIZES = (32, 64, 128, 256, 512)
-PIECE_BYTES = 32 * 2**20  # default piece size of the compressed collectives (see `comm.pieces`)
+POLICY_FIELDS = ("threshold_bytes", "piece_bytes")  # moved to `Compression`: named by the errors
+
+
+class _Moved:
+    def __repr__(self) -> str:
+        return "<moved to Compression>"
+
+
+MOVED = _Moved()
 
 # Largest finite magnitude of each payload format (E5M2 has its own bound: the original
 # implementation clamps it to 448 too, which wastes two binades).
@@ -38,8 +46,8 @@ def _choice(cls: str, name: str, value: object, allowed: tuple) -> None:
 
 
 @dataclass(frozen=True)
-class CodecConfig:
-    """How the TACO codec encodes a tensor (no collective policy: see `TacoConfig`).
+class TacoConfig:
+    """How the TACO codec encodes a tensor (no collective policy: see `taco_accel.Compression`).
 
     Args:
         group_size: values per quantisation group G (a power of two, 32..512). Pick one that
@@ -78,9 +86,14 @@ class CodecConfig:
     nonfinite: NonFinitePolicy = "propagate"
     backend: Backend = "auto"
     sign_seed: int = 0x7AC0
+    threshold_bytes: InitVar[object] = MOVED  # moved to Compression: passing one raises, naming it
+    piece_bytes: InitVar[object] = MOVED
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, threshold_bytes: object = MOVED, piece_bytes: object = MOVED) -> None:
         cls = type(self).__name__
+        for name, value in zip(POLICY_FIELDS, (threshold_bytes, piece_bytes)):
+            if value is not MOVED:
+                raise ConfigError(_moved(f"{cls}({name}={value!r})", name))
         if (
             isinstance(self.group_size, bool)
             or not isinstance(self.group_size, int)
@@ -107,8 +120,8 @@ class CodecConfig:
             )
 
     @property
-    def codec(self) -> "CodecConfig":
-        """The codec settings alone (this object for a `CodecConfig`)."""
+    def codec(self) -> "TacoConfig":
+        """The codec settings: this object (a `TacoConfig` holds nothing else)."""
         return self
 
     @property
@@ -129,6 +142,9 @@ class CodecConfig:
 
     def replace(self, **changes):
         """A copy with some fields changed (validated again)."""
+        moved = sorted(set(changes) & set(POLICY_FIELDS))
+        if moved:
+            raise ConfigError(_moved(f"{type(self).__name__}.replace({moved[0]}=...)", moved[0]))
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
@@ -141,54 +157,17 @@ class CodecConfig:
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = set(values) - fields
         if unknown:
-            hint = ""
-            if cls is CodecConfig and unknown <= {"threshold_bytes", "piece_bytes"}:
-                hint = "; the size threshold and the piece size are collective policy: use TacoConfig.from_dict"
-            raise ValueError(f"unknown {cls.__name__} fields {sorted(unknown)}{hint}")
+            moved = sorted(unknown & set(POLICY_FIELDS))
+            if moved:
+                raise ConfigError(_moved(f"{cls.__name__} fields {moved}", moved[0]))
+            raise ValueError(f"unknown {cls.__name__} fields {sorted(unknown)}")
         return cls(**values)
 
 
-CODEC_FIELDS = tuple(f.name for f in dataclasses.fields(CodecConfig))
+CodecConfig = TacoConfig  # the codec layer's name for the same class
+CODEC_FIELDS = tuple(f.name for f in dataclasses.fields(TacoConfig))
 
 
-@dataclass(frozen=True)
-class TacoConfig(CodecConfig):
-    """Settings of a compressed collective: the codec's (every field of `CodecConfig`) and the
-    collective policy, from what size a message is compressed and in what pieces. ``TacoConfig()``
-    compresses every message.
-
-    Args:
-        threshold_bytes: an opt-in size floor: messages smaller than this go through the
-            plain collective in their own dtype, wherever this config is used (a direct
-            ``comm.all_reduce(x, config=...)``, a site of a `taco_accel.Compression` in any
-            mode). Default 0: every message is compressed. Whether compression pays on a
-            given link is the ``"auto"`` mode's question (`taco_accel.Compression`), not this
-            field's.
-        piece_bytes: the collectives split larger messages into pieces of about this size so
-            that encoding one piece overlaps sending another; 0 disables the split. Default
-            32 MiB, chosen with the cost model (``python -m taco_accel.bench.projection
-            --pieces``; the reasoning is at `taco_accel.comm.pieces`).
-
-    ``codec`` is the `CodecConfig` of the codec fields alone: what the codec and the wire see.
-    """
-
-    threshold_bytes: int = 0
-    piece_bytes: int = PIECE_BYTES
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for name in ("threshold_bytes", "piece_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"TacoConfig.{name}={value!r} must be an int >= 0 (bytes)")
-        object.__setattr__(self, "_codec", CodecConfig(**{name: getattr(self, name) for name in CODEC_FIELDS}))
-
-    @property
-    def codec(self) -> CodecConfig:
-        """The codec settings alone (the fields of `CodecConfig`)."""
-        return self._codec
-
-    def compresses(self, nbytes: int) -> bool:
-        """The size floor: whether a message of ``nbytes`` input bytes may be compressed (all
-        but empty ones under the default ``threshold_bytes=0``)."""
-        return nbytes >= self.threshold_bytes and nbytes > 0
+def _moved(what: str, name: str) -> str:
+    return (f"{what}: the size floor and the piece size are compression policy, not codec settings; pass "
+            f"taco_accel.Compression(..., {name}=...) (the command line's --compression-threshold sets the floor)")

@@ -4,11 +4,12 @@
     reduce_scatter(x, group=None, config=None, *, site=None)              # this rank's rows of the sum
     all_gather(x, group=None, config=None, *, site=None)                  # concatenation along dim 0
 
-``config=None`` is the plain collective in the input dtype; with a `TacoConfig` a message from
-``config.threshold_bytes`` on takes the TACO FP8 path, in pieces of ``config.piece_bytes``
-(``compress=True`` / ``False`` imposes the choice). ``async_op=True`` returns a `Pending`
+``config=None`` is the plain collective in the input dtype; with a `TacoConfig` a message takes
+the TACO FP8 path, in pieces of ``piece_bytes`` (``compress=False`` keeps it plain): these are
+the codec-level escape hatch, with no policy; `Compression` (`policy`: modes, size floor, piece
+size) applies through sites. ``async_op=True`` returns a `Pending`
 (``progress()``, ``wait()``). A `Site` is a named call point with its own settings, decision
-(the size rule, or the timed auto mode of `autotune`) and statistics in a `Ledger`; layer 3
+(its `Compression`'s floor, or the timed auto mode of `autotune`) and statistics in a `Ledger`; layer 3
 keeps one per TP collective, in one ledger per model. `pop_comm_stats` returns and resets the
 per-site figures of the process (bytes sent against the plain collective, calls, sampled
 error); `set_error_sampling` turns the error sampling on. `EmulatedGroup` runs the same
@@ -21,6 +22,7 @@ from ..errors import CollectiveMismatch, CollectiveTimeout
 from .collectives import Pending, all_gather, all_reduce, reduce_scatter
 from .emulated import EmulatedGroup
 from .pieces import PIECE_BYTES
+from .policy import DEFAULT_MODE, Compression, CompressionLike
 from .site import Site
 from .stats import CommStats, Ledger, pop_comm_stats, set_error_sampling
 
@@ -29,6 +31,9 @@ __all__ = [
     "CollectiveMismatch",
     "CollectiveTimeout",
     "CommStats",
+    "Compression",
+    "CompressionLike",
+    "DEFAULT_MODE",
     "EmulatedGroup",
     "Ledger",
     "Pending",

@@ -29,8 +29,8 @@ projection of every layer) share one timing. A message more than twice as large 
 sequence) is timed again. After a "compress" decision, messages at least as large as the timed
 one are compressed and smaller ones are not (they were never shown to pay). Without a real group
 to time (an emulated model), the auto mode's size rule decides instead: messages from
-`UNTIMED_BYTES` on are compressed (a decision with ``rule="size"``). A message under the site
-config's ``threshold_bytes`` floor is plain and never timed (`site.Site`).
+`policy.UNTIMED_BYTES` on are compressed (a decision with ``rule="size"``). A message under the
+site's ``threshold_bytes`` floor is plain and never timed (`site.Site`).
 
 The timing runs the collectives a few extra times (``2 + 2 * reps`` calls) once per distinct
 message (kind, size, dtype, settings), during the first steps; warm up in eager mode before
@@ -47,16 +47,16 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..codec import CodecConfig, TacoConfig
+from ..codec import CodecConfig
 from . import agreement, dist_ops, p2p
 from .collectives import Pending
 from .pieces import PIECE_BYTES
+from .policy import UNTIMED_BYTES
 
 logger = logging.getLogger(__name__)
 
 REPS = 3
 MARGIN = 0.05
-UNTIMED_BYTES = 8 * 2**20  # "auto" with no group to time (emulated): compressed from this message size on
 
 
 @dataclass(frozen=True)
@@ -75,11 +75,11 @@ class Timing:
 
 def time_collective(
     kind: str, x: torch.Tensor, group, config: CodecConfig, reps: int = REPS, margin: float = MARGIN, *,
-    record=None, site: str = "",
+    record=None, site: str = "", piece_bytes: int = PIECE_BYTES,
 ) -> Timing:
     """Time ``kind`` ("all_reduce", "reduce_scatter", "all_gather", or "send": a point-to-point
     message between the two ranks of ``group``, `p2p`) on ``x`` plain and compressed with
-    ``config`` (its threshold ignored); a collective call, the same `Timing` on every rank.
+    ``config`` in pieces of ``piece_bytes``; a collective call, the same `Timing` on every rank.
 
     ``record``: the `stats.SiteRecord` of the site that asks, whose first-call agreement check
     (`agreement`) then guards the timed calls too; they record no statistics."""
@@ -88,7 +88,7 @@ def time_collective(
     codec = config.codec
     if codec.nonfinite == "raise":  # no raise during a timing: a non-finite first step is for the real call
         codec = codec.replace(nonfinite="propagate")
-    pieces = config.piece_bytes if isinstance(config, TacoConfig) else PIECE_BYTES
+    pieces = piece_bytes
     if record is not None and agreement.due(record):
         agreement.check(kind, x, link, config.codec, True, site or kind, pieces)
     if kind == p2p.KIND:  # the two ranks of a point-to-point link swap the message
@@ -177,10 +177,10 @@ class AutoDecider:
         if not self.timed:
             return Decision(nbytes >= UNTIMED_BYTES, kind, nbytes, "size")
         x = message()
-        key = (kind, tuple(x.shape), x.dtype, x.device.type, site.config, site.group)  # a link's own timings
-        if key not in self._timings:
+        key = (kind, tuple(x.shape), x.dtype, x.device.type, site.config, site.piece_bytes, site.group)
+        if key not in self._timings:  # a link's own timings
             timing = self.timer(kind, x, site.group, site.config, self.reps, self.margin, record=site.entry,
-                                site=site.name)
+                                site=site.name, piece_bytes=site.piece_bytes)
             self._timings[key] = (timing, site.name)
             self._log(logging.INFO, "auto compression: %s %s", site.name, timing_text(timing))
         timing, first = self._timings[key]

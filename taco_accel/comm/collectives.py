@@ -2,14 +2,15 @@
 `Pending`, the one call path that they, the `site.Site` of layer 3 and `autotune` share.
 
 Each function takes an explicit ``group`` (None: the default group, i.e. the world) and works
-on any group: the world, or a sub-group such as the TP group of a dp x tp mesh. The caller's
-decision says plain or compressed: ``compress=None`` (the default) takes it by the size rule of
-the `TacoConfig` (``config.threshold_bytes``; a bare `CodecConfig` always compresses),
-``True`` / ``False`` impose it; ``config=None``, a group of one rank, an empty tensor or a dtype
-the codec does not encode (integers, bool, float64: they go exact) is always plain
-(``compress=True`` on such a dtype raises). Plain is the collective in the input dtype; compressed is the TACO path (`compressed`),
-in pieces of about ``config.piece_bytes`` whose codec work overlaps the transfer of their
-neighbours (`pieces`). Every rank of the group must make the same call.
+on any group: the world, or a sub-group such as the TP group of a dp x tp mesh. They are the
+codec-level escape hatch, with no policy of their own (`policy.Compression`'s modes, floor and
+piece size apply through a `site.Site`): with a ``config`` (`TacoConfig`) a message is
+compressed unless ``compress=False``; ``config=None``, a group of one rank, an empty tensor or a
+dtype the codec does not encode (integers, bool, float64: they go exact) is always plain
+(``compress=True`` on such a dtype raises). Plain is the collective in the input dtype;
+compressed is the TACO path (`compressed`), in pieces of about ``piece_bytes`` (default
+`pieces.PIECE_BYTES`; 0: whole) whose codec work overlaps the transfer of their neighbours
+(`pieces`). Every rank of the group must make the same call.
 
 The result is a new tensor of the input's dtype, or with ``inplace=True`` (all_reduce) the
 input itself, which the caller gives away: the plain sum is reduced in it (Megatron's reduction,
@@ -58,7 +59,7 @@ import functools
 
 import torch
 
-from ..codec import CodecConfig, TacoConfig
+from ..codec import CodecConfig
 from ..codec.api import SUPPORTED_DTYPES, check_config
 from ..codec.layout import length_tag
 from ..errors import NonFiniteError, WireFormatError
@@ -73,19 +74,20 @@ _SAME_BYTES_EVERYWHERE = {"all_reduce": True, "reduce_scatter": False, "all_gath
 
 def all_reduce(
     x: torch.Tensor, group=None, config: CodecConfig | None = None, *, site: str | None = None,
-    async_op: bool = False, compress: bool | None = None, inplace: bool = False,
+    async_op: bool = False, compress: bool | None = None, inplace: bool = False, piece_bytes: int = PIECE_BYTES,
 ):
     """Sum of ``x`` over the ranks of ``group``, of x's shape and dtype (``x`` itself with
     ``inplace=True``).
 
     Compressed: the two-shot TACO all-reduce; every rank gets bit-identical bytes.
     """
-    return _public("all_reduce", x, group, config, site, async_op, compress, inplace)
+    return _public("all_reduce", x, group, config, site, async_op, compress, inplace, None, piece_bytes)
 
 
 def reduce_scatter(
     x: torch.Tensor, group=None, config: CodecConfig | None = None, *, site: str | None = None,
     async_op: bool = False, compress: bool | None = None, residual: torch.Tensor | None = None,
+    piece_bytes: int = PIECE_BYTES,
 ):
     """x has P*m rows along dim 0; returns this rank's m rows of the sum over the group's ranks.
 
@@ -93,31 +95,32 @@ def reduce_scatter(
     groups), exchanged all-to-all, summed with `sum_packed` and decoded by its rank (with a
     ``residual``: decoded, then summed in fp32; see the module doc).
     """
-    return _public("reduce_scatter", x, group, config, site, async_op, compress, False, residual)
+    return _public("reduce_scatter", x, group, config, site, async_op, compress, False, residual, piece_bytes)
 
 
 def all_gather(
     x: torch.Tensor, group=None, config: CodecConfig | None = None, *, site: str | None = None,
     async_op: bool = False, compress: bool | None = None, residual: torch.Tensor | None = None,
+    piece_bytes: int = PIECE_BYTES,
 ):
     """Concatenation of every rank's ``x`` along dim 0, in rank order.
 
     Compressed: compress, all-gather the buffers, decode all; every rank gets the same bytes.
     """
-    return _public("all_gather", x, group, config, site, async_op, compress, False, residual)
+    return _public("all_gather", x, group, config, site, async_op, compress, False, residual, piece_bytes)
 
 
-def _public(kind: str, x, group, config, site, async_op: bool, compress, inplace: bool, residual=None):
-    """The argument checks and the size rule of the public functions; then `Pending`."""
+def _public(kind: str, x, group, config, site, async_op: bool, compress, inplace: bool, residual=None,
+            piece_bytes: int = PIECE_BYTES):
+    """The argument checks of the public functions; then `Pending`."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{kind} expects a torch.Tensor, got {type(x).__name__}")
     if config is not None:
         config = check_config(config, kind)
-    nbytes = x.numel() * x.element_size()
     if compress is None:
-        compress = config is not None and (not isinstance(config, TacoConfig) or config.compresses(nbytes))
+        compress = config is not None and x.numel() > 0
     elif not isinstance(compress, bool):
-        raise TypeError(f"{kind}(compress={compress!r}): pass True, False or None (the config's size rule)")
+        raise TypeError(f"{kind}(compress={compress!r}): pass True, False or None (compressed when a config is given)")
     elif compress and config is None:
         raise ValueError(f"{kind}(compress=True) needs the codec settings: pass config=TacoConfig(...)")
     elif compress and x.dtype not in SUPPORTED_DTYPES:
@@ -126,9 +129,10 @@ def _public(kind: str, x, group, config, site, async_op: bool, compress, inplace
     x = x.detach()
     link = dist_ops.link(group)
     check_shape(kind, x, link.world)
-    piece_bytes = config.piece_bytes if isinstance(config, TacoConfig) else PIECE_BYTES
+    if isinstance(piece_bytes, bool) or not isinstance(piece_bytes, int) or piece_bytes < 0:
+        raise ValueError(f"{kind}(piece_bytes={piece_bytes!r}) must be an int >= 0 (bytes; 0: one piece)")
     name = site or kind
-    pending = Pending(kind, x, link, None if config is None else config.codec, compress, piece_bytes,
+    pending = Pending(kind, x, link, config, compress, piece_bytes,
                       DEFAULT.record(name), name, inplace, check_residual(kind, x, residual))
     return pending if async_op else pending.wait()
 

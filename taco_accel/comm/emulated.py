@@ -7,8 +7,9 @@ returns what the collectives of `collectives` return on a real group of P ranks:
     reduce_scatter(partials, config, site=)  -> [rank r's rows of the sum, for r in 0..P-1]
     all_gather(shards, config, site=)        -> the dim-0 concatenation (the same on every rank)
 
-It takes the same decisions (plain below ``config.threshold_bytes``, pieces of
-``config.piece_bytes``) and runs the compressed path through the very piece generators of
+It takes the same decisions (a site's: its `policy.Compression` floor and piece size; the
+``config=`` calls, the codec-level escape hatch: compressed whenever a config is given, pieces
+of ``piece_bytes``) and runs the compressed path through the very piece generators of
 `compressed`, one per virtual rank, advanced in lockstep: each virtual rank's ``link`` is an
 `EmulatedRank` whose all-to-all and all-gather are fulfilled, once every rank has issued
 them, by copying between the ranks' buffers. Given bit-identical inputs, the outputs are
@@ -32,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..codec import CodecConfig, TacoConfig
+from ..codec import CodecConfig
 from ..codec.api import SUPPORTED_DTYPES, check_config
 from ..codec.layout import length_tag
 from .collectives import check_residual, check_shape, nonfinite_error, relative_error, wire_codec
@@ -120,12 +121,12 @@ def run_compressed(kind: str, xs: list[torch.Tensor], outs: list[torch.Tensor | 
     return tallies[0].sent
 
 
-def two_shot_all_reduce(partials: Sequence[torch.Tensor], config: CodecConfig) -> tuple[torch.Tensor, int]:
-    """The TACO two-shot all-reduce of P partials (pieces of ``config.piece_bytes`` if it is a
-    `TacoConfig`); returns (sum, bytes per rank)."""
+def two_shot_all_reduce(partials: Sequence[torch.Tensor], config: CodecConfig,
+                        piece_bytes: int = PIECE_BYTES) -> tuple[torch.Tensor, int]:
+    """The TACO two-shot all-reduce of P partials (pieces of ``piece_bytes``); returns (sum, bytes
+    per rank)."""
     xs = [p.contiguous() for p in partials]
     out = torch.empty_like(xs[0])
-    piece_bytes = config.piece_bytes if isinstance(config, TacoConfig) else PIECE_BYTES
     sent = run_compressed("all_reduce", xs, [out] + [None] * (len(xs) - 1), config.codec, piece_bytes,
                           [Workspace() for _ in xs])
     return out, sent
@@ -151,22 +152,25 @@ class EmulatedGroup:
         return f"EmulatedGroup(size={self.size}{custom})"
 
     def all_reduce(
-        self, partials: Sequence[torch.Tensor], config: CodecConfig | None = None, *, site: str | None = None
+        self, partials: Sequence[torch.Tensor], config: CodecConfig | None = None, *, site: str | None = None,
+        piece_bytes: int = PIECE_BYTES,
     ) -> torch.Tensor:
         """The sum of every rank's tensor: a new tensor of their shape and dtype."""
-        return self._public("all_reduce", partials, config, site)
+        return self._public("all_reduce", partials, config, site, piece_bytes)
 
     def reduce_scatter(
-        self, partials: Sequence[torch.Tensor], config: CodecConfig | None = None, *, site: str | None = None
+        self, partials: Sequence[torch.Tensor], config: CodecConfig | None = None, *, site: str | None = None,
+        piece_bytes: int = PIECE_BYTES,
     ) -> list[torch.Tensor]:
         """Each tensor has P*m rows along dim 0; returns ``[rank r's m rows of the sum]``."""
-        return list(self._public("reduce_scatter", partials, config, site).chunk(self.size))
+        return list(self._public("reduce_scatter", partials, config, site, piece_bytes).chunk(self.size))
 
     def all_gather(
-        self, shards: Sequence[torch.Tensor], config: CodecConfig | None = None, *, site: str | None = None
+        self, shards: Sequence[torch.Tensor], config: CodecConfig | None = None, *, site: str | None = None,
+        piece_bytes: int = PIECE_BYTES,
     ) -> torch.Tensor:
         """Concatenation of every rank's tensor along dim 0, in rank order."""
-        return self._public("all_gather", shards, config, site)
+        return self._public("all_gather", shards, config, site, piece_bytes)
 
     def collective(self, kind: str, xs: Sequence[torch.Tensor], site,
                    residuals: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
@@ -186,15 +190,13 @@ class EmulatedGroup:
 
     # -- shared steps -----------------------------------------------------------------------
 
-    def _public(self, kind: str, xs, config, site: str | None) -> torch.Tensor:
+    def _public(self, kind: str, xs, config, site: str | None, piece_bytes: int) -> torch.Tensor:
         xs = self._check(kind, xs)
         if config is not None:
             config = check_config(config, kind)
-        nbytes = xs[0].numel() * xs[0].element_size()
-        compress = config is not None and (not isinstance(config, TacoConfig) or config.compresses(nbytes))
-        piece_bytes = config.piece_bytes if isinstance(config, TacoConfig) else PIECE_BYTES
+        compress = config is not None and xs[0].numel() > 0
         name = site or kind
-        return self._run(kind, xs, None if config is None else config.codec, compress, piece_bytes,
+        return self._run(kind, xs, config, compress, piece_bytes,
                          DEFAULT.record(name), name)
 
     def _check(self, kind: str, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from ..codec.config import PIECE_BYTES
-
 __all__ = ["PIECE_BYTES", "Pipeline", "piece_bounds", "piece_length", "run_pipelined"]
 
-# PIECE_BYTES (32 MiB, the default of `TacoConfig.piece_bytes`) was chosen with
+PIECE_BYTES = 32 * 2**20  # the default of `Compression.piece_bytes`
+
+# PIECE_BYTES (32 MiB) was chosen with
 # `taco_accel.bench.projection` (``--pieces``), a replay of this schedule with measured codec
 # stage costs over message sizes, links, collective latencies and host costs (the table and its
 # command are in benchmarks/results/collectives_cpu.md). The codec runs at about ten times the

@@ -5,10 +5,10 @@ A site is named after what it moves (layer 3 names them after the module and the
 ``layers.3.mlp.down_proj/fwd``). It holds:
 
 - its process group (and the group's `dist_ops.Link`, built on first use);
-- ``config``: a `TacoConfig` (codec settings plus the size floor and piece size) or None
-  (always plain). Mutable on purpose: calibration and ``SiteTable.load`` change the group size
-  of a running model;
-- how it decides plain or compressed per call (`compresses`): a message under its config's
+- ``config``: a `TacoConfig` (codec settings) or None (always plain). Mutable on purpose:
+  calibration and ``SiteTable.load`` change the group size of a running model;
+- ``threshold_bytes`` and ``piece_bytes``, its `policy.Compression`'s size floor and piece size;
+- how it decides plain or compressed per call (`compresses`): a message under the
   ``threshold_bytes`` floor (default 0) is plain; any other is compressed, or with a ``decider``
   (the auto mode, `autotune.AutoDecider`) compressed where the timing of its first call says so
   (kept as ``decision``; with no group to time, the auto mode's size rule). The decision is
@@ -41,8 +41,10 @@ class Site:
     __slots__ = ("name", "group", "world", "handle", "decider", "decision", "entry", "samples", "_max_elements",
                  "_config", "codec", "piece_bytes", "_threshold", "_link", "__weakref__")
 
-    def __init__(self, name: str, group, config: TacoConfig | None, decider=None, ledger: Ledger | None = None):
+    def __init__(self, name: str, group, config: TacoConfig | None, decider=None, ledger: Ledger | None = None,
+                 *, threshold_bytes: int = 0, piece_bytes: int = PIECE_BYTES):
         self.name, self.group, self.decider, self.decision = name, group, decider, None
+        self._threshold, self.piece_bytes = threshold_bytes, piece_bytes
         self.world = dist_ops.group_size(group)
         self.entry = (ledger or DEFAULT).record(name)
         self.handle = ops.register(self)  # how the compiled graph's custom ops find this site
@@ -62,10 +64,7 @@ class Site:
         if value is not None and not isinstance(value, CodecConfig):
             raise TypeError(f"Site {self.name!r}: config={value!r} must be a TacoConfig or None")
         self._config = value
-        self.codec = None if value is None else value.codec
-        policy = isinstance(value, TacoConfig)
-        self._threshold = value.threshold_bytes if policy else 0
-        self.piece_bytes = value.piece_bytes if policy else PIECE_BYTES
+        self.codec = value
 
     @property
     def link(self):
@@ -110,18 +109,18 @@ class Site:
     # -- the decision ------------------------------------------------------------------------
 
     def floor_allows(self, nbytes: int, dtype: torch.dtype) -> bool:
-        """The config's floor: a message of ``nbytes`` from ``threshold_bytes`` on may be
+        """The floor: a message of ``nbytes`` from ``threshold_bytes`` on may be
         compressed, if the codec encodes its ``dtype`` (others go plain: exact)."""
         return self.codec is not None and nbytes >= self._threshold and nbytes > 0 and dtype in SUPPORTED_DTYPES
 
     def compresses(self, kind: str, x: torch.Tensor) -> bool:
         """Whether sending ``x`` through ``kind`` from this site is compressed.
 
-        Under the config's floor: plain, untimed. In auto mode the first call (and a call with a
+        Under the floor: plain, untimed. In auto mode the first call (and a call with a
         message over twice the one timed) decides; timing is a collective call, which every rank
         makes at the same site in the same order. A "compress" verdict covers messages from the
         timed size on (smaller ones were never shown to pay). Without a group to time, each
-        message follows the auto mode's size rule (`autotune.UNTIMED_BYTES`).
+        message follows the auto mode's size rule (`policy.UNTIMED_BYTES`).
         """
         return self._decide(kind, x.numel() * x.element_size(), x.dtype, lambda: x)
 
@@ -158,22 +157,23 @@ class Site:
 
     @property
     def mode(self) -> str:
-        """``"auto"``, ``"off"`` (plain), ``"on"`` (every message) or ``"size"`` (messages from
-        ``config.threshold_bytes`` on: an explicit floor)."""
+        """``"auto"``, ``"off"`` (plain) or ``"on"`` (compressed, from ``threshold_bytes`` on)."""
         if self.decider is not None:
             return "auto"
-        if self.config is None:
-            return "off"
-        return "on" if self._threshold == 0 else "size"
+        return "off" if self.config is None else "on"
+
+    @property
+    def threshold_bytes(self) -> int:
+        """The size floor: smaller messages stay plain."""
+        return self._threshold
 
     def describe(self) -> str:
         """One line: the codec and whether it is used."""
         codec, mode = describe(self.config), self.mode
+        floor = f", messages from {self._threshold / 2**20:g} MiB" if self._threshold and mode != "off" else ""
         if mode == "auto":
-            return f"{codec}, auto: {'undecided' if self.decision is None else self.decision}"
-        if mode == "size":
-            return f"{codec}, messages from {self._threshold / 2**20:g} MiB"
-        return codec
+            return f"{codec}{floor}, auto: {'undecided' if self.decision is None else self.decision}"
+        return codec + floor
 
     def record(self) -> dict:
         """JSON-ready: mode, codec settings, and the auto decision (``compressed`` None: not yet)."""
@@ -182,7 +182,7 @@ class Site:
             out["compressed"] = None if self.decision is None else self.decision.compress
             out["decision"] = None if self.decision is None else self.decision.to_dict()
         else:
-            out["compressed"] = {"off": False, "on": True, "size": None}[self.mode]
+            out["compressed"] = False if self.config is None else (True if self._threshold == 0 else None)
         return out
 
     def __repr__(self) -> str:

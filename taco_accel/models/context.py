@@ -9,7 +9,7 @@ from torch import nn
 from ..tp.mappings import GradSumBucket
 from ..tp.overlap import OverlapState
 from ..tp.regions import SequenceState
-from ..tp.compression import Compression
+from ..comm.policy import Compression
 from ..tp.sites import SiteTable
 from .plan import TPPlan
 

@@ -40,7 +40,7 @@ from ..tp.emulate import (
     emulated_vocab_parallel_cross_entropy,
 )
 from ..tp.regions import SequenceState
-from ..tp.compression import Compression
+from ..comm.policy import Compression
 from ..tp.sites import Site, SiteTable
 from .context import TPContext
 from .loss import CausalLMLoss

@@ -15,7 +15,7 @@ from ..comm.dist_ops import group_rank, group_size
 from ..tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..tp.overlap import ColumnRegion
 from ..tp.regions import EnterRegionHook, RegionEntry, RegionExit, SequenceGather, SequenceSplit, SequenceState
-from ..tp.compression import Compression
+from ..comm.policy import Compression
 from ..tp.sites import Site, SiteTable
 from .checks import check_call, install_input_checks, verify_same_model
 from .context import TPContext, context_of

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import CheckpointError
-from ..tp.compression import Compression
+from ..comm.policy import Compression
 from ..tp.shards import ShardSpec
 from .context import context_of
 from .parallelize import parallelize

@@ -52,7 +52,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from ..comm.p2p import Channel
 from ..errors import NonFiniteError
-from ..tp.compression import Compression
+from ..comm.policy import Compression
 from ..tp.sites import SiteTable
 from .mesh import pp_pair_groups
 

@@ -55,7 +55,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm import Ledger, Site
-from ..tp.compression import Compression
+from ..comm.policy import Compression
 from ..tp.sites import SiteTable
 from .mesh import pp_pair_groups
 from .stage import decoder_layers, taco_context

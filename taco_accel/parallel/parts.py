@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm.agreement import check_setting
-from ..tp.compression import Compression
+from ..comm.policy import Compression
 from .data_parallel import (
     DataParallelGradSync,
     FsdpGradCompression,

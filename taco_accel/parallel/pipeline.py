@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm.p2p import round_trip_message
-from ..tp.compression import Compression, CompressionLike
+from ..comm.policy import Compression, CompressionLike
 from ..tp.sites import SiteTable
 from .boundary import BoundaryStage, attach_boundaries, boundary_name
 from .stage import StageModule, decoder_layers, family_of

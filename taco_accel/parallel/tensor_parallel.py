@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..models import parallelize
-from ..tp.compression import Compression
+from ..comm.policy import Compression
 from ..models.state import tp_replicas
 
 logger = logging.getLogger(__name__)

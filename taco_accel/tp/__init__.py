@@ -18,7 +18,7 @@ from .mappings import (
 )
 from .regions import RegionEntry, RegionExit, SequenceState
 from .shards import ShardSpec
-from .compression import Compression, CompressionLike
+from ..comm.policy import Compression, CompressionLike
 from .sites import Site, SiteTable
 
 __all__ = [

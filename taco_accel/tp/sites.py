@@ -3,8 +3,8 @@
 A site (`comm.Site`) is named after the module that owns it plus the direction of the tensor it
 moves: ``layers.3.mlp.down_proj/fwd`` (the forward all-reduce of a row-parallel output) or
 ``layers.3.self_attn/bwd`` (the backward all-reduce of the attention input gradient).
-`Compression` (`tp.compression`) says which `TacoConfig` each site starts with and whether the
-auto mode decides if it is used (`comm.autotune`); `SiteTable` holds the sites of one model with
+`Compression` (`comm.policy`) says which `TacoConfig` each site starts with, its size floor and
+piece size, and whether the auto mode decides if it is used (`comm.autotune`); `SiteTable` holds the sites of one model with
 their run-time state (its own `comm.Ledger`: statistics and agreement checks, and its own
 `comm.autotune.AutoDecider`), and the data-driven reshaping: record what each site sends for a
 few steps, pick its group size with `codec.calibrate`, print / save / load the choice.
@@ -24,7 +24,7 @@ from ..codec import calibrate
 from ..codec.config import GROUP_SIZES
 from ..comm import CommStats, Ledger, Site
 from ..comm.autotune import AutoDecider
-from .compression import Compression
+from ..comm.policy import Compression
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class SiteTable(Mapping[str, Site]):
     sites only) and ``decider`` (the auto decisions and their shared timings).
 
     ``timed=False`` (an emulated model: no real group) makes auto sites decide by the auto
-    mode's size rule (`comm.autotune.UNTIMED_BYTES`). ``ledger``: record into this one (a
+    mode's size rule (`comm.policy.UNTIMED_BYTES`). ``ledger``: record into this one (a
     model's data-parallel gradient sites join its TP sites' ledger) instead of a new one.
     `decisions` returns what each site does, for logs and run records; `pop_stats` this model's
     figures (`comm.pop_comm_stats` returns every model's).
@@ -54,7 +54,9 @@ class SiteTable(Mapping[str, Site]):
         if name not in self._sites:
             config, auto = self.compression.rule_for(name)
             self._sites[name] = Site(name, self.group if group is None else group, config,
-                                     self.decider if auto else None, self.ledger)
+                                     self.decider if auto else None, self.ledger,
+                                     threshold_bytes=self.compression.threshold_bytes,
+                                     piece_bytes=self.compression.piece_bytes)
         return self._sites[name]
 
     def plain(self, name: str) -> Site:
@@ -74,15 +76,13 @@ class SiteTable(Mapping[str, Site]):
     def summary(self) -> str:
         """What the sites do, in a few words (the `parallelize` log line)."""
         sites = list(self._sites.values())
-        count = {mode: sum(s.mode == mode for s in sites) for mode in ("auto", "on", "size", "off")}
+        count = {mode: sum(s.mode == mode for s in sites) for mode in ("auto", "on", "off")}
+        floor = self.compression.threshold_bytes
         parts = []
         if count["auto"]:
             parts.append(f"{count['auto']} decided by timing in the first steps (auto)")
         if count["on"]:
-            parts.append(f"{count['on']} compressed")
-        if count["size"]:
-            sizes = sorted({s.config.threshold_bytes / 2**20 for s in sites if s.mode == "size"})
-            parts.append(f"{count['size']} compressed from {'/'.join(f'{b:g}' for b in sizes)} MiB on")
+            parts.append(f"{count['on']} compressed" + (f" from {floor / 2**20:g} MiB on" if floor else ""))
         parts.append(f"{count['off']} plain")
         return f"{len(sites)} communication sites: " + ", ".join(parts)
 

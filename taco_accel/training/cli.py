@@ -241,9 +241,9 @@ def compression_from_args(args, hidden_size: int, small: bool | None = None) -> 
     hidden size below 128 (the largest power of two <= h), so that groups do not straddle rows."""
     small = small if small is not None else args.preset in SMALL_PRESETS
     compression = Compression.resolve(args.compression or ("on" if small else "auto"))
-    changes = {}
     if args.compression_threshold is not None:
-        changes["threshold_bytes"] = args.compression_threshold
+        compression = compression.replace(threshold_bytes=args.compression_threshold)
+    changes = {}
     if args.group_size:
         changes["group_size"] = args.group_size
     fit = 1 << (hidden_size.bit_length() - 1)

@@ -62,7 +62,7 @@ def _observer(base):
                 import taco_accel
 
                 kwargs.setdefault("compression", None if COMPRESSION == "off" else
-                                  taco_accel.TacoConfig(group_size=32, threshold_bytes=0))
+                                  taco_accel.TacoConfig(group_size=32))
             super().__init__(*args, **kwargs)
             RECORD.info.update(rank=self.state.process_index, world=self.state.num_processes,
                                num_processes=self.num_processes, process_index=self.process_index)
