@@ -38,7 +38,7 @@ from taco_accel.models.tiny import tiny_model
 
 ARCHS = ("qwen3", "gpt2", "llama")  # q/k norms and attention biases; Conv1D and tied; a replicated kv head
 UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # unit roundoff
-COMPRESSED = taco_accel.TacoConfig(threshold_bytes=0)  # tiny tensors compress too
+COMPRESSED = taco_accel.TacoConfig()  # "on" with these settings: tiny tensors compress too
 ATEN = torch.ops.aten
 # ops that move or allocate without rounding
 _EXACT = {ATEN.clone.default, ATEN.copy_.default, ATEN.cat.default, ATEN.stack.default, ATEN.detach.default,
