@@ -59,3 +59,8 @@ class DataError(TacoError, ValueError):
 
 class OutputExistsError(TacoError, FileExistsError):
     """A new run would overwrite what a previous run left in its output folder."""
+
+
+class NotPicklableError(TacoError, TypeError):
+    """A tensor-parallel model (or a part of it) was pickled: it holds this process's process
+    groups. The message names what to save instead."""

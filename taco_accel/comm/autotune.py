@@ -49,6 +49,7 @@ import torch
 
 from ..codec import CodecConfig
 from . import agreement, dist_ops, p2p
+from .copies import SharesGroup
 from .collectives import Pending
 from .pieces import PIECE_BYTES
 from .policy import UNTIMED_BYTES
@@ -156,7 +157,7 @@ class Decision:
                 f"plain {self.plain_us:.0f} us)")
 
 
-class AutoDecider:
+class AutoDecider(SharesGroup):
     """Takes the decisions of the auto sites of one site table (shared timings, logging).
 
     ``timer`` is the measurement, `time_collective` (a collective call); a test injects another

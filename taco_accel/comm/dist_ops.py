@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from .copies import SharedWithCopies
+
 logger = logging.getLogger(__name__)
 
 _no_native_all_to_all: set[str] = set()  # backends seen refusing all_to_all_single
@@ -59,7 +61,7 @@ def _options(cls, **fields):
     return opts
 
 
-class Link:
+class Link(SharedWithCopies):
     """The collectives of one process group, each returning a work handle (``async_op=True``).
 
     Built once per group (`link`); holds the ``ProcessGroup`` object, its size and this rank's

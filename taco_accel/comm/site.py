@@ -30,12 +30,13 @@ import torch
 from ..codec import CodecConfig, TacoConfig
 from ..codec.api import SUPPORTED_DTYPES
 from . import dist_ops, ops
+from .copies import SharesGroup
 from .collectives import Pending, check_residual, check_shape
 from .pieces import PIECE_BYTES
 from .stats import DEFAULT, Ledger
 
 
-class Site:
+class Site(SharesGroup):
     """One communication site; see the module docstring."""
 
     __slots__ = ("name", "group", "world", "handle", "decider", "decision", "entry", "samples", "_max_elements",
@@ -54,6 +55,11 @@ class Site:
         self._link = None
         if decider is not None:
             decider.sites.append(self)
+
+    def _copied(self, original: "Site") -> None:
+        """A copied model's site: its own handle, statistics starting at zero."""
+        self.handle = ops.register(self)
+        self.entry.pop()
 
     @property
     def config(self) -> TacoConfig | None:

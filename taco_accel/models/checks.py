@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm.copies import SharesGroup
 from .plan import Colwise, Rowwise, TPPlan
 
 QUANTIZER_PACKAGES = ("bitsandbytes", "optimum.quanto", "quanto", "torchao", "auto_gptq", "gptqmodel", "awq", "hqq")
@@ -315,7 +316,7 @@ def check_labels(labels: torch.Tensor, logits: torch.Tensor, vocab_size: int, ig
     _out_of_range(labels, vocab_size, "label", ignore_index)
 
 
-class InputIdsCheck:
+class InputIdsCheck(SharesGroup):
     """Forward pre-hook on the vocab-parallel embedding: ids outside the vocabulary raise an
     IndexError (as ``nn.Embedding`` does) instead of being looked up as zeros; the first
     ``same_batch_checks`` calls check that every TP rank got the same ids (one all-gather of

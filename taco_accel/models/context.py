@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ..comm.copies import SharesGroup
 from ..tp.mappings import GradSumBucket
 from ..tp.overlap import OverlapState
 from ..tp.regions import SequenceState
@@ -15,7 +16,7 @@ from .plan import TPPlan
 
 
 @dataclass
-class TPContext:
+class TPContext(SharesGroup):
     """What `parallelize` did to a model, kept at ``model.taco``.
 
     ``sites``: the communication sites (print it; ``save`` / ``load`` their group sizes).

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..comm.copies import SharesGroup
 from ..comm.dist_ops import group_rank, group_size
 from .mappings import gather_from_tp_region, sum_replica_grads
 from .overlap import RowSequenceLinear
@@ -30,7 +31,7 @@ def _init_uniform(tensor: torch.Tensor | None, fan_in: int) -> None:
         nn.init.uniform_(tensor, -bound, bound)
 
 
-class _ParallelLinear(nn.Module):
+class _ParallelLinear(SharesGroup, nn.Module):
     def __init__(self, in_features, out_features, bias, group, shard, conv1d, device, dtype):
         super().__init__()
         self.in_features, self.out_features, self.conv1d = in_features, out_features, conv1d
@@ -158,7 +159,7 @@ class RowParallelLinear(_ParallelLinear):
         return out if self.bias is None else out + self.bias.to(out.dtype)  # bf16 under autocast, as nn.Linear's
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(SharesGroup, nn.Module):
     """An embedding table split by vocabulary rows (sizes may differ by one between ranks).
 
     Each rank looks up the ids in its rows and writes zeros for the others; ``reduce`` (g)

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..comm.copies import SharesGroup
 from ..comm.dist_ops import group_rank, group_size
 from .shards import ShardSpec
 from .sites import Site
@@ -238,7 +239,7 @@ def sum_replica_grads(weight: torch.Tensor, shard: ShardSpec, bwd: Site) -> torc
     return weight if shard.replicas == 1 else _SumReplicaGrads.apply(weight, shard, bwd)
 
 
-class GradSumBucket:
+class GradSumBucket(SharesGroup):
     """Sum the gradients of replicated parameters that each rank applies to part of the data
     (norms under sequence parallelism, Qwen3's per-head norms) over ``site.group``: ONE
     all-reduce per backward for all of them, instead of one per parameter.
@@ -250,11 +251,19 @@ class GradSumBucket:
     training; ``torch.autograd.grad`` on these parameters would see zeros.
     """
 
+    _fresh = ("handles", "_grads", "_queued")  # a copy hooks its own parameters (`_copied`)
+
     def __init__(self, params, site: Site) -> None:
         self.params, self.site = list(params), site
+        self._hook()
+
+    def _hook(self) -> None:
         self._grads: dict[int, torch.Tensor] = {}
         self._queued = False
         self.handles = [p.register_hook(functools.partial(self._keep, i)) for i, p in enumerate(self.params)]
+
+    def _copied(self, original: "GradSumBucket") -> None:
+        self._hook()  # on the copy's own parameters: a parameter's copy has no hooks
 
     def _keep(self, index: int, grad: torch.Tensor) -> torch.Tensor:
         self._grads[index] = grad

@@ -24,12 +24,13 @@ from ..codec import calibrate
 from ..codec.config import GROUP_SIZES
 from ..comm import CommStats, Ledger, Site
 from ..comm.autotune import AutoDecider
+from ..comm.copies import SharesGroup
 from ..comm.policy import Compression
 
 logger = logging.getLogger(__name__)
 
 
-class SiteTable(Mapping[str, Site]):
+class SiteTable(SharesGroup, Mapping[str, Site]):
     """The sites of one parallelised model, by name, in the order they were created, and their
     run-time state: ``ledger`` (statistics, error sampling and agreement checks of this model's
     sites only) and ``decider`` (the auto decisions and their shared timings).
