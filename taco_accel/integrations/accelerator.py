@@ -141,6 +141,12 @@ class Accelerator(_AccelerateAccelerator):
         if not torch.cuda.is_available():
             kwargs["cpu"] = True  # else Accelerate treats N CPU processes as N separate single-process runs
         timeout = _with_timeout(kwargs)
+        # this Accelerator's own compile switch: Accelerate keeps the first one of the process in its state
+        self._dynamo_plugin = kwargs.get("dynamo_plugin")
+        if self._dynamo_plugin is None and kwargs.get("dynamo_backend") is not None:
+            from accelerate.utils import TorchDynamoPlugin
+
+            self._dynamo_plugin = TorchDynamoPlugin(backend=kwargs["dynamo_backend"])
         with without_parallelism_config():  # Accelerate would build (or refuse) its own mesh
             super().__init__(*args, **kwargs)
         if self.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
@@ -305,7 +311,8 @@ class Accelerator(_AccelerateAccelerator):
         from ..parallel.pipeline import PipelineRunner
 
         stages_per_rank = stages_per_rank or (2 if schedule == "interleaved_1f1b" else 1)
-        parts = self._lay_out(model, pipeline=True, stages_per_rank=stages_per_rank, seq_len=seq_len)
+        parts = self._lay_out(model, pipeline=True, stages_per_rank=stages_per_rank, seq_len=seq_len,
+                              **self._dynamo_settings())
         vocab = model.config.vocab_size
         return PipelineRunner(parts, schedule, micro_batches, self.device, loss_fn=loss_fn, vocab_size=vocab,
                               shifted_labels=shifted_labels, autocast=self.autocast)
@@ -371,6 +378,18 @@ class Accelerator(_AccelerateAccelerator):
         if getattr(model, "taco", None) is None:
             parallelize(model, tp=self.emulated_tp, compression=self.compression,
                         sequence_parallel=self.sequence_parallel, emulate=True, logits=self.logits or "full")
+
+    def _dynamo_settings(self) -> dict:
+        """Accelerate's own compile switch (``dynamo_backend`` / ``TorchDynamoPlugin``, what
+        ``TrainingArguments(torch_compile=True)`` sets) as `distribute`'s arguments, for the
+        stages `prepare_pipeline` builds (`prepare_model` leaves it to Accelerate's own)."""
+        from accelerate.utils import DynamoBackend
+
+        plugin = self._dynamo_plugin or self.state.dynamo_plugin
+        if plugin is None or plugin.backend == DynamoBackend.NO:
+            return {}
+        return {"compile": plugin.backend.value.lower(),
+                "compile_options": {"mode": plugin.mode, "fullgraph": plugin.fullgraph, "dynamic": plugin.dynamic}}
 
     def _fsdp_param_dtype(self):
         fsdp = self.parallel_dims.dp_mode == "fsdp" and self.parallel_dims.dp > 1

@@ -347,7 +347,7 @@ class InputIdsCheck(SharesGroup):
                 "taco_accel.from_pretrained(path, tp=...) reads them straight into the shards"
             )
         check_not_under_ddp(self.group)  # before any collective: every rank raises alone
-        if self.same_batch_checks > 0:
+        if self.same_batch_checks > 0 and not torch.compiler.is_compiling():  # a compiled graph keeps no count
             self.same_batch_checks -= 1
             self.check_same_batch(ids)  # first: a collective every rank reaches
         elif self.same_shape:

@@ -3,10 +3,11 @@
 Each parallelism is one pass over a plain transformers model, torchtitan style, taking plain
 values and a ("pp", "dp", "tp") DeviceMesh: `apply_tp` (`taco_accel.parallelize` over the tp
 axis), `apply_pp` (split into stages, whose boundaries go through the codec), `apply_dp` (DDP or
-FSDP2 over dp). `distribute` runs them in order and returns the `ModelParts` of this rank: its
+FSDP2 over dp), then `apply_compile`. `distribute` runs them in order and returns the `ModelParts` of this rank: its
 modules, and the gradient reductions and clipping over the whole mesh that end a step.
 """
 
+from .compile import apply_compile, compile_backend, enable_activation_checkpointing, is_compiled
 from .boundary import Boundary, BoundaryStage, PipelineBoundaries, boundary_name
 from .data_parallel import DataParallelGradSync, ReplicaGradSum, TiedEmbeddingSync, apply_dp, local_tensor
 from .mesh import MESH_DIMS, ParallelDims, build_mesh, collective_timeout
@@ -29,6 +30,7 @@ __all__ = [
     "SCHEDULES",
     "StageModule",
     "TiedEmbeddingSync",
+    "apply_compile",
     "apply_dp",
     "apply_pp",
     "apply_tp",
@@ -38,10 +40,13 @@ __all__ = [
     "check_parallelized",
     "clip_grad_norm_",
     "collective_timeout",
+    "compile_backend",
     "cross_entropy",
     "decoder_layers",
     "distribute",
     "emulate_boundaries",
+    "enable_activation_checkpointing",
+    "is_compiled",
     "local_tensor",
     "make_pipeline_stages",
     "prune_to_stage",

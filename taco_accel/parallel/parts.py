@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm.agreement import check_setting
 from ..comm.policy import Compression
+from .compile import apply_compile
 from .data_parallel import (
     DataParallelGradSync,
     FsdpGradCompression,
@@ -208,6 +209,8 @@ def distribute(
     stages_per_rank: int = 1,
     seq_len: int = 2048,
     evaluation: bool = False,
+    compile: str | None = None,
+    compile_options: dict | None = None,
 ) -> ModelParts:
     """Lay ``model`` out on ``mesh`` (a collective on every rank); return this rank's parts.
 
@@ -222,6 +225,9 @@ def distribute(
     ``param_dtype``: FSDP2's compute dtype (e.g. bf16 under mixed precision).
     ``evaluation``: tensor parallel (and placed) only, as Accelerate's ``evaluation_mode``: no
     FSDP2 sharding, no gradient reductions, nothing watched.
+    ``compile``: a torch.compile backend (``"inductor"``, ...) applied last, in place, to each
+    module of the parts (`compile.apply_compile`, with ``compile_options``: mode, fullgraph,
+    dynamic); None leaves them eager. Enable activation checkpointing before (on the model).
     """
     compression = Compression.resolve(compression)
     grad_compression = Compression.resolve(grad_compression)
@@ -262,6 +268,8 @@ def distribute(
         parts.norm_shares[id(p)] = 0.0 if name in skip else dp_share / replicas.get(key, dims.tp)
     if not evaluation:
         parts.watch_gradients()
+    if compile is not None:
+        apply_compile(parts.modules, compile, **(compile_options or {}))
     return parts
 
 

@@ -210,6 +210,19 @@ def add_optimisation_args(p: argparse.ArgumentParser, *, steps: int, lr: float |
     o.add_argument("--max-grad-norm", type=non_negative_float, default=1.0, help="clip the gradient norm (0: no clipping)")
     o.add_argument("--mixed-precision", choices=MIXED_PRECISION, help="default: bf16 on GPUs, no on CPU")
     o.add_argument("--seed", type=int, default=0, help="initial weights, data order and dropout")
+    add_speed_args(p)
+
+
+def add_speed_args(p: argparse.ArgumentParser) -> None:
+    """--compile / --no-compile, --compile-backend, --activation-checkpointing."""
+    s = p.add_argument_group("speed and memory")
+    s.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the model (default: on with CUDA, off on the CPU)")
+    s.add_argument("--compile-backend", default="inductor", help="torch.compile backend (Accelerate's "
+                   "dynamo_backend names: inductor, aot_eager, eager, ...)")
+    s.add_argument("--activation-checkpointing", "--gradient-checkpointing", dest="activation_checkpointing",
+                   action="store_true", help="recompute each decoder layer's activations in backward (less "
+                   "memory, about a third more compute)")
 
 
 def mixed_precision_from_args(args) -> str:
@@ -277,7 +290,8 @@ def config_from_args(family: str, args) -> TrainConfig:
         tokenizer=args.tokenizer, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
         micro_batches=args.micro_batches, steps=args.steps, lr=args.lr, min_lr_ratio=args.min_lr_ratio,
         warmup_steps=args.warmup, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
-        mixed_precision=mixed_precision_from_args(args), seed=args.seed,
+        mixed_precision=mixed_precision_from_args(args), seed=args.seed, compile=args.compile,
+        compile_backend=args.compile_backend, activation_checkpointing=args.activation_checkpointing,
         eval_every=args.eval_every, eval_batches=args.eval_batches, log_every=args.log_every,
         output_dir=args.output_dir,
         trackers=trackers_from_args(args), progress=not args.no_progress, save_every=args.save_every, resume=args.resume, export=not args.no_export,

@@ -43,10 +43,12 @@ from ..models.state import tp_replicas
 from ..models.checks import check_labels
 from ..tp import vocab_parallel_cross_entropy
 from ..integrations import Accelerator, export_merged, get_peft_model, save_adapter
+from ..parallel import compile_backend, enable_activation_checkpointing
 from .ranks import global_rank, main_first, usable_trackers
 from .metrics import plot_losses
 from .loop import TrainingLoop, comm_fields, comm_text, comm_totals, lr_lambda
-from .trainer import MIXED_PRECISION, config_dict, requested_dims, timeout_handler
+from .trainer import (MIXED_PRECISION, check_compile_backend, config_dict, device_type, fused_adamw, requested_dims,
+                      timeout_handler)
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +108,9 @@ class FinetuneConfig:
     max_grad_norm: float = 1.0
     mixed_precision: str = "no"
     dtype: str = "auto"
-    gradient_checkpointing: bool = False
+    activation_checkpointing: bool = False  # recompute each decoder layer's forward in backward
+    compile: bool | None = None  # torch.compile of the model; None: on with CUDA, off on the CPU
+    compile_backend: str = "inductor"
     seed: int = 0
     # evaluation, logging, output
     eval_every: int = 50
@@ -145,6 +149,7 @@ class FinetuneConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}={value!r} must be an int >= 0")
+        check_compile_backend(self.compile_backend)
 
     def to_dict(self) -> dict:
         return config_dict(self)
@@ -191,6 +196,7 @@ class Finetuner(TrainingLoop):
             step_scheduler_with_optimizer=False,
             log_with=self.trackers or None, kwargs_handlers=[timeout_handler(cfg.timeout_s)],
             logits="local",  # only the loss is used whole: no all-gather of the logits
+            dynamo_backend=(compile_backend(cfg.compile, device_type(cfg.device)) and cfg.compile_backend) or "no",
         )
         if acc.emulated_tp > 1:
             raise ValueError(f"tp={acc.emulated_tp} on one process: fine-tuning reads real TP shards; launch "
@@ -263,8 +269,8 @@ class Finetuner(TrainingLoop):
         if len(self.tokenizer) > model.config.vocab_size:
             raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens but the model's vocabulary is "
                              f"{model.config.vocab_size}; use the checkpoint's own tokenizer")
-        if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.activation_checkpointing:
+            enable_activation_checkpointing(model)
         model.train()
         if cfg.method == "lora":
             from peft import LoraConfig
@@ -292,7 +298,7 @@ class Finetuner(TrainingLoop):
         no_decay = [p for p in self.trainable if p.dim() < 2]
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8,
+            lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, **fused_adamw(self.trainable),
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
         self.optimizer, self.scheduler = self.accelerator.prepare(optimizer, scheduler)

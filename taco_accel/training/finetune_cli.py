@@ -24,7 +24,6 @@ def build_parser(family: str, description: str, default_data: str | None = None)
     m.add_argument("--target-modules", default="all-linear", help="'all-linear' or comma-separated module names")
     m.add_argument("--dtype", default="auto", choices=DTYPES, help="weights as loaded (auto: the checkpoint's for "
                    "LoRA on GPUs, float32 otherwise)")
-    m.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
     par = p.add_argument_group("parallelism (unset: from accelerate launch or the world size)")
     par.add_argument("--tp", type=positive_int, help="tensor-parallel size (default: the launch config's, else "
                      "every process)")
@@ -101,7 +100,8 @@ def config_from_args(family: str, args) -> FinetuneConfig:
         lr=args.lr or (2e-4 if args.method == "lora" else 2e-5), min_lr_ratio=args.min_lr_ratio,
         warmup_steps=args.warmup, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
         mixed_precision=mixed_precision_from_args(args), dtype=args.dtype,
-        gradient_checkpointing=args.gradient_checkpointing, seed=args.seed, eval_every=args.eval_every,
+        activation_checkpointing=args.activation_checkpointing, compile=args.compile,
+        compile_backend=args.compile_backend, seed=args.seed, eval_every=args.eval_every,
         log_every=args.log_every, output_dir=args.output_dir,
         trackers=trackers_from_args(args),
         progress=not args.no_progress, export=not args.no_export, merge=not args.no_merge, plot=not args.no_plot,

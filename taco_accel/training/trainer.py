@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..tp import Compression, CompressionLike
-from ..parallel import SCHEDULES, ParallelDims, collective_timeout
+from ..parallel import SCHEDULES, ParallelDims, collective_timeout, compile_backend, enable_activation_checkpointing
 from ..integrations import Accelerator, export_pretrained
 from .ranks import global_rank, main_first, usable_trackers
 from .loop import TrainingLoop, comm_fields, comm_text, comm_totals, lr_lambda
@@ -85,6 +85,9 @@ class TrainConfig:
     weight_decay: float = 0.1
     max_grad_norm: float = 1.0
     mixed_precision: str = "no"
+    compile: bool | None = None  # torch.compile of the stages; None: on with CUDA, off on the CPU
+    compile_backend: str = "inductor"
+    activation_checkpointing: bool = False  # recompute each decoder layer's forward in backward
     seed: int = 0
     # evaluation, logging, output
     eval_every: int = 50
@@ -122,11 +125,34 @@ class TrainConfig:
             raise ValueError(f"output_dir=None writes nothing, but save_every={self.save_every}, resume={self.resume!r}, "
                              f"export={self.export}, plot={self.plot}, trackers={self.trackers!r} ask for files: name "
                              "an output_dir, or set save_every=0, resume=None, export=False, plot=False, trackers=()")
+        check_compile_backend(self.compile_backend)
         if self.stages_per_rank is None:
             self.stages_per_rank = 2 if self.schedule == "interleaved_1f1b" else 1
 
     def to_dict(self) -> dict:
         return config_dict(self)
+
+
+def check_compile_backend(backend: str) -> None:
+    """A ValueError unless ``backend`` is one Accelerate's ``dynamo_backend`` takes."""
+    from accelerate.utils import DynamoBackend
+
+    names = [b.value.lower() for b in DynamoBackend if b.value != "NO"]
+    if not isinstance(backend, str) or backend.lower() not in names:
+        raise ValueError(f"compile_backend={backend!r}: use one of {names} (inductor for speed, aot_eager to debug)")
+
+
+def fused_adamw(params) -> dict:
+    """``{"fused": True}`` (AdamW's one-kernel CUDA step) when every parameter is a plain CUDA
+    floating-point tensor, else ``{}`` (the foreach step: CPU runs, FSDP2's DTensor shards)."""
+    params = list(params)
+    plain = all(type(p) is torch.nn.Parameter and p.is_cuda and p.is_floating_point() for p in params)
+    return {"fused": True} if params and plain else {}
+
+
+def device_type(device: str | None) -> str:
+    """The device type a run's ``device`` setting gives (None: cuda when available)."""
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def config_dict(cfg) -> dict:
@@ -157,6 +183,7 @@ class Trainer(TrainingLoop):
             step_scheduler_with_optimizer=False,
             log_with=self.trackers or None, kwargs_handlers=[timeout_handler(cfg.timeout_s)],
             logits="local",  # the pipeline's loss is vocab-parallel: no all-gather of the logits
+            dynamo_backend=(compile_backend(cfg.compile, device_type(cfg.device)) and cfg.compile_backend) or "no",
         )
         self.dims, self.mesh, self.device = acc.parallel_dims, acc.torch_device_mesh, acc.device
         self.coords = {name: self.mesh[name].get_local_rank() for name in ("pp", "dp", "tp")}
@@ -206,6 +233,8 @@ class Trainer(TrainingLoop):
         head_params = model.lm_head.weight.numel() if is_tied(model) else 0  # the head is a matmul: it counts
         self.num_params = num_params
         self.flops_per_token = flops_per_token(self.model_config, num_params + head_params, embed_params, cfg.seq_len)
+        if cfg.activation_checkpointing:  # before the stages are built and compiled
+            enable_activation_checkpointing(model)
         # tp on the whole model, then this rank's stages, then dp; keys and site names stay global
         self.pipe = self.accelerator.prepare_pipeline(
             model, micro_batches=cfg.micro_batches, schedule=cfg.schedule, stages_per_rank=cfg.stages_per_rank,
@@ -220,7 +249,7 @@ class Trainer(TrainingLoop):
         cfg = self.cfg
         decay = [p for p in self.params if p.dim() >= 2]
         no_decay = [p for p in self.params if p.dim() < 2]
-        fused = {"fused": True} if self.device.type == "cuda" and self.dims.dp_mode != "fsdp" else {}
+        fused = fused_adamw(self.params)
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, **fused,
