@@ -141,3 +141,17 @@ def test_tiny_recipe_through_accelerate_launch(tmp_path, token_cache):
     model = AutoModelForCausalLM.from_pretrained(run / "final")
     tokenizer = AutoTokenizer.from_pretrained(run / "final")
     assert model.config.num_hidden_layers == 4 and len(tokenizer) == 257
+
+
+def test_compile_and_checkpointing_flags(monkeypatch):
+    from taco_accel.training import TrainConfig
+    from taco_accel.training.cli import config_from_args
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = config_from_args("qwen2", _args("--trackers", "none"))
+    assert (cfg.compile, cfg.compile_backend, cfg.activation_checkpointing) == (None, "inductor", False)  # None: CUDA's
+    cfg = config_from_args("qwen2", _args("--no-compile", "--gradient-checkpointing", "--compile-backend", "aot_eager"))
+    assert (cfg.compile, cfg.compile_backend, cfg.activation_checkpointing) == (False, "aot_eager", True)
+    assert config_from_args("qwen2", _args("--compile", "--activation-checkpointing")).compile is True
+    with pytest.raises(ValueError, match="compile_backend='nope'.*inductor"):
+        TrainConfig(compile_backend="nope")
