@@ -43,10 +43,12 @@ def loader(data=DATA, batch: int = BATCH):
     return DataLoader(TensorDataset(data), batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(7))
 
 
-def train(compression, *, seed: int = 0, save: str | None = None, resume: str | None = None, sizes=None):
+def train(compression, *, seed: int = 0, save: str | None = None, resume: str | None = None, sizes=None,
+          **options):
     """STEPS optimizer steps of ACCUM micro-batches (from step SAVE_AT when resuming); ``sizes``: a
-    ParallelismConfig instead of the launch config's."""
-    acc = taco_accel.Accelerator(gradient_accumulation_steps=ACCUM, compression=compression, parallelism_config=sizes)
+    ParallelismConfig instead of the launch config's; ``options``: more Accelerator arguments."""
+    acc = taco_accel.Accelerator(gradient_accumulation_steps=ACCUM, compression=compression, parallelism_config=sizes,
+                                 **options)
     model = fresh_model(seed)
     opt, sched = optimizer_and_schedule(model)
     model, opt, data, sched = acc.prepare(model, opt, loader(), sched)
@@ -77,9 +79,10 @@ def train(compression, *, seed: int = 0, save: str | None = None, resume: str | 
     return acc, model, rows
 
 
-def reference(rows: list[dict], replicas: int) -> tuple[list[dict], dict]:
+def reference(rows: list[dict], replicas: int, bf16: bool = False) -> tuple[list[dict], dict]:
     """The same steps on one process: global micro-batches, the same optimizer and schedule
-    (stepped once per replica, as Accelerate does for a DataLoader split over replicas)."""
+    (stepped once per replica, as Accelerate does for a DataLoader split over replicas);
+    ``bf16``: the forward in bf16 autocast, as Accelerate's mixed_precision="bf16" runs it."""
     model = fresh_model(0)
     opt, sched = optimizer_and_schedule(model)
     out = []
@@ -87,7 +90,8 @@ def reference(rows: list[dict], replicas: int) -> tuple[list[dict], dict]:
         opt.zero_grad()
         losses = []
         for ids in row["batches"]:
-            loss = model(input_ids=ids, labels=ids).loss
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = model(input_ids=ids, labels=ids).loss
             (loss / ACCUM).backward()
             losses.append(loss.item())
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -133,6 +137,24 @@ def parity(compression, sizes=None) -> dict:
         # the replicas saw different batches, the tp ranks of a replica the same ones
         "distinct_batches": len({tuple(b.flatten().tolist()) for r in rows for b in r["batches"]}),
     }
+
+
+def bf16() -> dict:
+    """mixed_precision="bf16" (as ``accelerate launch --mixed_precision bf16`` gives it), with and
+    without sequence parallelism, against one process under the same autocast. Accelerate fixes
+    the mixed precision once per process state: a fresh state here, and again after."""
+    from accelerate.state import AcceleratorState
+
+    out = {}
+    for sp in (False, True):
+        AcceleratorState._reset_state()
+        _, _, rows = train(None, mixed_precision="bf16", sequence_parallel=sp)
+        ref_rows, _ = reference(rows, 1, bf16=True)
+        out["sp" if sp else "tp"] = {"losses": [r["loss"] for r in rows], "ref_losses": [r["loss"] for r in ref_rows],
+                                     "grad_norms": [r["grad_norm"] for r in rows],
+                                     "ref_grad_norms": [r["grad_norm"] for r in ref_rows]}
+    AcceleratorState._reset_state()
+    return out
 
 
 def resume(tmp: str) -> dict:
@@ -211,6 +233,8 @@ def main() -> None:
         run("metrics", metrics)
     if "refusals" in checks:
         run("refusals", refusals)
+    if "bf16" in checks:  # last: it changes Accelerate's process state
+        run("bf16", bf16)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(result, f, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x))

@@ -105,11 +105,13 @@ def metrics(pred) -> dict:
     return {"accuracy": float((top1[mask] == labels[mask]).mean()), "logsumexp": float(logsumexp[mask].mean())}
 
 
-def run_trainer(args, name: str, compression=None, resume: str | None = None, seed: int = 0) -> dict:
+def run_trainer(args, name: str, compression=None, resume: str | None = None, seed: int = 0, **precision) -> dict:
+    """``precision``: TrainingArguments' precision flags (bf16=True, use_cpu=True: transformers asks
+    for use_cpu with bf16 on a machine without a bf16 GPU); the default, fp32."""
     from transformers import Trainer, TrainingArguments
 
-    save = {}
-    if resume is None and compression is None:  # checkpoints every 2 steps; the better of the two at the end
+    save = dict(precision)
+    if resume is None and compression is None and not precision:  # checkpoints every 2 steps; the better of the two at the end
         save = dict(save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2,
                     load_best_model_at_end=True, metric_for_best_model="eval_loss")
     cls = trainer_class(args, Trainer, compression=compression)
@@ -118,7 +120,7 @@ def run_trainer(args, name: str, compression=None, resume: str | None = None, se
                   compute_metrics=metrics, preprocess_logits_for_metrics=top1_and_logsumexp)
     trainer.train(resume_from_checkpoint=resume)
     out = history(trainer)
-    if resume is None and compression is None:
+    if resume is None and compression is None and not precision:
         out["eval"] = trainer.evaluate()
         final = os.path.join(args.dir, name, "final")
         trainer.save_model(final)
@@ -183,7 +185,8 @@ def run_pipeline_sizes(args) -> dict:
     return {"refused": refusal(), "refused_pp": refusal(TACO_PP_SIZE="2")}
 
 
-def run_sft(args, name: str, lora: bool = False) -> dict:
+def run_sft(args, name: str, lora: bool = False, bf16: bool = False) -> dict:
+    """``bf16``: SFTConfig's own precision default (bf16=True), use_cpu=True as transformers asks on CPU."""
     from trl import SFTConfig, SFTTrainer
 
     from taco_accel.data.tokenizer import build_tokenizer
@@ -196,8 +199,12 @@ def run_sft(args, name: str, lora: bool = False) -> dict:
                                          target_modules=["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"])
     # TRL's evaluation loss and entropy are each batch's own token means, averaged over batches: the
     # reference evaluates the batches of one replica (BATCH rows), the sharded run's batches
-    config = SFTConfig(**common(args, name, max_length=48, per_device_eval_batch_size=BATCH), eval_strategy="no",
-                       dataset_num_proc=None)
+    settings = common(args, name, max_length=48, per_device_eval_batch_size=BATCH)
+    if bf16:
+        del settings["bf16"]
+        settings["use_cpu"] = True
+    config = SFTConfig(**settings, eval_strategy="no", dataset_num_proc=None)
+    assert config.bf16 == bf16
     trainer = trainer_class(args, SFTTrainer)(
         model=tiny(), args=config, processing_class=build_tokenizer("byte"),
         train_dataset=_dataset(texts(STEPS * BATCH * ACCUM * args.dp, 3)), eval_dataset=_dataset(texts(EVAL, 4)), **peft)
@@ -237,18 +244,32 @@ def main() -> None:
         "lora": lambda: run_sft(args, "lora", lora=True),
         "plain_checkpoint": lambda: run_plain_checkpoint(args),
         "pipeline_sizes": lambda: run_pipeline_sizes(args),
+        "trainer_bf16": lambda: fresh_precision(run_trainer, args, "trainer_bf16", bf16=True, use_cpu=True),
+        "sft_bf16": lambda: fresh_precision(run_sft, args, "sft_bf16", bf16=True),
     }
     if args.reference:  # compressed and resumed runs compare with the reference "trainer" run
         result, base = {}, args.dir
         for dp in map(int, args.reference.split(",")):
             args.dp, args.dir = dp, os.path.join(base, f"dp{dp}")
-            result[f"dp{dp}"] = guarded(runs, ["trainer", "sft"] + (["lora"] if dp == 1 else []))
+            result[f"dp{dp}"] = guarded(runs, ["trainer", "sft"] + (["lora", "trainer_bf16", "sft_bf16"] if dp == 1 else []))
     else:
         args.dp = int(os.environ["WORLD_SIZE"]) // 2  # tp=2 in every launch of the test
         result = guarded(runs, args.runs.split(","))
     if int(os.environ.get("RANK", "0")) == 0:
         with open(args.out, "w") as f:
             json.dump(result, f, default=str)
+
+
+def fresh_precision(run, *args, **kwargs) -> dict:
+    """``run`` in a fresh Accelerate process state (its mixed precision is fixed once per state;
+    the process group stays), and the state reset again for the runs after it."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
+    try:
+        return run(*args, **kwargs)
+    finally:
+        AcceleratorState._reset_state()
 
 
 def guarded(runs: dict, names: list[str]) -> dict:

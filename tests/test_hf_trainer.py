@@ -28,7 +28,7 @@ BATCH, ACCUM = 2, 2  # the worker's per-device batch and accumulation
 # (lr <= 3e-3) keep that at the 1e-6 level: bounds of 2e-5 absolute on losses, 1e-5 relative on norms.
 LOSS_TOL, NORM_RTOL = 2e-5, 1e-5
 LAUNCHES = {  # name: (dp, how it is started, runs)
-    "tp2": (1, "accelerate", "trainer,resume,compressed,sft,lora,plain_checkpoint"),
+    "tp2": (1, "accelerate", "trainer,resume,compressed,sft,lora,plain_checkpoint,trainer_bf16,sft_bf16"),
     "dp2_tp2": (2, "torchrun", "trainer,sft,pipeline_sizes"),  # resume of dp replicas: test_accelerator
 }
 
@@ -76,7 +76,7 @@ def run_of(results, launch: str, run: str) -> tuple[dict, dict]:
     assert "launch_error" not in got, got.get("launch_error")
     assert "error" not in got[run], got[run]["error"]
     dp = LAUNCHES[launch][0]
-    reference = ref[f"dp{dp}"].get(run if run in ("sft", "lora") else "trainer")
+    reference = ref[f"dp{dp}"].get(run if run in ("sft", "lora", "trainer_bf16", "sft_bf16") else "trainer")
     assert "error" not in reference, reference["error"]
     return got[run], reference
 
@@ -199,3 +199,17 @@ def test_pipeline_sizes_are_refused(results):
     assert "does not match num_processes (4)" in message and "tp_size" in message
     message = results[0]["dp2_tp2"]["pipeline_sizes"]["refused_pp"]  # pipeline stages asked for
     assert message and "pipeline" in message and "pp=2" in message and "tp_size" in message
+
+
+# bf16 autocast (Trainer bf16=True; TRL's SFTConfig default), 4 AdamW steps, against the plain class
+# on one process in bf16: tests/test_accelerator.py's bf16 bound (from test_precision's rounding
+# count): 0.045 relative on the losses, 0.065 on the gradient norms
+BF16_LOSS, BF16_NORM = 2 * 2.0**-8 * (100 / 3) ** 0.5, 2 * 2.0**-8 * (200 / 3) ** 0.5
+
+
+@pytest.mark.parametrize("run", ["trainer_bf16", "sft_bf16"])
+def test_bf16_flags_train_like_one_process(results, run):
+    got, ref = run_of(results, "tp2", run)
+    assert got["steps"] == ref["steps"] == [1, 2, 3, 4] and got["lrs"] == ref["lrs"]
+    assert max(abs(a - b) / b for a, b in zip(got["losses"], ref["losses"])) < BF16_LOSS, (got, ref)
+    assert max(abs(a - b) / b for a, b in zip(got["grad_norms"], ref["grad_norms"])) < BF16_NORM, (got, ref)
