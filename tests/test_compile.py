@@ -262,3 +262,29 @@ def test_compiled_checkpointed_pipeline_trains_as_eager(measured):
 
     for r in case(measured, "pipeline"):
         assert r["compiled"] == pytest.approx(r["eager"], abs=TOL), r
+
+
+# -- emulated TP (one process, no torch.distributed) -------------------------------------------
+
+
+def _explained(model) -> tuple[int, list[str], str]:
+    """dynamo's explain of the whole model's forward: graph breaks, their reasons, the graphs' code."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    out = torch._dynamo.explain(model)(ids, labels=ids)
+    code = "\n".join(m.code for g in out.graphs for m in g.modules() if isinstance(m, torch.fx.GraphModule))
+    return out.graph_break_count, [str(r.reason)[:200] for r in out.break_reasons], code
+
+
+def test_emulated_tp_compiles_like_the_plain_model():
+    """Emulated tp=2, compression off and on: no more graph breaks than the plain model (the
+    emulated collectives are the custom op ``taco::emulated``, in the graph)."""
+    ref = tiny_model("qwen2", num_hidden_layers=1)
+    plain, _, _ = _explained(copy.deepcopy(ref))
+    for compression in (None, ON):
+        model = taco_accel.parallelize(copy.deepcopy(ref), tp=2, compression=compression, emulate=True)
+        breaks, reasons, code = _explained(model)
+        assert breaks <= plain, (compression, reasons)
+        assert "taco.emulated" in code, compression

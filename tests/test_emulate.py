@@ -265,7 +265,7 @@ def test_rank_parts_gradient_equals_slicing(split):
     """The rank parts of a tensor carry the same gradient as plain slices of it (which autograd
     would assemble from full-size zero tensors): bit for bit for disjoint and segmented parts, to
     fp32 rounding for parts replicated on several ranks."""
-    from taco_accel.tp.emulate import _RankParts
+    from taco_accel.tp.emulate import RankParts
 
     torch.manual_seed(0)
     full = torch.randn(*[split.full_size if d == split.dim else 3 for d in range(2)], requires_grad=True)
@@ -274,7 +274,7 @@ def test_rank_parts_gradient_equals_slicing(split):
     def loss(parts):
         return sum((part.movedim(split.dim, 0).T * w).sum() for part, w in zip(parts, weights))
 
-    (got,) = torch.autograd.grad(loss(_RankParts.apply(full, split)), full)
+    (got,) = torch.autograd.grad(loss(RankParts(split)(full)), full)
     (want,) = torch.autograd.grad(loss([split.take(full, p) for p in range(split.tp)]), full)
     if split.replicas == 1:
         assert torch.equal(got, want)

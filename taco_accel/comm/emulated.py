@@ -36,6 +36,7 @@ import torch
 from ..codec import CodecConfig
 from ..codec.api import SUPPORTED_DTYPES, check_config
 from ..codec.layout import length_tag
+from . import ops
 from .collectives import check_residual, check_shape, nonfinite_error, relative_error, wire_codec
 from .compressed import PIECES, Tally, Workspace
 from .pieces import PIECE_BYTES, Pipeline
@@ -145,6 +146,7 @@ class EmulatedGroup:
         self.size = size
         self.reducer = reducer or two_shot_all_reduce
         self._workspaces: dict[torch.device, list[Workspace]] = {}  # one per virtual rank: all are in flight
+        self.handle = ops.register(self)  # how the compiled graph's op `taco::emulated` finds this group
 
     def __repr__(self) -> str:
         name = getattr(self.reducer, "__name__", repr(self.reducer))
@@ -172,12 +174,19 @@ class EmulatedGroup:
         """Concatenation of every rank's tensor along dim 0, in rank order."""
         return self._public("all_gather", shards, config, site, piece_bytes)
 
-    def collective(self, kind: str, xs: Sequence[torch.Tensor], site,
+    def collective(self, kind: str, xs: Sequence[torch.Tensor] | torch.Tensor, site,
                    residuals: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """``kind`` on every rank's tensor through the `site.Site` ``site``: its settings and
-        decision (the size rule: there is no group to time), its statistics. reduce_scatter
+        decision (the size rule: there is no group to time), its statistics. ``xs``: one tensor
+        per rank, or the ranks' tensors stacked along a new dim 0 ([P, ...]). reduce_scatter
         returns every rank's rows stacked in rank order. ``residuals``: one per rank, the error
-        feedback of `collectives` (reduce_scatter, all_gather)."""
+        feedback of `collectives` (reduce_scatter, all_gather).
+
+        Under torch.compile (stacked ``xs``, no residuals) the call is the custom op
+        ``taco::emulated``: opaque to the tracer, so its Python (decision, statistics, codec
+        layouts) costs no graph break and runs at run time, as `ops` does for real groups."""
+        if isinstance(xs, torch.Tensor) and residuals is None and torch.compiler.is_compiling():
+            return torch.ops.taco.emulated(xs, self.handle, site.handle, kind)
         xs = self._check(kind, xs)
         for x in xs:
             site.observe(x)
@@ -199,7 +208,9 @@ class EmulatedGroup:
         return self._run(kind, xs, config, compress, piece_bytes,
                          DEFAULT.record(name), name)
 
-    def _check(self, kind: str, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def _check(self, kind: str, xs: Sequence[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
+        if isinstance(xs, torch.Tensor):
+            xs = xs.unbind(0) if xs.dim() > 0 else ()  # stacked: rank p's tensor at [p]
         if len(xs) != self.size or not all(isinstance(x, torch.Tensor) for x in xs):
             raise ValueError(
                 f"{kind} on an EmulatedGroup of {self.size} ranks needs {self.size} tensors, got {len(xs)}"
@@ -253,6 +264,20 @@ class EmulatedGroup:
         if found is None:
             found = self._workspaces[device] = [Workspace() for _ in range(self.size)]
         return found
+
+
+@torch.library.custom_op("taco::emulated", mutates_args=())
+def emulated(xs: torch.Tensor, group_handle: int, site_handle: int, kind: str) -> torch.Tensor:
+    """`EmulatedGroup.collective` of the stacked ``xs`` [P, ...] through a site, as one op of a
+    compiled graph (both found by their `ops` handles)."""
+    return ops.route(group_handle).collective(kind, xs, ops.route(site_handle))
+
+
+@emulated.register_fake
+def _(xs, group_handle, site_handle, kind):
+    if kind == "all_gather":  # every rank's tensor, concatenated along its dim 0
+        return xs.new_empty((xs.shape[0] * xs.shape[1], *xs.shape[2:]))
+    return xs.new_empty(xs.shape[1:])  # the sum (reduce_scatter: every rank's rows of it, in rank order)
 
 
 def _plain(kind: str, xs: list[torch.Tensor]) -> torch.Tensor:

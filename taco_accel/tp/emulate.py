@@ -49,17 +49,18 @@ from .sites import Site
 
 
 def _all_reduce(group: EmulatedGroup, xs: list[torch.Tensor], site: Site) -> torch.Tensor:
-    return group.collective("all_reduce", xs, site)
+    return group.collective("all_reduce", torch.stack(xs), site)
 
 
 def _all_gather_seq(group: EmulatedGroup, x: torch.Tensor, site: Site, dim: int) -> torch.Tensor:
     """Every rank's block of ``x`` through the all-gather; whole again (the blocks in rank order)."""
-    return group.collective("all_gather", list(blocks(x, group.size, dim)), site).view(x.shape)
+    stacked = x.contiguous().view(group.size, -1, x.shape[-1])  # (tp, b*s/tp, h): rank r's block at [r]
+    return group.collective("all_gather", stacked, site).view(x.shape)
 
 
 def _reduce_scatter_seq(group: EmulatedGroup, xs: list[torch.Tensor], site: Site, dim: int) -> torch.Tensor:
     """The sum of the tp partials through the reduce-scatter: every rank's block, whole again."""
-    rows = [x.contiguous().view(group.size, -1, x.shape[-1]) for x in xs]  # (tp, b*s/tp, h): rank r's block at [r]
+    rows = torch.stack(xs).view(group.size, group.size, -1, xs[0].shape[-1])  # [rank, block, b*s/tp, h]
     return group.collective("reduce_scatter", rows, site).view(xs[0].shape)
 
 
@@ -138,28 +139,52 @@ class _GatherSequence(torch.autograd.Function):
         return grad, None, None, None
 
 
-class _RankParts(torch.autograd.Function):
-    """Every rank's part of ``full`` (`ShardSpec.take`), with its gradient put together once in
-    backward. Plain slicing would make autograd build each part's gradient as a zero-filled
-    tensor of the full size and add the tp of them up: tp fills, copies and additions of the whole
-    tensor for every weight and every row-parallel input, each step."""
+class RankParts:
+    """Every rank's part of a full tensor split by ``split`` (`ShardSpec.take`), with its gradient
+    put together once in backward (`_RankParts`). What the parts need of the spec is read here,
+    once, into plain attributes: the forward and backward then read no cached property (whose
+    lock torch.compile cannot trace) and branch on nothing but constants of the layer.
 
-    @staticmethod
-    def forward(ctx, full: torch.Tensor, split: ShardSpec):
-        ctx.split, ctx.shape = split, full.shape
-        return tuple(split.take(full, p, copy=False) for p in range(split.tp))
+    Plain slicing would make autograd build each part's gradient as a zero-filled tensor of the
+    full size and add the tp of them up: tp fills, copies and additions of the whole tensor for
+    every weight and every row-parallel input, each step."""
 
-    @staticmethod
-    def backward(ctx, *grads):
-        split = ctx.split
-        if split.replicas == 1 and None not in grads:
-            return split.assemble(grads), None  # disjoint parts: each written once (one cat in order)
+    __slots__ = ("split", "tp", "disjoint", "in_order")
+
+    def __init__(self, split: ShardSpec) -> None:
+        self.split, self.tp = split, split.tp
+        self.disjoint, self.in_order = split.replicas == 1, split.in_order
+
+    def __call__(self, full: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return _RankParts.apply(full, self)
+
+    def grad(self, grads: Sequence[torch.Tensor | None], shape: torch.Size) -> torch.Tensor | None:
+        """The gradient of the full tensor from every rank's part's (None: that part unused)."""
+        split = self.split
+        if self.disjoint and None not in grads:
+            if self.in_order:
+                return torch.cat(list(grads), dim=split.dim)  # each written once, in order
+            return split.assemble(grads)
         grad = None
         for p, g in enumerate(grads):  # replicated parts (kv heads) add up, in rank order
             if g is not None:
-                grad = g.new_zeros(ctx.shape) if grad is None else grad
+                grad = g.new_zeros(shape) if grad is None else grad
                 split.place(g, p, grad, accumulate=True)
-        return grad, None
+        return grad
+
+
+class _RankParts(torch.autograd.Function):
+    """`RankParts`: forward the parts (views where a part is one contiguous block), backward
+    their gradients put together."""
+
+    @staticmethod
+    def forward(ctx, full: torch.Tensor, parts: RankParts):
+        ctx.parts, ctx.shape = parts, full.shape
+        return tuple(parts.split.take(full, p, copy=False) for p in range(parts.tp))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return ctx.parts.grad(grads, ctx.shape), None
 
 
 # --- entering and leaving the region ----------------------------------------------------------
@@ -281,6 +306,7 @@ class _EmulatedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.conv1d = linear_layout(module)
         self.group, self.tp, self.split = group, group.size, split
+        self.weight_parts = RankParts(split)
         self.weight = module.weight
         if module.bias is None:
             self.register_parameter("bias", None)
@@ -313,6 +339,7 @@ class EmulatedColumnParallelLinear(_EmulatedLinear):
         super().__init__(module, split.on_dim(1 if conv1d else 0), group)
         self.entry, self.region = entry, region
         self.bias_split = self.split.on_dim(0)
+        self.bias_parts = RankParts(self.bias_split)
         if region is not None:
             region.consumers += 1
 
@@ -323,8 +350,8 @@ class EmulatedColumnParallelLinear(_EmulatedLinear):
             xs = self.region.inputs(x)
         else:
             xs = [x] * self.tp
-        weights = _RankParts.apply(self.weight, self.split)
-        biases = [None] * self.tp if self.bias is None else _RankParts.apply(self.bias, self.bias_split)
+        weights = self.weight_parts(self.weight)
+        biases = [None] * self.tp if self.bias is None else self.bias_parts(self.bias)
         outs = [self._local_linear(xs[p], weights[p], biases[p]) for p in range(self.tp)]  # tp x (b, s, out/tp)
         return rank_order(outs, self.split)  # (b, s, out), replicated kv heads once per rank
 
@@ -337,11 +364,12 @@ class EmulatedRowParallelLinear(_EmulatedLinear):
         conv1d = linear_layout(module).conv1d
         super().__init__(module, split.on_dim(0 if conv1d else 1), group)
         self.input_split = split.on_dim(-1)
+        self.input_parts = RankParts(self.input_split)
         self.reduce = reduce
 
     def partials(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's partial product, (b, s, in) -> tp x (b, s, out), no bias."""
-        xs, weights = _RankParts.apply(x, self.input_split), _RankParts.apply(self.weight, self.split)
+        xs, weights = self.input_parts(x), self.weight_parts(self.weight)
         return [self._local_linear(xs[p], weights[p], None) for p in range(self.tp)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
