@@ -319,21 +319,20 @@ def _autotune() -> dict:
 
 
 def _chunked() -> list[dict]:
-    """GatherChunks / ScatterChunks against all_gather / reduce_scatter of the same rank blocks."""
-    from taco_accel.comm.chunked import GatherChunks, ScatterChunks
-
+    """The per-rank kinds (gather_by_rank / scatter_by_rank) against all_gather / reduce_scatter
+    of the same rank blocks."""
     world, rank = dist.get_world_size(), dist.get_rank()
     records = []
     pieces = 1024
     for label, cfg in (("plain", None), ("compressed", CFG)):
         for dtype in (torch.float32, torch.bfloat16):
             x = _input(99, rank, (2, 3, 70), dtype)  # a (b, s/P, h) shard; 420 values: not whole groups
-            gathered = GatherChunks(x, comm.Site("g", None, cfg, piece_bytes=pieces))
-            order = [r for r, _ in gathered]
-            parts = gathered.finish()  # (P, *x.shape): part r at [r]
+            gathered = comm.Site("g", None, cfg, piece_bytes=pieces).gather_by_rank(x)
+            order = [r for r, _ in gathered.landed()]
+            parts = gathered.wait()  # (P, *x.shape): part r at [r]
             one_shot = comm.all_gather(x.unsqueeze(0), None, cfg, piece_bytes=pieces)  # (P, 2, 3, 70)
             partials = [_input(100 + r, rank, (2, 3, 70), dtype) for r in range(world)]  # rank r's rows
-            sums = ScatterChunks(comm.Site("s", None, cfg, piece_bytes=pieces), x.shape, dtype, x.device)
+            sums = comm.Site("s", None, cfg, piece_bytes=pieces).scatter_by_rank(x.shape, dtype, x.device)
             for r, part in enumerate(partials):
                 sums.submit(r, part)
             mine = sums.wait()
@@ -346,7 +345,7 @@ def _chunked() -> list[dict]:
                 scatter_ulps=float((mine.float() - expect.float()).abs().max() / expect.float().abs().max())
                 / torch.finfo(dtype).eps,
                 compressed=(figures["g"].compressed_calls, figures["s"].compressed_calls),
-                digest=_digest(parts),
+                digest=_digest(parts), mine_digest=_digest(mine),
             ))
     return records
 
@@ -651,6 +650,26 @@ def test_chunked_collectives_equal_the_one_shot_ones(ranks):
             else:  # a plain reduction may add in another order than reduce_scatter: a rounding or two
                 assert rec["scatter_ulps"] <= 2, rec
     _same_across([p["chunked"] for p in ranks], list(range(world)))
+
+
+def test_emulated_group_runs_the_per_rank_kinds_with_the_real_bytes(ranks):
+    """`EmulatedGroup` runs the per-rank kinds through the same piece generators: fed every
+    rank's inputs, it returns the bytes each real rank got, compressed and plain (the gather
+    exactly; the plain scatter sums in rank order, as gloo's reduction does at P = 2)."""
+    ranks = _view(ranks, "chunked")
+    world = len(ranks)
+    group = EmulatedGroup(world)
+    for i, rec in enumerate(ranks[0]["chunked"]):
+        cfg = None if rec["label"] == "plain" else CFG
+        dtype = getattr(torch, rec["dtype"].removeprefix("torch."))
+        shards = [_input(99, r, (2, 3, 70), dtype) for r in range(world)]
+        gathered = group.collective("all_gather_by_rank", [s.unsqueeze(0) for s in shards], comm.Site("e", None, cfg, piece_bytes=1024))
+        assert _digest(gathered) == rec["digest"], rec
+        partials = [torch.stack([_input(100 + r, q, (2, 3, 70), dtype) for r in range(world)]) for q in range(world)]
+        summed = group.collective("reduce_scatter_by_rank", partials, comm.Site("e", None, cfg, piece_bytes=1024))
+        for rank in range(world):
+            if cfg is not None or world == 2:
+                assert _digest(summed[rank]) == ranks[rank]["chunked"][i]["mine_digest"], (rank, rec)
 
 
 def test_collectives_in_flight_together(ranks):

@@ -7,8 +7,8 @@
 One Llama decoder layer (plus a small embedding and lm head), parallelised with `parallelize`,
 runs forward and backward with ``model.taco.overlap.enabled`` on and off (interleaved, median of
 ``--reps``). Timestamps, not a profiler: `CommClock` adds up the host time spent inside the
-communication calls (issuing a collective, and waiting for it: `Pending`, `GatherChunks`,
-`ScatterChunks`), i.e. the communication the pass did not hide. Without overlap every
+communication calls (issuing a collective, and waiting for it: `Pending`, `GatherByRank`,
+`ScatterByRank`), i.e. the communication the pass did not hide. Without overlap every
 collective blocks for its whole duration; with it, only the part not covered by compute.
 The hidden fraction is ``1 - exposed(on) / exposed(off)``. Both modes send the same bytes
 (checked from `pop_comm_stats`).
@@ -65,13 +65,14 @@ class CommClock:
     classes while active; one process)."""
 
     def __init__(self) -> None:
-        from ..comm import chunked, collectives
+        from ..comm import collectives
 
         self.seconds = 0.0
         self._targets = [(collectives.Pending, "__init__"), (collectives.Pending, "result"),
-                         (chunked.GatherChunks, "__init__"), (chunked.GatherChunks, "finish"),
-                         (chunked.ScatterChunks, "submit"), (chunked.ScatterChunks, "wait")]
-        self._iter = chunked.GatherChunks.__iter__
+                         (collectives.GatherByRank, "__init__"), (collectives.GatherByRank, "wait"),
+                         (collectives.ScatterByRank, "__init__"), (collectives.ScatterByRank, "submit"),
+                         (collectives.ScatterByRank, "wait")]
+        self._iter = collectives.GatherByRank.landed
         self._saved = []
 
     def _timed(self, fn):
@@ -84,7 +85,7 @@ class CommClock:
         return timed
 
     def __enter__(self):
-        from ..comm import chunked
+        from ..comm import collectives
 
         for cls, name in self._targets:
             original = cls.__dict__[name]
@@ -104,15 +105,15 @@ class CommClock:
                 clock.seconds += time.perf_counter() - start
                 yield item
 
-        chunked.GatherChunks.__iter__ = timed_iter
+        collectives.GatherByRank.landed = timed_iter
         return self
 
     def __exit__(self, *exc):
-        from ..comm import chunked
+        from ..comm import collectives
 
         for cls, name, original in self._saved:
             setattr(cls, name, original)
-        chunked.GatherChunks.__iter__ = self._iter
+        collectives.GatherByRank.landed = self._iter
 
 
 def measure(args) -> dict:

@@ -14,7 +14,8 @@ keeps one per TP collective, in one ledger per model. `pop_comm_stats` returns a
 per-site figures of the process (bytes sent against the plain collective, calls, sampled
 error); `set_error_sampling` turns the error sampling on. `EmulatedGroup` runs the same
 collectives for P virtual ranks in one process (lists of per-rank tensors in, the same bytes
-out), for emulated TP. Also: `chunked` (the collectives cut per rank, for compute overlap),
+out), for emulated TP. ``site.gather_by_rank`` / ``site.scatter_by_rank``: all_gather and
+reduce_scatter cut per rank (the per-rank kinds, for compute overlap), on the same engine. Also:
 `ops` (custom ops for torch.compile).
 """
 

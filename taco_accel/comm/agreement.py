@@ -42,7 +42,8 @@ from . import dist_ops
 
 DEBUG_ENV = "TACO_CHECK_COLLECTIVES"
 CHECKED_CALLS = 1  # per site
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "send")  # "send": a point-to-point message (`p2p`)
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "send",  # "send": a point-to-point message (`p2p`)
+         "all_gather_by_rank", "reduce_scatter_by_rank")
 FIELDS = ("collective", "elements", "rows", "dims", "dtype", "compressed", "codec settings", "codec settings",
           DEBUG_ENV)
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")

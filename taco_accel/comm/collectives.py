@@ -64,7 +64,7 @@ from ..codec.api import SUPPORTED_DTYPES, check_config
 from ..codec.layout import length_tag
 from ..errors import NonFiniteError, WireFormatError
 from . import agreement, dist_ops
-from .compressed import PIECES, Tally, acquire, release
+from .compressed import PIECES, Tally, acquire, all_gather_by_rank_piece, reduce_scatter_by_rank_piece, release
 from .dist_ops import DONE
 from .pieces import PIECE_BYTES, Pipeline
 from .stats import DEFAULT, SiteRecord, plain_bytes
@@ -142,9 +142,9 @@ def _public(kind: str, x, group, config, site, async_op: bool, compress, inplace
 
 def output_shape(kind: str, x: torch.Tensor, world: int) -> tuple[int, ...]:
     """Shape of the result of ``kind`` on this rank's ``x`` over ``world`` ranks."""
-    if kind == "reduce_scatter":
+    if kind in ("reduce_scatter", "reduce_scatter_by_rank"):
         return (x.shape[0] // world, *x.shape[1:])
-    if kind == "all_gather":
+    if kind in ("all_gather", "all_gather_by_rank"):
         return (x.shape[0] * world, *x.shape[1:])
     return tuple(x.shape)
 
@@ -168,11 +168,11 @@ def check_residual(kind: str, x: torch.Tensor, residual: torch.Tensor | None) ->
 
 def check_shape(kind: str, x: torch.Tensor, world: int) -> None:
     """reduce_scatter needs dim 0 divisible by ``world``; all_gather a dim 0."""
-    if kind == "all_gather" and x.dim() == 0:
-        raise ValueError("all_gather needs x with at least one dimension (got a 0-d tensor); use x.view(1)")
-    if kind == "reduce_scatter" and (x.dim() == 0 or x.shape[0] % world):
+    if kind in ("all_gather", "all_gather_by_rank") and x.dim() == 0:
+        raise ValueError(f"{kind} needs x with at least one dimension (got a 0-d tensor); use x.view(1)")
+    if kind in ("reduce_scatter", "reduce_scatter_by_rank") and (x.dim() == 0 or x.shape[0] % world):
         raise ValueError(
-            f"reduce_scatter needs dim 0 of x (shape {list(x.shape)}) divisible by the group "
+            f"{kind} needs dim 0 of x (shape {list(x.shape)}) divisible by the group "
             f"size {world}; pad or trim dim 0 to a multiple of {world}"
         )
 
@@ -348,3 +348,249 @@ def relative_error(out: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
     """``||out - exact|| / ||exact||`` as a 0-d tensor (``||out - exact||`` when exact is 0)."""
     err, norm = (out.double() - exact).norm(), exact.norm()
     return torch.where(norm > 0, err / norm, err)
+
+
+# --- the per-rank kinds: all_gather / reduce_scatter cut per rank, for compute overlap --------
+
+
+class GatherByRank:
+    """``all_gather_by_rank`` in flight: every rank's ``x`` into ``out``, one rank's part at a
+    time, so that compute can follow each part as it lands (the decomposition of PyTorch's async
+    TP and Megatron's TP overlap)::
+
+        parts = site.gather_by_rank(x, out=full)   # every rank's part on its way
+        for rank, part in parts.landed():           # this rank's first, then the others in rank order
+            y[rank] = part @ w                       # computes while the next part travels
+        parts.wait()                                # statistics; nonfinite="raise"; the workspace back
+
+    ``out``: contiguous, P * x.numel() values (part r: the r-th block of its memory; a new
+    ``(P, *x.shape)`` tensor if None); each part a view of it of x's shape. Compressed, each
+    rank's part travels as one wire buffer of whole groups (`compressed.all_gather_by_rank_piece`,
+    on the `Workspace` and `Pipeline` of every compressed call): the same bytes as `all_gather`
+    of the parts. Plain: one broadcast per rank, straight into ``out``. Recorded under the site
+    as one call."""
+
+    kind = "all_gather_by_rank"
+
+    def __init__(self, x: torch.Tensor, link, codec: CodecConfig | None, compress: bool, piece_bytes: int,
+                 record: SiteRecord | None, site: str, out: torch.Tensor | None = None) -> None:
+        x = x.detach()
+        if not x.is_contiguous():
+            x = x.contiguous()
+        world = link.world
+        self.x, self.link, self.codec, self.record, self.site = x, link, codec, record, site
+        self.nbytes = x.numel() * x.element_size()
+        self.compressed = compress and codec is not None and world > 1 and self.nbytes > 0 \
+            and x.dtype in SUPPORTED_DTYPES
+        if record is not None and agreement.due(record):  # before any byte moves
+            agreement.check(self.kind, x, link, codec, self.compressed, site, piece_bytes)
+        if out is None:
+            out = x.new_empty((world, *x.shape))
+        elif out.numel() != world * x.numel() or not out.is_contiguous() or out.dtype != x.dtype:
+            raise ValueError(f"{site}: gather_by_rank(out=) must be a contiguous {x.dtype} tensor of "
+                             f"{world * x.numel()} values ({world} parts of x's), got {out.dtype} {list(out.shape)}")
+        self.out = out
+        self.parts = list(out.view(world, *x.shape).unbind(0)) if world > 1 else [out.view(x.shape)]
+        self._exact_in = x.double() if self.compressed and record is not None and record.sample_due() else None
+        self._buffers = None
+        try:
+            if self.compressed:
+                self._tally = Tally(codec.nonfinite == "raise", length_tag(x.numel()),
+                                    None if record is None else record.verified)
+                self._buffers = acquire(x.device)
+                step = all_gather_by_rank_piece(x, out, wire_codec(codec), link, self._tally, self._buffers)
+            else:
+                step = _gather_by_rank_plain(x, self.parts, link, codec)
+            self._pipeline = Pipeline.of([step])
+            self._live = self._pipeline.tick()  # every broadcast issued; this rank's part in place
+        except Exception as error:
+            self._fail(error)
+
+    def landed(self):
+        """``(rank, part)`` as each part lands: this rank's first, then the others in rank order."""
+        pipeline = self._pipeline
+        yield pipeline.value, self.parts[pipeline.value]
+        with agreement.named_timeouts(self.site, f"{self.kind} (per rank)", self.link.group):
+            while True:
+                try:
+                    self._live = pipeline.tick()
+                except Exception as error:
+                    self._fail(error)
+                if not self._live:
+                    return
+                yield pipeline.value, self.parts[pipeline.value]
+
+    def wait(self) -> torch.Tensor:
+        """``out``, every part landed; records the call, checks "raise", gives the workspace back."""
+        try:
+            with agreement.named_timeouts(self.site, f"{self.kind} (per rank)", self.link.group):
+                self._pipeline.finish()
+        except Exception as error:
+            self._fail(error)
+        if self._buffers is not None:
+            release(self._buffers)
+            self._buffers = None
+        world, out = self.link.world, self.out
+        uncompressed = plain_bytes("all_gather", self.nbytes, world)
+        sent = self._tally.sent if self.compressed else uncompressed
+        if self.record is not None:
+            self.record.add(sent, uncompressed, self.compressed)
+            if self._exact_in is not None:
+                exact = exact_result("all_gather", self._exact_in.view(1, -1), (world, self.x.numel()), self.link)
+                self.record.errors.append(relative_error(out.view(world, -1), exact))
+        if self.codec is not None and self.codec.nonfinite == "raise" and out.is_floating_point():
+            flag = self._tally.any_nonfinite() if self.compressed else ~torch.isfinite(out).all()
+            raise_if_flag(flag, self.link, self.site, agree=False)  # the same bytes on every rank
+        return out
+
+    def _fail(self, error: Exception):
+        if self._buffers is not None:
+            release(self._buffers)
+            self._buffers = None
+        if isinstance(error, WireFormatError):
+            raise WireFormatError(f"{self.site}: {error}") from error
+        raise error
+
+
+def _gather_by_rank_plain(x: torch.Tensor, parts: list[torch.Tensor], link, codec: CodecConfig | None):
+    """The plain all_gather_by_rank: this rank's x into its part, one broadcast per rank into
+    ``parts``; yields each rank as its part lands (this rank's first)."""
+    world, rank = link.world, link.rank
+    if codec is not None and codec.nonfinite == "zero" and x.is_floating_point():
+        torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0, out=parts[rank])
+    else:
+        parts[rank].copy_(x)
+    works = [link.broadcast(parts[r], r) for r in range(world)] if world > 1 else [DONE]
+    yield rank
+    for r in (*range(rank), *range(rank + 1, world)):
+        works[r].wait()
+        yield r
+    works[rank].wait()
+
+
+class ScatterByRank:
+    """``reduce_scatter_by_rank`` in flight: this rank's part of each rank's rows submitted in
+    rank order, each sent (a reduction to its rank) while the next is computed::
+
+        sums = site.scatter_by_rank(shape, dtype, device)
+        for rank in range(P):
+            sums.submit(rank, partial_for(rank))     # computed, then on its way
+        mine = sums.wait()                           # the sum over ranks of this rank's part
+
+    Every rank submits parts of ``shape`` and ``dtype`` for ranks 0..P-1 in order; ``owned=True``
+    gives the part away (a temporary): the plain reduction then works in it instead of a copy
+    into the workspace. Compressed: each part one wire buffer of whole groups, gathered to its
+    rank and summed there in rank order (`compressed.reduce_scatter_by_rank_piece`): the same
+    bytes as `reduce_scatter` of the stacked parts. Plain: one reduction per rank (the sum's
+    order may differ from reduce_scatter's by fp32 rounding for P > 2). Recorded under the site
+    as one call."""
+
+    kind = "reduce_scatter_by_rank"
+
+    def __init__(self, shape, dtype: torch.dtype, device, link, codec: CodecConfig | None, compress: bool,
+                 piece_bytes: int, record: SiteRecord | None, site: str) -> None:
+        world = link.world
+        self.shape, self.dtype, self.device = torch.Size(shape), dtype, torch.device(device)
+        self.link, self.codec, self.record, self.site, self.piece_bytes = link, codec, record, site, piece_bytes
+        self.nbytes = world * self.shape.numel() * dtype.itemsize  # the whole input: P parts
+        self.compressed = compress and codec is not None and world > 1 and self.nbytes > 0 \
+            and dtype in SUPPORTED_DTYPES
+        self.parts: list = [None] * world
+        self._owned = [False] * world
+        self._next = 0
+        self._exact: list | None = None
+        self._buffers = acquire(self.device)
+        self.out = None
+        if self.compressed:
+            self._tally = Tally(codec.nonfinite == "raise", length_tag(world * self.shape.numel()),
+                                None if record is None else record.verified)
+            self.out = torch.empty(self.shape, dtype=dtype, device=self.device)
+            step = reduce_scatter_by_rank_piece(self.parts, self.out, wire_codec(codec), link, self._tally,
+                                                self._buffers)
+        else:
+            step = self._plain()
+        self._pipeline = Pipeline.of([step])
+
+    def submit(self, rank: int, part: torch.Tensor, owned: bool = False) -> "ScatterByRank":
+        """Send this rank's ``part`` of rank ``rank``'s rows (ranks in order, 0 first)."""
+        if rank != self._next or part.shape.numel() != self.shape.numel() or part.dtype != self.dtype:
+            self._fail(ValueError(
+                f"{self.site}: scatter_by_rank.submit({rank}, {part.dtype} {list(part.shape)}): submit each rank's "
+                f"part once, in rank order (next: {self._next}), each of {list(self.shape)} values in {self.dtype}"))
+        part = part.detach()
+        if not part.is_contiguous():
+            part, owned = part.contiguous(), True
+        if rank == 0:
+            record = self.record
+            if record is not None and agreement.due(record):
+                agreement.check(self.kind, part, self.link, self.codec, self.compressed, self.site, self.piece_bytes)
+            if self.compressed and record is not None and record.sample_due():
+                self._exact = []
+        if self._exact is not None:
+            self._exact.append(part.double())
+        self.parts[rank], self._owned[rank] = part, owned
+        self._next += 1
+        try:
+            self._pipeline.tick()
+        except Exception as error:
+            self._fail(error)
+        return self
+
+    def progress(self) -> None:
+        """Nothing to advance between parts (the `Pending` interface)."""
+
+    def wait(self) -> torch.Tensor:
+        """The sum over ranks of this rank's parts, of ``shape``; records the call."""
+        if self._next != self.link.world:
+            self._fail(ValueError(f"{self.site}: scatter_by_rank.wait() after {self._next} of "
+                                  f"{self.link.world} parts: submit every rank's part first"))
+        try:
+            with agreement.named_timeouts(self.site, f"{self.kind} (per rank)", self.link.group):
+                self._pipeline.finish()
+        except Exception as error:
+            self._fail(error)
+        release(self._buffers)
+        self._buffers = None
+        out, world = self.out.view(self.shape), self.link.world
+        uncompressed = plain_bytes("reduce_scatter", self.nbytes, world)
+        sent = self._tally.sent if self.compressed else uncompressed
+        if self.record is not None:
+            self.record.add(sent, uncompressed, self.compressed)
+            if self._exact is not None:
+                exact = exact_result("reduce_scatter", torch.stack(self._exact), (1, self.shape.numel()), self.link)
+                self.record.errors.append(relative_error(out.view(1, -1), exact))
+        if self.codec is not None and self.codec.nonfinite == "raise" and out.is_floating_point():
+            flag = self._tally.any_nonfinite() if self.compressed else ~torch.isfinite(out).all()
+            raise_if_flag(flag, self.link, self.site, agree=True)  # each rank holds other sums
+        return out
+
+    def _plain(self):
+        """One reduction per rank: in the part itself when it is given away, else in its row of
+        the workspace's staging buffer; yields each rank as its reduction is issued."""
+        link, codec = self.link, self.codec
+        world, rank, numel = link.world, link.rank, self.shape.numel()
+        zero = codec is not None and codec.nonfinite == "zero" and self.dtype.is_floating_point
+        works = []
+        for r in range(world):
+            part = self.parts[r].view(-1)
+            self.parts[r] = None
+            if not self._owned[r]:  # a reduction may overwrite its input on every rank: a copy
+                stage = self._buffers.typed("stage", 0, (world, numel), self.dtype, self.device)[r]
+                part = torch.nan_to_num(part, nan=0.0, posinf=0.0, neginf=0.0, out=stage) if zero else stage.copy_(part)
+            elif zero:
+                torch.nan_to_num(part, nan=0.0, posinf=0.0, neginf=0.0, out=part)
+            works.append(link.reduce(part, r) if world > 1 else DONE)
+            if r == rank:
+                mine, owned = part, self._owned[r]
+            yield r
+        for work in works:
+            work.wait()
+        self.out = mine if owned else mine.clone()  # the staging buffer is the next call's
+
+    def _fail(self, error: Exception):
+        if self._buffers is not None:
+            release(self._buffers)
+            self._buffers = None
+        if isinstance(error, WireFormatError):
+            raise WireFormatError(f"{self.site}: {error}") from error
+        raise error

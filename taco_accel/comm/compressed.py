@@ -105,6 +105,15 @@ class Workspace:
             view = self._views[key] = raw[: numel * dtype.itemsize].view(dtype).view(shape)
         return view
 
+    def rows(self, role: str, slot: int, world: int, nbytes: int, device: torch.device) -> list[torch.Tensor]:
+        """The ``world`` rows of ``nbytes`` each of the buffer ``role`` in ``slot``, as a list
+        (what a gather writes into), made once per size."""
+        key = (role, slot % self.SLOTS, world, nbytes, "rows")
+        found = self._views.get(key)
+        if found is None:
+            found = self._views[key] = list(self.buffer(role, slot, world * nbytes, device, (world, nbytes)).unbind(0))
+        return found
+
     def _grown(self, role: str, slot: int, nbytes: int, device: torch.device) -> torch.Tensor:
         buf = self._buffers.get((role, slot))
         if buf is None or buf.numel() < nbytes:
@@ -237,6 +246,61 @@ def all_gather_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecCo
         rows.copy_(decoded[:, :cols])
 
 
+def all_gather_by_rank_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
+                             buffers: Workspace) -> Iterator[int]:
+    """out [P, c] (contiguous, or any contiguous tensor of P*c values) <- every rank's src (c
+    values, contiguous) decoded, one rank's part at a time: yields each rank as its part lands
+    in ``out`` (this rank's first, then the others in rank order). Each rank's wire is one
+    broadcast from it: the same groups and bytes as `all_gather_piece` (``out=None``: nothing
+    decoded, the rank still yielded)."""
+    world, rank, device, cols = link.world, link.rank, src.device, src.numel()
+    layout = WireLayout.for_tensor(cols, codec)  # one chunk of whole groups per rank
+    cb = layout.total_bytes
+    wires = buffers.buffer("recv", 0, world * cb, device, (world, cb))  # row r: rank r's wire
+    encode_into(src, wires[rank], layout, codec, tag=tally.tag)
+    works = [link.broadcast(wires[r], r) for r in range(world)]
+    parts = None if out is None else out.view(world, cols)
+    for r in (rank, *range(rank), *range(rank + 1, world)):
+        if r != rank:  # this rank's own broadcast is waited for last: its part is here already
+            works[r].wait()
+        if parts is not None:  # this rank's part too: every rank decodes the same bytes
+            decode_into(wires[r], layout, codec, parts[r], tag=tally.tag, seen=tally.seen)
+        yield r
+    works[rank].wait()
+    tally.sent += (world - 1) * cb
+    tally.note(WireLayout.for_tensor(world * layout.padded_numel, codec, chunks=world), wires.view(-1))
+
+
+def reduce_scatter_by_rank_piece(parts: list, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
+                                 buffers: Workspace) -> Iterator[int]:
+    """out [c] <- the compressed sum over ranks of their parts for this rank, one destination at
+    a time: step r encodes ``parts[r]`` (c values, contiguous; the caller puts it there before
+    the step) and gathers it to rank r, and yields r; then this rank sums what it received in
+    rank order and decodes. The same groups and bytes as `reduce_scatter_piece`."""
+    world, rank = link.world, link.rank
+    cols = parts[0].numel()
+    device = parts[0].device
+    layout = WireLayout.for_tensor(cols, codec)
+    cb = layout.total_bytes
+    send = buffers.buffer("send", 0, world * cb, device, (world, cb))  # row r: this rank's part for rank r
+    received = buffers.rows("recv", 0, world, cb, device)  # row p: rank p's part for this rank
+    works = []
+    for r in range(world):
+        encode_into(parts[r], send[r], layout, codec, tag=tally.tag)
+        parts[r] = None  # encoded: the caller's tensor is free
+        works.append(link.gather(received if r == rank else None, send[r], r))
+        yield r
+    for work in works:
+        work.wait()
+    tally.sent += (world - 1) * cb
+    mine = buffers.buffer("sum", 0, cb, device)
+    sum_packed_into(buffers.buffer("recv", 0, world * cb, device, (world, cb)), layout.chunk_layout(), codec, mine,
+                    tag=tally.tag, seen=tally.seen)
+    tally.note(layout, mine)
+    if out is not None:
+        decode_into(mine, layout, codec, out, tag=tally.tag, seen=tally.seen)
+
+
 # --- one call as pieces: views of the input and output, cut at group boundaries --------------
 
 
@@ -290,4 +354,20 @@ def all_gather_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecCon
                                slot, None if lost is None else lost[a:b])
 
 
-PIECES = {"all_reduce": all_reduce_pieces, "reduce_scatter": reduce_scatter_pieces, "all_gather": all_gather_pieces}
+def all_gather_by_rank_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
+                              buffers: Workspace, piece_bytes: int = 0, residual: None = None):
+    """all_gather cut per rank: one piece (a rank's part is the unit that overlaps compute)."""
+    assert residual is None, "the per-rank kinds take no residual"
+    yield all_gather_by_rank_piece(x, out, codec, link, tally, buffers)
+
+
+def reduce_scatter_by_rank_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
+                                  buffers: Workspace, piece_bytes: int = 0, residual: None = None):
+    """reduce_scatter cut per destination rank, every part at hand (x [P*m, ...]: row block r is
+    the part for rank r): one piece."""
+    assert residual is None, "the per-rank kinds take no residual"
+    yield reduce_scatter_by_rank_piece(list(x.view(link.world, -1).unbind(0)), out, codec, link, tally, buffers)
+
+
+PIECES = {"all_reduce": all_reduce_pieces, "reduce_scatter": reduce_scatter_pieces, "all_gather": all_gather_pieces,
+          "all_gather_by_rank": all_gather_by_rank_pieces, "reduce_scatter_by_rank": reduce_scatter_by_rank_pieces}

@@ -69,7 +69,7 @@ class Link(SharedWithCopies):
     """
 
     __slots__ = ("group", "pg", "world", "rank", "backend", "_sum", "_max", "_gather", "_scatter", "_a2a",
-                 "_all_gather", "_reduce_scatter", "_all_to_all")
+                 "_all_gather", "_reduce_scatter", "_all_to_all", "_broadcast", "_gather_to", "_reduce_to")
 
     def __init__(self, group) -> None:
         pg = dist.group.WORLD if group is None else group
@@ -88,6 +88,10 @@ class Link(SharedWithCopies):
         self._all_gather = getattr(pg, "all_gather_single", None) or pg._allgather_base
         self._reduce_scatter = getattr(pg, "reduce_scatter_single", None) or pg._reduce_scatter_base
         self._all_to_all = getattr(pg, "all_to_all_single", None) or pg.alltoall_base
+        roots = range(world)  # the rooted collectives of the per-rank kinds, one options object per root
+        self._broadcast = [_options(c10d.BroadcastOptions, rootRank=r) for r in roots]
+        self._gather_to = [_options(c10d.GatherOptions, rootRank=r) for r in roots]
+        self._reduce_to = [_options(c10d.ReduceOptions, rootRank=r, reduceOp=dist.ReduceOp.SUM) for r in roots]
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum"):
         """x <- the sum (or ``op="max"``) over the ranks of x, in place."""
@@ -100,6 +104,19 @@ class Link(SharedWithCopies):
     def reduce_scatter(self, out: torch.Tensor, x: torch.Tensor):
         """out [n] <- this rank's block of the sum over ranks of x [P*n]."""
         return self._reduce_scatter(out, x, self._scatter)
+
+    def broadcast(self, x: torch.Tensor, root: int):
+        """x <- rank ``root``'s x (group rank)."""
+        return self.pg.broadcast([x], self._broadcast[root])
+
+    def gather(self, out: list[torch.Tensor] | None, x: torch.Tensor, root: int):
+        """On rank ``root``: out[p] <- rank p's x (``out``: P tensors of x's size); elsewhere ``out``
+        is None."""
+        return self.pg.gather([out] if out is not None else [], [x], self._gather_to[root])
+
+    def reduce(self, x: torch.Tensor, root: int):
+        """On rank ``root``: x <- the sum over ranks of x (elsewhere x may be overwritten: scratch)."""
+        return self.pg.reduce([x], self._reduce_to[root])
 
     def all_to_all(self, out: torch.Tensor, x: torch.Tensor):
         """out [P*n] <- block r of every rank's x [P*n], in rank order (r: this rank):

@@ -57,8 +57,8 @@ class _Exchange:
         self.issued: list[list[tuple]] = [[] for _ in range(world)]
         self.done: set[int] = set()
 
-    def issue(self, rank: int, op: str, out: torch.Tensor, x: torch.Tensor) -> "_Work":
-        self.issued[rank].append((op, out, x))
+    def issue(self, rank: int, op: str, out, x: torch.Tensor, root: int = 0) -> "_Work":
+        self.issued[rank].append((op, out, x, root))
         return _Work(self, len(self.issued[rank]) - 1)
 
     def run(self, index: int) -> None:
@@ -66,10 +66,19 @@ class _Exchange:
             return
         calls = [self.issued[r][index] for r in range(self.world)]
         world = self.world
-        for r, (op, out, _) in enumerate(calls):
-            rows = out.view(world, -1)
-            for p, (_, _, x) in enumerate(calls):
-                rows[p].copy_(x.view(world, -1)[r] if op == "all_to_all" else x.view(-1))
+        op, _, _, root = calls[0]
+        if op == "broadcast":  # every rank's x <- the root's
+            for r, (_, _, x, _) in enumerate(calls):
+                if r != root:
+                    x.copy_(calls[root][2])
+        elif op == "gather":  # the root's out[p] <- rank p's x
+            for p, (_, _, x, _) in enumerate(calls):
+                calls[root][1][p].copy_(x)
+        else:
+            for r, (op, out, _, _) in enumerate(calls):
+                rows = out.view(world, -1)
+                for p, (_, _, x, _) in enumerate(calls):
+                    rows[p].copy_(x.view(world, -1)[r] if op == "all_to_all" else x.view(-1))
         self.done.add(index)
 
 
@@ -97,6 +106,12 @@ class EmulatedRank:
 
     def all_gather(self, out: torch.Tensor, x: torch.Tensor) -> _Work:
         return self.exchange.issue(self.rank, "all_gather", out, x)
+
+    def broadcast(self, x: torch.Tensor, root: int) -> _Work:
+        return self.exchange.issue(self.rank, "broadcast", None, x, root)
+
+    def gather(self, out: list[torch.Tensor] | None, x: torch.Tensor, root: int) -> _Work:
+        return self.exchange.issue(self.rank, "gather", out, x, root)
 
 
 def run_compressed(kind: str, xs: list[torch.Tensor], outs: list[torch.Tensor | None], codec: CodecConfig,
@@ -248,7 +263,7 @@ class EmulatedGroup:
         world, x = self.size, xs[0]
         if kind == "all_reduce" and self.reducer is not two_shot_all_reduce:
             return self.reducer(xs, codec)
-        if kind == "reduce_scatter":
+        if kind in ("reduce_scatter", "reduce_scatter_by_rank"):
             out = torch.empty_like(x)
             outs = list(out.view(world, -1).unbind(0))  # rank r decodes its rows
         else:
@@ -282,7 +297,7 @@ def _(xs, group_handle, site_handle, kind):
 
 def _plain(kind: str, xs: list[torch.Tensor]) -> torch.Tensor:
     """The plain collective in the inputs' dtype (sums in rank order)."""
-    if kind == "all_gather":
+    if kind in ("all_gather", "all_gather_by_rank"):
         return torch.cat(xs)
     out = xs[0].clone()
     for x in xs[1:]:

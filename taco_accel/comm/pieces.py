@@ -66,6 +66,7 @@ class Pipeline:
         self._pending = iter(steps)
         self._live: list[Iterator] = []  # oldest first
         self._only = None  # a message of one piece: advanced directly (the common case, less host work)
+        self.value = None  # what that one piece yielded last (the per-rank kinds: the rank whose part landed)
 
     @classmethod
     def of(cls, steps: list[Iterator]) -> "Pipeline":
@@ -80,7 +81,9 @@ class Pipeline:
         """Start the next piece (if any) and advance every live one; False once all are done."""
         only = self._only
         if only is not None:
-            if next(only, _END) is not _END:
+            value = next(only, _END)
+            if value is not _END:
+                self.value = value
                 return True
             self._only = None
             return False

@@ -30,8 +30,8 @@ import torch
 from ..codec import CodecConfig, TacoConfig
 from ..codec.api import SUPPORTED_DTYPES
 from . import dist_ops, ops
+from .collectives import GatherByRank, Pending, ScatterByRank, check_residual, check_shape
 from .copies import SharesGroup
-from .collectives import Pending, check_residual, check_shape
 from .pieces import PIECE_BYTES
 from .stats import DEFAULT, Ledger
 
@@ -112,6 +112,25 @@ class Site(SharesGroup):
                           check_residual(kind, x, residual))
         return pending if async_op else pending.wait()
 
+    def gather_by_rank(self, x: torch.Tensor, out: torch.Tensor | None = None) -> GatherByRank:
+        """The all-gather of every rank's ``x`` into ``out``, one rank's part at a time
+        (``.landed()`` yields ``(rank, part)`` as each lands, ``.wait()`` ends the call): the
+        per-rank kind of `collectives.GatherByRank`, on this site's settings and decision (taken
+        for the whole all-gather) and recorded in its ledger."""
+        if x.requires_grad:
+            x = x.detach()
+        return GatherByRank(x, self._link or self.link, self.codec, self.compresses("all_gather", x), self.piece_bytes,
+                            self.entry, self.name, out)
+
+    def scatter_by_rank(self, shape, dtype: torch.dtype, device) -> ScatterByRank:
+        """A reduce-scatter whose parts (each rank's rows, of ``shape`` and ``dtype``) are
+        submitted one destination rank at a time (``.submit(rank, part)``, ``.wait()``): the
+        per-rank kind of `collectives.ScatterByRank`, on this site's settings and decision (taken
+        for the whole reduce-scatter, P parts) and recorded in its ledger."""
+        link = self._link or self.link
+        compress = self.compresses_like("reduce_scatter", (link.world, *shape), dtype, device)
+        return ScatterByRank(shape, dtype, device, link, self.codec, compress, self.piece_bytes, self.entry, self.name)
+
     # -- the decision ------------------------------------------------------------------------
 
     def floor_allows(self, nbytes: int, dtype: torch.dtype) -> bool:
@@ -131,8 +150,8 @@ class Site(SharesGroup):
         return self._decide(kind, x.numel() * x.element_size(), x.dtype, lambda: x)
 
     def compresses_like(self, kind: str, shape, dtype: torch.dtype, device) -> bool:
-        """`compresses` for a message of ``shape`` and ``dtype`` sent in parts (the decomposed
-        collectives of `chunked`); a timing, if one is due, runs on zeros of that shape."""
+        """`compresses` for a message of ``shape`` and ``dtype`` sent in parts (the per-rank
+        kinds, a pipeline boundary); a timing, if one is due, runs on zeros of that shape."""
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         return self._decide(kind, nbytes, dtype, lambda: torch.zeros(shape, dtype=dtype, device=device))
 

@@ -171,8 +171,8 @@ def plain_bytes(kind: str, nbytes: int, world: int) -> int:
     """
     if kind == "all_reduce":
         return 2 * (world - 1) * nbytes // world
-    if kind == "reduce_scatter":
+    if kind in ("reduce_scatter", "reduce_scatter_by_rank"):
         return (world - 1) * nbytes // world
-    if kind == "all_gather":
+    if kind in ("all_gather", "all_gather_by_rank"):
         return (world - 1) * nbytes
     raise ValueError(f"unknown collective {kind!r}")

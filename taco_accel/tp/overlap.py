@@ -9,8 +9,9 @@ backward can overlap as Megatron does::
     for each layer i: grad_W_i = grad_y_i^T x, grad_b_i       # ... while the weight gradients run
     return pending.wait()                                     #     (compressed: a piece per matmul)
 
-With sequence parallelism active (async TP's decomposition, `comm.chunked`; a rank's part is
-its block of the token rows, `mappings`):
+With sequence parallelism active (async TP's decomposition: the per-rank collective kinds of
+`comm.collectives`, ``site.gather_by_rank`` / ``site.scatter_by_rank``; a rank's part is its
+block of the token rows, `mappings`):
 
     column forward   all-gather of the (b, s/tp, h) blocks as one broadcast per rank, each
                      received straight into its place in the (b, s, h) input; each rank's
@@ -35,7 +36,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..comm.chunked import GatherChunks, ScatterChunks
 from ..comm.dist_ops import group_size
 from .autocast import MatmulCast
 from .mappings import blocks
@@ -160,14 +160,14 @@ def _gather_then_multiply(shard, site, weights, biases, conv, cast: MatmulCast):
     full = shard.new_empty(_whole(shard.shape, world))  # (b, s, h): rank r's block is its r-th tp-th
     cast_full = full.new_empty(full.shape, dtype=cast.dtype) if cast.changes(shard) else full  # filled per block
     cast_blocks = blocks(cast_full, world, SEQ_DIM)
-    parts = GatherChunks(shard, site, out=full)
+    parts = site.gather_by_rank(shard, out=full)
     ys = [[None] * world for _ in weights]
-    for rank, part in parts:  # (b, s/tp, h) each, a view of full
+    for rank, part in parts.landed():  # (b, s/tp, h) each, a view of full
         if cast_full is not full:
             part = cast_blocks[rank].copy_(part)
         for y, w, b, c in zip(ys, weights, biases, conv):
             y[rank] = _linear(part, w, b, c)
-    parts.finish()
+    parts.wait()
     return full, cast_full, [_join(y) for y in ys]
 
 
@@ -188,7 +188,7 @@ def _scatter_input_grad(x_full, grad_x, grad_ys, weights, conv, site, dtype):
     world = site.link.world
     block = list(x_full.shape)
     block[SEQ_DIM] //= world
-    sums = ScatterChunks(site, block, dtype, x_full.device)
+    sums = site.scatter_by_rank(block, dtype, x_full.device)
     grad_x = None if grad_x is None else blocks(grad_x, world, SEQ_DIM)
     grad_ys = [None if gy is None else blocks(gy, world, SEQ_DIM) for gy in grad_ys]
     for rank in range(world):
@@ -200,20 +200,7 @@ def _scatter_input_grad(x_full, grad_x, grad_ys, weights, conv, site, dtype):
         if site.samples is not None:
             site.observe(part)
         sums.submit(rank, part, owned)
-    return _Waiting(sums)
-
-
-class _Waiting:
-    """A `ScatterChunks` with the `Pending` interface (nothing to advance between matmuls)."""
-
-    def __init__(self, sums: ScatterChunks) -> None:
-        self.sums = sums
-
-    def progress(self) -> None:
-        pass
-
-    def wait(self) -> torch.Tensor:
-        return self.sums.wait()
+    return sums  # the `Pending` interface: progress (nothing between parts), wait
 
 
 class RowSequenceLinear(torch.autograd.Function):
@@ -230,7 +217,7 @@ class RowSequenceLinear(torch.autograd.Function):
         x, weight = cast(x), cast(weight)  # the product and its reduce-scatter in the matmul dtype
         block = list(x.shape[:-1]) + [weight.shape[1] if conv1d else weight.shape[0]]
         block[SEQ_DIM] //= world
-        sums = ScatterChunks(site, block, x.dtype, x.device)
+        sums = site.scatter_by_rank(block, x.dtype, x.device)
         for rank, rows in enumerate(blocks(x, world, SEQ_DIM)):
             part = _linear(rows, weight, None, conv1d)  # (b, s/tp, out)
             if site.samples is not None:
@@ -248,13 +235,13 @@ class RowSequenceLinear(torch.autograd.Function):
             site.observe(grad)
         world = site.link.world
         full = grad.new_empty(_whole(grad.shape, world))  # (b, s, out)
-        parts = GatherChunks(grad, site, out=full)
+        parts = site.gather_by_rank(grad, out=full)
         grads_x = [None] * world
         x_dtype, w_dtype = ctx.dtypes
-        for rank, g in parts:  # (b, s/tp, out) each, a view of full
+        for rank, g in parts.landed():  # (b, s/tp, out) each, a view of full
             if ctx.needs_input_grad[0]:
                 grads_x[rank] = MatmulCast.grad_for(_input_grad(g.to(x.dtype), weight, ctx.conv1d), x_dtype)
-        parts.finish()
+        parts.wait()
         grad_x = _join(grads_x) if ctx.needs_input_grad[0] else None
         grad_w = MatmulCast.grad_for(_weight_grad(full.to(x.dtype), x, ctx.conv1d), w_dtype) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None, None
