@@ -286,7 +286,7 @@ class _Stubbed:
     dispatch and its header checks), everything else as it runs: what is left is the host work of
     a call. Counts the collectives a call would issue."""
 
-    LINK = ("all_reduce", "all_gather", "all_to_all", "reduce_scatter")
+    LINK = ("all_reduce", "all_gather", "all_to_all", "reduce_scatter", "broadcast", "gather", "reduce")
     CODEC = ("compress_into", "decompress_into", "sum_into")
 
     def __init__(self) -> None:
@@ -408,13 +408,35 @@ def real_costs(numel: int, calls: int, rounds: int, device: torch.device) -> dic
 def own_costs(numel: int, calls: int, rounds: int, device: torch.device) -> dict[str, dict]:
     """Per call, transfers and codec kernels stubbed: host us, collectives issued, Python calls,
     torch operations and tensors allocated, for a plain and a compressed all-reduce site (in
-    place, and into a new output)."""
+    place, and into a new output), and the sequence-parallel overlap's per-rank kinds (`tp.overlap`:
+    a gather of ``numel`` values per rank into the caller's buffer, landed part by part; a
+    scatter of P parts of ``numel`` values, the caller's to keep, submitted one by one)."""
     x = torch.zeros(numel, device=device)
     plain, packed = comm.Site("bench/own_plain", None, None), comm.Site("bench/own", None, TacoConfig())
+    world = dist.get_world_size()
+    full = torch.zeros(world * numel, device=device)
+    parts = [torch.zeros(numel, device=device) for _ in range(world)]
+
+    def gather(site):
+        parts_landed = site.gather_by_rank(x, out=full)
+        for _ in parts_landed.landed():
+            pass
+        return parts_landed.wait()
+
+    def scatter(site):
+        sums = site.scatter_by_rank(x.shape, x.dtype, device)
+        for rank, part in enumerate(parts):
+            sums.submit(rank, part)
+        return sums.wait()
+
     variants = {
         "plain, in place": lambda: plain.run("all_reduce", x, inplace=True),
         "compressed, in place": lambda: packed.run("all_reduce", x, inplace=True),
         "compressed, new output": lambda: packed.run("all_reduce", x),
+        "SP gather by rank, plain": lambda: gather(plain),
+        "SP gather by rank, compressed": lambda: gather(packed),
+        "SP scatter by rank, plain": lambda: scatter(plain),
+        "SP scatter by rank, compressed": lambda: scatter(packed),
     }
     for fn in variants.values():
         fn()  # the first call of each site: its agreement check needs the real transfers
@@ -514,7 +536,8 @@ def run_host(args) -> None:
         ref = t["torch.distributed"]
         print(f"| {n} | {ref:.1f} | {t['comm.all_reduce']:.1f} | {t['Site']:.1f} | {t['comm.all_reduce'] / ref:.2f} | "
               f"{t['Site'] / ref:.2f} |")
-    print(f"\n# one all_reduce site call, transfers and codec kernels stubbed: the library's own host work ({head})")
+    print(f"\n# one site call (all_reduce; the SP overlap's per-rank kinds), transfers and codec kernels stubbed: "
+          f"the library's own host work ({head})")
     print("| values | call | host us | collectives | Python calls | torch ops | tensors allocated |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for n, rows in own.items():
