@@ -84,7 +84,7 @@ def _batch(vocab: int):
 def _step(model, ids, labels, autocast: torch.dtype | None, dtype: torch.dtype) -> dict:
     """One forward and backward; the logits, the loss and the roundings counted on the way."""
     count = _Roundings(dtype)
-    with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None), count:
+    with torch.autocast(ids.device.type, dtype=autocast, enabled=autocast is not None), count:
         out = model(ids, labels=labels)
     forward = count.count
     with count:

@@ -40,6 +40,43 @@ def _worker() -> dict:
     return out
 
 
+def _autocast_worker() -> dict:
+    """fp32 weights under CUDA bf16 autocast, against the same model on one process under it
+    (tests/test_precision.py's comparison, on the GPU: cuBLAS bf16 products)."""
+    from test_precision import _bound, _rel_rms, _step
+
+    from taco_accel.models.state import shard_specs
+
+    torch.cuda.set_device(0)
+    out = {}
+    for arch in ("qwen3", "gpt2"):
+        for sp in (False, True):
+            ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0)).cuda()
+            ref = tiny_model(arch).cuda()
+            model = taco_accel.parallelize(copy.deepcopy(ref), compression=None, sequence_parallel=sp)
+            got, want = (_step(m, ids, ids, torch.bfloat16, torch.bfloat16) for m in (model, ref))
+            specs, rank = shard_specs(model), model.taco.rank
+            diff = total = 0.0
+            for name, param in model.named_parameters():
+                expected = ref.get_parameter(name).grad
+                expected = specs[name].take(expected, rank) if name in specs else expected
+                diff += float((param.grad.double() - expected.double()).pow(2).sum())
+                total += float(expected.double().pow(2).sum())
+            out[arch, sp] = {"logits": _rel_rms(got["logits"], want["logits"]), "grads": (diff / total) ** 0.5,
+                             "logits_bound": _bound(torch.bfloat16, got["n_fwd"], want["n_fwd"]),
+                             "grads_bound": _bound(torch.bfloat16, got["n_all"], want["n_all"]),
+                             "dtype": str(got["logits"].dtype), "device": str(got["logits"].device)}
+    return out
+
+
+def test_cuda_bf16_autocast_matches_one_process():
+    for result in run_ranks(_autocast_worker, 2):
+        for key, r in result.items():
+            assert r["device"].startswith("cuda") and r["dtype"] == "torch.bfloat16", (key, r)
+            # relative rms within test_precision's rounding bound, u (sqrt N_a + sqrt N_b) / sqrt 3
+            assert r["logits"] < r["logits_bound"] and r["grads"] < r["grads_bound"], (key, r)
+
+
 def test_bf16_triton_codec_on_cuda():
     for result in run_ranks(_worker, 2):
         for arch, r in result.items():
