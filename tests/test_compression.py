@@ -1,7 +1,9 @@
 """`taco_accel.Compression`: the one compression type, its spellings, JSON, errors, and the one default.
 
 Single process: the spellings of "on" train an emulated tiny model to bit-identical losses (the
-same collectives on the same values), and every public entry resolves its default to "auto".
+same collectives on the same values), every public entry resolves its default to "auto" (the
+same constant everywhere), and the command lines map onto the same `Compression` as the API.
+Two gloo ranks: a different compression for a model already parallelised raises on every rank.
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ import pathlib
 import pytest
 import torch
 
+from harness import run_ranks
+
 import taco_accel
 from taco_accel import Compression, ConfigError, ConfigTypeError, TacoConfig, TacoError
+from taco_accel.comm.policy import DEFAULT_COMPRESSION, DEFAULT_MODE
 from taco_accel.models.tiny import tiny_model
 
 G64 = TacoConfig(group_size=64)
@@ -175,3 +180,109 @@ def test_every_spelling_of_on_trains_alike(tmp_path):
     assert plain == 0 and off != on  # the codec's rounding shows in the losses
     # auto on an emulated model: the size rule (UNTIMED_BYTES = 8 MiB); a tiny model's messages stay plain
     assert _losses("auto") == (off, 0) == _losses(None)
+
+
+# -- one default, one mapping from the command line, one compression per model -----------------
+
+def test_every_entry_has_the_one_default():
+    """Every entry that takes ``compression`` defaults to the one constant (``"auto"``), pipeline
+    boundaries in one process included; the command lines' default is the same mode."""
+    from taco_accel.parallel import apply_pp, emulate_boundaries
+    from taco_accel.training.cli import build_parser
+
+    functions = {name: function for name, (function, _) in _entries().items()}
+    functions.update(apply_pp=apply_pp, emulate_boundaries=emulate_boundaries, resolve=Compression.resolve)
+    for name, function in functions.items():
+        assert inspect.signature(function).parameters[
+            "value" if name == "resolve" else "compression"].default is DEFAULT_COMPRESSION, name
+    assert DEFAULT_COMPRESSION == DEFAULT_MODE == Compression().mode == "auto"
+    args = build_parser("qwen2", "test").parse_args(["--preset", "small"])
+    assert args.compression is None and _cli(["--preset", "small"], 512) == Compression(DEFAULT_MODE)
+
+
+def _cli(argv, hidden, parser="pretrain"):
+    from taco_accel.training import cli, finetune_cli
+
+    if parser == "pretrain":
+        return cli.compression_from_args(cli.build_parser("qwen2", "test").parse_args(argv), hidden)
+    return cli.compression_from_args(finetune_cli.build_parser("qwen2", "test").parse_args(argv), hidden, small=False)
+
+
+@pytest.mark.parametrize("parser", ["pretrain", "finetune"])
+def test_command_line_maps_onto_the_same_compression(tmp_path, parser):
+    """Each flag is one field or method of `Compression`: what a command line builds equals the
+    API value spelled with the same words, for a model of hidden size 128 or more (where the one
+    fitting rule, `Compression.fit`, changes nothing)."""
+    path = _saved(tmp_path, RICH.to_dict())
+    cases = {
+        ("--compression", "on"): Compression("on"),
+        ("--compression", "off"): Compression("off"),
+        ("--compression", "auto", "--compression-threshold", "4096"): Compression("auto", threshold_bytes=4096),
+        ("--compression", "on", "--group-size", "64"): Compression("on", G64, G64),
+        ("--compression", str(path)): RICH,
+        ("--compression", str(path), "--group-size", "64", "--compression-threshold", "0"):
+            RICH.map_configs(lambda c: c.replace(group_size=64)).replace(threshold_bytes=0),
+    }
+    for argv, api in cases.items():
+        for hidden in (128, 4096):
+            assert _cli(list(argv), hidden, parser) == api, (argv, hidden)
+    # below 128 the rule fits the group size unless --group-size says it; the API applies the same rule by name
+    assert _cli(["--compression", "on"], 64, parser) == Compression("on").fit(64) == Compression("on", G64, G64)
+    assert _cli(["--compression", "on", "--group-size", "128"], 64, parser) == Compression("on")
+
+
+def test_fit_is_one_rule():
+    assert Compression("on").fit(128) == Compression("on") and Compression("on").fit(32).forward.group_size == 32
+    assert Compression("on").fit(48).backward.group_size == 32  # the largest power of two <= h
+    assert Compression("on").fit(16).forward.group_size == 32  # the codec's smallest group
+    narrow = Compression("auto", G64.replace(group_size=32), None, {"lm_head/*": TacoConfig(group_size=256)})
+    assert narrow.fit(64) == Compression("auto", TacoConfig(group_size=32), None, {"lm_head/*": G64})
+
+
+def test_the_default_is_told_apart_from_a_given_auto():
+    from taco_accel.comm.policy import check_same
+
+    default = Compression.resolve(DEFAULT_COMPRESSION)
+    assert default.defaulted and default == Compression() and not Compression.resolve("auto").defaulted
+    on = Compression("on")
+    check_same(default, on, "here")  # nothing given: the model keeps its own
+    check_same(Compression.resolve("on"), on, "here")  # the same value
+    with pytest.raises(ConfigError, match=r"here: compression=auto .* already parallelised with compression=on"):
+        check_same(Compression.resolve("auto"), on, "here")
+
+
+def _conflicting_compression() -> dict:
+    """A tiny model made tensor parallel with "on", then handed to each entry with another
+    compression (each must raise before any collective, on every rank), and with the same one."""
+    from accelerate import ParallelismConfig
+
+    from taco_accel.parallel import ParallelDims, apply_pp, apply_tp, build_mesh, distribute
+
+    dims = ParallelDims(tp=2)
+    mesh = build_mesh(dims, "cpu")
+    model = tiny_model("qwen2")
+    apply_tp(model, mesh, compression="on")
+    calls = {
+        "distribute": lambda c: distribute(model, mesh, dims, compression=c),
+        "apply_pp": lambda c: apply_pp(model, mesh, compression=c),
+        "Accelerator": lambda c: taco_accel.Accelerator(parallelism_config=ParallelismConfig(tp_size=2),
+                                                        compression=c).prepare(model),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call("off")
+            out[name] = None
+        except ConfigError as e:
+            out[name] = str(e)
+    out["same"] = type(distribute(model, mesh, dims, compression=Compression("on"))).__name__  # equal: accepted
+    return out
+
+
+def test_a_conflicting_compression_raises_on_every_rank():
+    for rank in run_ranks(_conflicting_compression, 2):
+        for name in ("distribute", "apply_pp", "Accelerator"):
+            assert rank[name] is not None, (name, rank)  # a ConfigError, not silently ignored
+            assert "compression=off was given for a model already parallelised with compression=on (fwd" in rank[name]
+            assert "pass the same value (or none)" in rank[name]
+        assert rank["same"] == "ModelParts"

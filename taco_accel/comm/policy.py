@@ -6,7 +6,7 @@ the size floor and the piece size; `TacoConfig` holds codec settings only. One v
 every public entry (`parallelize`, `from_pretrained`, `distribute`, `apply_tp`, `apply_pp`,
 `emulate_boundaries`, `Accelerator`, `taco_trainer`, `TrainConfig`, `FinetuneConfig` and the
 command lines' ``--compression``), each of which passes what it is given through
-`Compression.resolve`, and each of which defaults to `DEFAULT_MODE` (``"auto"``)::
+`Compression.resolve`, and each of which defaults to `DEFAULT_COMPRESSION` (``"auto"``)::
 
     Compression(mode="on", forward=TacoConfig(group_size=64), backward=None,
                 sites={"lm_head/*": None})          # every forward site but the lm head's, compressed
@@ -33,6 +33,15 @@ does:
 In every mode ``threshold_bytes`` (default 0) is an opt-in floor: messages smaller than it stay
 plain, untimed. A compressed message is sent in pieces of about ``piece_bytes`` (0: whole) whose
 codec work overlaps the transfer of their neighbours (`comm.pieces`).
+
+A model keeps the compression it was parallelised with (``model.taco.compression``): an entry
+that lays out a model already parallelised (`distribute`, `apply_pp`, `Accelerator.prepare`)
+accepts the default (nothing given) or an equal value, and raises a `ConfigError` naming both
+for a different one (`check_same`).
+
+Group sizes are taken as given (a group may straddle rows of a narrow model: it works, with
+coarser scales); `Compression.fit` lowers them to a model's hidden size where that is below
+128, and the command lines apply it unless ``--group-size`` is given.
 """
 
 from __future__ import annotations
@@ -51,7 +60,17 @@ from .pieces import PIECE_BYTES
 
 Mode = Literal["auto", "on", "off"]
 MODES = ("auto", "on", "off")
-DEFAULT_MODE: Mode = "auto"  # every public entry's default compression (the command lines' too)
+DEFAULT_MODE: Mode = "auto"  # the default mode, of `Compression()` and of every public entry's compression
+
+
+class _Default(str):
+    """The type of `DEFAULT_COMPRESSION`: the string ``"auto"``, told apart from an ``"auto"``
+    a caller passes, so that a model already parallelised keeps its own compression."""
+
+    __slots__ = ()
+
+
+DEFAULT_COMPRESSION: str = _Default(DEFAULT_MODE)  # every public entry's default ``compression``
 UNTIMED_BYTES = 8 * 2**20  # "auto" with no group to time (emulated): compressed from this message size on
 DEFAULT = TacoConfig()  # the codec's defaults
 POLICY = ("threshold_bytes", "piece_bytes")
@@ -99,6 +118,7 @@ class Compression:
     threshold_bytes: int = 0
     piece_bytes: int = PIECE_BYTES
     auto: InitVar[object] = MOVED  # removed: passing it raises, naming ``mode``
+    defaulted: bool = field(default=False, init=False, compare=False, repr=False)  # resolved from the default
 
     def __post_init__(self, auto: object = MOVED) -> None:
         if auto is not MOVED:
@@ -124,12 +144,17 @@ class Compression:
     # -- the one entry ------------------------------------------------------------------------
 
     @classmethod
-    def resolve(cls, value: object = DEFAULT_MODE) -> "Compression":
+    def resolve(cls, value: object = DEFAULT_COMPRESSION) -> "Compression":
         """The `Compression` that ``value`` says: a `Compression` (as it is), ``"auto"`` /
         ``"on"`` / ``"off"`` (that mode, default settings), a `TacoConfig` (``"on"`` with it both
         ways), ``None`` (``"off"``), a dict (`from_dict`), or a path to a JSON file (a str
         ending in ``.json`` or a ``pathlib.Path``: `from_json`). Anything else raises
-        `ConfigTypeError` naming these forms."""
+        `ConfigTypeError` naming these forms. `DEFAULT_COMPRESSION` (an entry's default) gives
+        ``Compression()`` marked ``defaulted`` (nothing was given: `check_same`)."""
+        if value is DEFAULT_COMPRESSION:
+            default = cls(DEFAULT_MODE)
+            object.__setattr__(default, "defaulted", True)
+            return default
         if isinstance(value, Compression):
             return value
         if value is None:
@@ -178,6 +203,16 @@ class Compression:
     def replace(self, **changes) -> "Compression":
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
+
+    def fit(self, hidden_size: int) -> "Compression":
+        """This compression for a model of hidden size ``hidden_size``: below 128, every group
+        size above it becomes the largest power of two <= it (at least 32), so that a group
+        does not straddle rows. The command lines apply it unless ``--group-size`` is given;
+        every other entry takes a `Compression` as it is."""
+        if hidden_size >= 128:
+            return self
+        fit = max(32, 1 << (max(1, int(hidden_size)).bit_length() - 1))
+        return self.map_configs(lambda c: c.replace(group_size=fit) if c.group_size > fit else c)
 
     def allows(self, nbytes: int) -> bool:
         """The size floor: whether a message of ``nbytes`` may be compressed (any but an empty
@@ -264,6 +299,17 @@ class Compression:
         overrides = f", {len(self.sites)} site patterns" if self.sites else ""
         floor = f", from {self.threshold_bytes} bytes" if self.threshold_bytes else ""
         return f"{self.mode} ({directions}{overrides}{floor})"
+
+
+def check_same(given: Compression, existing: Compression, where: str) -> None:
+    """A model already parallelised keeps its compression ``existing``: ``given`` (resolved) may
+    be the default (``defaulted``: nothing was given) or equal to it; anything else raises a
+    `ConfigError` naming both and the fix (the same on every rank, which all make this call)."""
+    if given.defaulted or given == existing:
+        return
+    raise ConfigError(f"{where}: compression={given} was given for a model already parallelised with "
+                      f"compression={existing}; a model keeps the compression it was parallelised with: pass the "
+                      "same value (or none), or parallelise a fresh model with the compression you want")
 
 
 # Every form `Compression.resolve` accepts: the type of a public entry's ``compression`` argument.

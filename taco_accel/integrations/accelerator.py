@@ -75,7 +75,7 @@ from ..parallel import ModelParts, ParallelDims, build_mesh, clip_grad_norm_, co
 from ..parallel.grad_scaler import MeshGradScaler
 from ..parallel.mesh import PP_ENV
 from ..parallel.stage import site_tables
-from ..tp import Compression
+from ..comm.policy import DEFAULT_COMPRESSION, Compression
 from . import checkpoint as ckpt
 from .launch import launch_notes, without_parallelism_config
 
@@ -122,7 +122,7 @@ class Accelerator(_AccelerateAccelerator):
     """
 
     def __init__(self, *args, parallelism_config=None, parallel_dims: ParallelDims | None = None,
-                 pp_size: int | None = None, compression="auto", grad_compression="off",
+                 pp_size: int | None = None, compression=DEFAULT_COMPRESSION, grad_compression="off",
                  sequence_parallel: bool = False, logits: LogitsMode | None = None, **kwargs):
         compression = Compression.resolve(compression)  # before any process group starts
         grad_compression = Compression.resolve(grad_compression)

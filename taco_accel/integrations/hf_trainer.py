@@ -52,6 +52,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..models import context_of, parallelize
+from ..comm.policy import DEFAULT_COMPRESSION
 from ..tp import ColumnParallelLinear, Compression, gather_from_tp_region
 from .accelerator import Accelerator
 
@@ -60,7 +61,7 @@ logger = logging.getLogger(__name__)
 TACO_STATE = "taco_state"  # the sharded state's folder inside a Trainer checkpoint
 
 
-def taco_trainer(trainer_cls: type, *, compression="auto", sequence_parallel: bool = False) -> type:
+def taco_trainer(trainer_cls: type, *, compression=DEFAULT_COMPRESSION, sequence_parallel: bool = False) -> type:
     """A subclass of ``trainer_cls`` (``transformers.Trainer`` or a subclass: TRL's ``SFTTrainer``,
     your own) that trains with TACO tensor parallelism (see the module doc).
 

@@ -15,7 +15,7 @@ from ..comm.dist_ops import group_rank, group_size
 from ..tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from ..tp.overlap import ColumnRegion
 from ..tp.regions import EnterRegionHook, RegionEntry, RegionExit, SequenceGather, SequenceSplit, SequenceState
-from ..comm.policy import Compression
+from ..comm.policy import DEFAULT_COMPRESSION, Compression
 from ..tp.sites import Site, SiteTable
 from .checks import check_call, install_input_checks, verify_same_model
 from .context import TPContext, context_of
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 def parallelize(
     model: nn.Module,
     tp: int | None = None,
-    compression: Compression | str | os.PathLike | TacoConfig | dict | None = "auto",
+    compression: Compression | str | os.PathLike | TacoConfig | dict | None = DEFAULT_COMPRESSION,
     sequence_parallel: bool = False,
     device_mesh=None,
     emulate: bool = False,

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import CheckpointError
-from ..comm.policy import Compression
+from ..comm.policy import DEFAULT_COMPRESSION, Compression
 from ..tp.shards import ShardSpec
 from .context import context_of
 from .parallelize import parallelize
@@ -112,7 +112,7 @@ def _default_device(group) -> torch.device:
 def from_pretrained(
     name_or_path: str | os.PathLike,
     tp: int | None = None,
-    compression="auto",
+    compression=DEFAULT_COMPRESSION,
     sequence_parallel: bool = False,
     device_mesh=None,
     *,

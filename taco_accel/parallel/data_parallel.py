@@ -10,8 +10,10 @@ that `ModelParts.finish_gradients` runs after the last backward of a step.
 **Compressed gradient reduction** (``grad_compression``, a `Compression`; off by default). The
 dp sites are `comm.Site`s named ``dp.grad.<bucket or FSDP unit>/reduce_scatter`` (and
 ``/all_gather`` for DDP), in a `SiteTable` over the dp group that records into the model's
-ledger: the codec, the auto decision, statistics and agreement checks of the TP sites; they take
-``grad_compression``'s ``backward`` settings (they move gradients) and its ``sites`` patterns.
+ledger: the codec, the auto decision, statistics and agreement checks of the TP sites. Their
+settings are ``grad_compression``'s own, read as every site's are (`Compression.rule_for`: a
+site not named ``*/fwd`` takes the ``backward`` settings, then the ``sites`` patterns; the
+floor and the piece size), through the `SiteTable` that `grad_sites` builds.
 
 - DDP: each bucket is reduce-scattered (each rank sums its 1/P of the values, fp32), averaged,
   and all-gathered; FSDP2: its own reduce-scatter of each unit is replaced

@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm.agreement import check_setting
-from ..comm.policy import Compression
+from ..comm.policy import DEFAULT_COMPRESSION, Compression, check_same
 from .compile import apply_compile
 from .data_parallel import (
     DataParallelGradSync,
@@ -199,7 +199,7 @@ def distribute(
     mesh: DeviceMesh,
     dims: ParallelDims,
     *,
-    compression="auto",
+    compression=DEFAULT_COMPRESSION,
     grad_compression="off",
     sequence_parallel: bool = False,
     logits: str | None = None,
@@ -238,6 +238,7 @@ def distribute(
             "covers every process (e.g. parallelism_config dp_replicate_size / dp_shard_size)"
         )
     if getattr(model, "taco", None) is not None:
+        check_same(compression, model.taco.compression, "distribute")
         check_parallelized(model, mesh)
         replicas = _replicas_of(model, dims.tp)
         if logits is not None:
@@ -295,9 +296,7 @@ def _apply_dp(parts: ModelParts, mesh: DeviceMesh, dims: ParallelDims, param_dty
     elif sites is not None:
         parts.grad_reduce = FsdpGradCompression(parts.modules, parts.stage_ids, sites)
     if sites is not None:
-        config = grad_compression.backward
-        logger.info("data-parallel gradient reduction: %s, %s, error feedback, over %d replicas", grad_compression.mode,
-                    "plain" if config is None else f"{config.format} G={config.group_size}", dims.dp)
+        logger.info("data-parallel gradient reduction: %s, error feedback, over %d replicas", grad_compression, dims.dp)
 
 
 def _replicas_of(model: nn.Module, tp: int) -> dict[str, int]:

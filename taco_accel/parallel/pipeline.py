@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm.p2p import round_trip_message
-from ..comm.policy import Compression, CompressionLike
+from ..comm.policy import DEFAULT_COMPRESSION, Compression, CompressionLike, check_same
 from ..tp.sites import SiteTable
 from .boundary import BoundaryStage, attach_boundaries, boundary_name
 from .stage import StageModule, decoder_layers, family_of
@@ -142,15 +142,20 @@ class PipelinePlan:
 
 
 def apply_pp(model: nn.Module, mesh: DeviceMesh, stages_per_rank: int = 1, *, seq_len: int = 2048,
-             sequence_parallel: bool = False, compression: CompressionLike = "auto") -> PipelinePlan:
+             sequence_parallel: bool = False, compression: CompressionLike = DEFAULT_COMPRESSION) -> PipelinePlan:
     """Split ``model`` into ``pp * stages_per_rank`` stages; return the ones of this rank.
 
     With pp=1 and one stage per rank this is the whole model as one `StageModule`. With
     ``sequence_parallel`` the activations sent between stages hold 1/tp of the tokens. Each
     stage module gets its pipeline boundaries (`boundary.attach_boundaries`: the sites
     ``pp.<b>-<b+1>/fwd`` and ``/bwd``, with the settings of the model's own `Compression` when it
-    is tensor parallel, else of ``compression``). A collective on every rank.
+    is tensor parallel, which ``compression`` may repeat but not change (a `ConfigError`), else
+    of ``compression``). A collective on every rank.
     """
+    compression = Compression.resolve(compression)
+    context = getattr(model, "taco", None)
+    if context is not None:
+        check_same(compression, context.compression, "apply_pp")
     pp, pp_rank = mesh["pp"].size(), mesh["pp"].get_local_rank()
     num_stages = pp * stages_per_rank
     embed_cost, head_cost = stage_costs(model.config, seq_len)
@@ -162,8 +167,7 @@ def apply_pp(model: nn.Module, mesh: DeviceMesh, stages_per_rank: int = 1, *, se
         view = model if num_stages == 1 else prune_to_stage(model, ranges[s], first, last)
         seq_split = mesh["tp"].size() if sequence_parallel else 1
         modules.append(StageModule(view, is_first=first, is_last=last, seq_split=seq_split))
-    context = getattr(model, "taco", None)
-    attach_boundaries(modules, stage_ids, num_stages, mesh, Compression.resolve(compression),
+    attach_boundaries(modules, stage_ids, num_stages, mesh, compression,
                       None if context is None else context.sites)
     logger.info(
         "applied pipeline parallelism: %d stage(s), layers per stage %s, this rank runs stage(s) %s",
@@ -205,12 +209,14 @@ class _Cut(torch.autograd.Function):
         return round_trip_message(ctx.bwd, grad), None, None
 
 
-def emulate_boundaries(model: nn.Module, num_stages: int, compression="on", *, seq_len: int = 2048) -> SiteTable:
+def emulate_boundaries(model: nn.Module, num_stages: int, compression: CompressionLike = DEFAULT_COMPRESSION, *,
+                       seq_len: int = 2048) -> SiteTable:
     """Send the hidden states at the cuts of a ``num_stages``-stage pipeline of ``model`` (the
     stages `apply_pp` would build: `split_layers` balanced for ``seq_len``) and their gradients
     through the boundary codec, in one process: each cut's ``pp.<b>-<b+1>/fwd`` and ``/bwd`` sites
-    (settings from ``compression``, anything `Compression.resolve` takes; ``"auto"`` by the size
-    rule, there is no link to time) decode what they would send. Returns the sites' table (its
+    (settings from ``compression``, anything `Compression.resolve` takes, ``"auto"`` by default as
+    at every entry: here the auto mode's size rule, `comm.policy.UNTIMED_BYTES`, as there is no
+    link to time) decode what they would send. Returns the sites' table (its
     ledger counts the bytes; keep it to read them). Without sequence parallelism: the cut holds
     every token."""
     table = SiteTable(None, Compression.resolve(compression), timed=False)

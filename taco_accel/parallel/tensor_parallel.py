@@ -9,13 +9,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..models import parallelize
-from ..comm.policy import Compression
+from ..comm.policy import DEFAULT_COMPRESSION, Compression
 from ..models.state import tp_replicas
 
 logger = logging.getLogger(__name__)
 
 
-def apply_tp(model: nn.Module, mesh: DeviceMesh, compression="auto", sequence_parallel: bool = False,
+def apply_tp(model: nn.Module, mesh: DeviceMesh, compression=DEFAULT_COMPRESSION, sequence_parallel: bool = False,
              logits: str = "full") -> dict[str, int]:
     """Rewrite ``model`` in place for TP over ``mesh["tp"]``; return ``{name: replicas}``: how
     many tp ranks hold each parameter's local values (tp for a replicated parameter, 1 for a

@@ -14,8 +14,7 @@ import logging
 import os
 import sys
 
-from ..codec import TacoConfig
-from ..tp import Compression
+from ..comm.policy import DEFAULT_MODE, MODES, Compression
 from ..errors import TacoError
 from ..parallel import SCHEDULES
 from .ranks import global_rank, record_failure
@@ -89,7 +88,7 @@ def _int(text: str) -> int:
 
 def compression_mode(text: str) -> str:
     """``auto``, ``on``, ``off``, or an existing JSON settings file."""
-    if text in ("auto", "on", "off") or os.path.isfile(text):
+    if text in MODES or os.path.isfile(text):
         return text
     raise argparse.ArgumentTypeError(f"{text!r}: use auto, on, off or a JSON settings file (no such file)")
 
@@ -184,13 +183,15 @@ def add_compression_args(p: argparse.ArgumentParser, small: str) -> None:
     c.add_argument("--compression", type=compression_mode, help=f"auto (each communication site compressed where timing on the real group "
                    "says it pays), on (every message), off, or a JSON settings file (TacoConfig fields, or "
                    "{'mode': 'auto'|'on'|'off', 'forward': {...}|null, 'backward': {...}|null, "
-                   "'sites': {pattern: {...}|null}}: taco_accel.Compression.from_json) "
+                   "'sites': {pattern: {...}|null}, 'threshold_bytes': n, 'piece_bytes': n}: "
+                   "taco_accel.Compression.from_json) "
                    f"(default: auto; on for {small}, which exist to show TACO's numerics)")
-    c.add_argument("--group-size", type=positive_int, help="codec group size G (default: 128, or the hidden size "
-                   "if smaller)")
+    c.add_argument("--group-size", type=positive_int, help="codec group size G of every setting (default: the "
+                   "--compression value's, 128 unless a file says otherwise, lowered to the hidden size below 128: "
+                   "taco_accel.Compression.fit)")
     c.add_argument("--compression-threshold", type=non_negative_int,
-                   help="bytes below which a collective stays plain without timing (default: 0, every message "
-                   "may compress)")
+                   help="Compression.threshold_bytes: bytes below which a collective stays plain without timing "
+                   "(default: 0, every message may compress)")
     c.add_argument("--grad-compression", type=compression_mode, default="off",
                    help="the data-parallel gradient reduction (DDP average, FSDP2 reduce-scatter): off, on (FP8 with "
                    "error feedback: 4 bytes of fp32 residual per local gradient value), auto, or a JSON settings "
@@ -244,29 +245,26 @@ def setup_logging() -> None:
 
 
 def compression_from_args(args, hidden_size: int, small: bool | None = None) -> Compression:
-    """The run's `Compression` from --compression (a mode or a settings file, read by
-    `Compression.resolve`), with --group-size and --compression-threshold applied over every
-    config it holds.
+    """The run's `Compression`, each flag mapped onto one of its fields or methods and nothing
+    else: --compression is `Compression.resolve` of the value, --compression-threshold its
+    ``threshold_bytes``, --group-size the group size of every setting it holds; without
+    --group-size, `Compression.fit` to the model's ``hidden_size`` (the one fitting rule: it
+    changes nothing from a hidden size of 128 on, and is logged where it does).
 
-    ``small``: a tiny model (default: whether ``args.preset`` is a small preset), which compresses
-    every message unless told otherwise: its messages are far below any size where the codec
-    pays, and it exists to show the numerics. Without --group-size, a group never exceeds the
-    hidden size below 128 (the largest power of two <= h), so that groups do not straddle rows."""
+    ``small``: a tiny model (default: whether ``args.preset`` is a small preset), whose default
+    is ``"on"`` rather than `DEFAULT_MODE`: its messages are far below any size where the codec
+    pays, and it exists to show the numerics."""
     small = small if small is not None else args.preset in SMALL_PRESETS
-    compression = Compression.resolve(args.compression or ("on" if small else "auto"))
+    compression = Compression.resolve(args.compression or ("on" if small else DEFAULT_MODE))
     if args.compression_threshold is not None:
         compression = compression.replace(threshold_bytes=args.compression_threshold)
-    changes = {}
     if args.group_size:
-        changes["group_size"] = args.group_size
-    fit = 1 << (hidden_size.bit_length() - 1)
-
-    def change(config: TacoConfig) -> TacoConfig:
-        if "group_size" not in changes and hidden_size < 128:
-            return config.replace(**changes, group_size=min(config.group_size, fit))
-        return config.replace(**changes)
-
-    return compression.map_configs(change)
+        return compression.map_configs(lambda config: config.replace(group_size=args.group_size))
+    fitted = compression.fit(hidden_size)
+    if fitted != compression:
+        logger.info("compression: group sizes fitted to the hidden size %d (Compression.fit; --group-size sets "
+                    "them): %s", hidden_size, fitted)
+    return fitted
 
 
 def default_tp(args) -> int | None:

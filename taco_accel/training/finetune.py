@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..tp import Compression, CompressionLike
+from ..comm.policy import DEFAULT_COMPRESSION, Compression, CompressionLike
 from ..data.loader import load_records
 from ..data.supervised import IGNORE, RecordFields, SFTBatches, eval_micro_batches, split_examples, \
     tokenize_records
@@ -80,7 +80,7 @@ class FinetuneConfig:
     tp: int | None = None
     dp: int | None = None
     sequence_parallel: bool = False
-    compression: CompressionLike = "auto"  # a taco_accel.Compression once built
+    compression: CompressionLike = DEFAULT_COMPRESSION  # a taco_accel.Compression once built
     grad_compression: CompressionLike = "off"  # the dp gradient reduction's, a Compression once built
     # data
     data: str | None = None

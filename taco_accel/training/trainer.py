@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..tp import Compression, CompressionLike
+from ..comm.policy import DEFAULT_COMPRESSION, Compression, CompressionLike
 from ..parallel import SCHEDULES, ParallelDims, collective_timeout, compile_backend, enable_activation_checkpointing
 from ..integrations import Accelerator, export_pretrained
 from .ranks import global_rank, main_first, usable_trackers
@@ -68,7 +68,7 @@ class TrainConfig:
     schedule: str = "1f1b"
     stages_per_rank: int | None = None
     sequence_parallel: bool = False
-    compression: CompressionLike = "auto"  # a taco_accel.Compression once built
+    compression: CompressionLike = DEFAULT_COMPRESSION  # a taco_accel.Compression once built
     grad_compression: CompressionLike = "off"  # the dp gradient reduction's, a Compression once built
     # data
     data: str | tuple[str, ...] | None = None
