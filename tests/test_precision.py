@@ -243,8 +243,28 @@ def _refusals() -> dict:
     return out
 
 
+def _pipeline_bf16() -> dict:
+    """prepare_pipeline under mixed_precision="bf16" (pp=2, a stage per rank): the schedule runs
+    in the accelerator's autocast (no autocast around ``runner.step``); the loss against the
+    one-process model under the same autocast."""
+    from taco_accel import ParallelDims
+
+    acc = _accelerator("bf16", parallelism_config=None, parallel_dims=ParallelDims(pp=2))
+    ref = tiny_model("qwen3")
+    runner = acc.prepare_pipeline(copy.deepcopy(ref), micro_batches=2)
+    ids = torch.randint(0, ref.config.vocab_size, (4, 8), generator=torch.Generator().manual_seed(2))
+    count = _Roundings(torch.bfloat16)
+    with count:
+        loss = float(runner.step(ids, ids))
+    dist.broadcast_object_list(box := [loss], src=1)  # the last stage's loss
+    want = [_step(ref, i, i, torch.bfloat16, torch.bfloat16) for i in ids.chunk(2)]
+    return {"loss": abs(box[0] - sum(w["loss"].item() for w in want) / 2), "loss_value": want[0]["loss"].item(),
+            "rounds": count.count, "bound": _bound(torch.bfloat16, want[0]["n_fwd"], want[0]["n_fwd"])}
+
+
 def _worker() -> dict:
     cases = {key: functools.partial(_precision_case, **kwargs) for key, kwargs in CASES.items()}
+    cases["pipeline bf16"] = _pipeline_bf16
     for sp in (False, True):
         cases["loop", sp, "bf16 autocast"] = functools.partial(_own_loop, sp, False)
         cases["loop", sp, "bf16 params"] = functools.partial(_own_loop, sp, True)
@@ -303,3 +323,10 @@ def test_prepare_refuses_what_cannot_work_in_one_line(measured):
     for r in case(measured, "refusals"):
         assert "fp32 trainable parameters" in r["half_params"] and "\n" not in r["half_params"], r
         assert "pipeline stages" in r["pipeline"] and "\n" not in r["pipeline"], r
+
+
+def test_pipeline_stages_run_in_the_accelerators_bf16(measured):
+    for r in case(measured, "pipeline bf16"):
+        assert r["rounds"] > 0, r  # this rank's stage computed in bf16
+        # the loss, a mean over tokens of functions of the logits, within the logits' bound
+        assert r["loss"] / r["loss_value"] < r["bound"], r
