@@ -269,8 +269,10 @@ class PipelineRunner:
         self.parts, self.device = parts, device
         self.autocast = autocast or contextlib.nullcontext
         loss_fn = loss_fn or self._model_loss(vocab_size, shifted_labels)
-        stages = make_pipeline_stages(parts.modules, parts.stage_ids, parts.num_stages, parts.mesh, device)
-        self.schedule = build_schedule(schedule, stages, micro_batches, loss_fn)
+        self.loss_fn, self.micro_batches, self.schedule = loss_fn, micro_batches, None
+        if parts.num_stages > 1:
+            stages = make_pipeline_stages(parts.modules, parts.stage_ids, parts.num_stages, parts.mesh, device)
+            self.schedule = build_schedule(schedule, stages, micro_batches, loss_fn)
         self.boundaries = getattr(parts.modules[0], "boundaries", None)
 
     def _model_loss(self, vocab_size: int, shifted: bool):
@@ -299,12 +301,27 @@ class PipelineRunner:
         if self.boundaries is not None:
             self.boundaries.check(self.device)
         with self.autocast():
-            (self.schedule.step if train else self.schedule.eval)(*args, target=target, losses=losses)
+            if self.schedule is None:
+                self._accumulate(args[0], target, losses, train)
+            else:
+                (self.schedule.step if train else self.schedule.eval)(*args, target=target, losses=losses)
         if self.boundaries is not None:
             self.boundaries.settle(self.device)
         if not self.parts.has_last_stage:
             return torch.zeros((), dtype=torch.float64, device=self.device)
         return torch.stack([loss.detach().double() for loss in losses]).mean()
+
+
+    def _accumulate(self, input_ids, target, losses: list, train: bool) -> None:
+        """One stage: gradient accumulation over the micro-batches, as the schedules run it (the
+        same slices, the mean gradient) without their per-chunk bookkeeping and per-parameter
+        gradient scaling, which cost host time on every step; the loss is scaled instead."""
+        module, n = self.parts.modules[0], self.micro_batches
+        for ids, labels in zip(input_ids.tensor_split(n), target.tensor_split(n)):
+            loss = self.loss_fn(module(ids), labels)
+            if train:
+                (loss / n).backward()
+            losses.append(loss)
 
 
 def _not_on_this_stage(logits, labels):

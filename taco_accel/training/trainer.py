@@ -6,7 +6,7 @@ Read top to bottom, picotron style:
    ``accelerate launch`` (one process with tp > 1 emulates TP); tokenizer and packed data
    (rank 0 first, the others read its cache); the model from a config, built on every rank
    with the same seed; ``accelerator.prepare_pipeline`` (tp, then this rank's pipeline stages,
-   then dp; with pp=1 too: a one-stage schedule is gradient accumulation over micro-batches);
+   then dp; with pp=1: one stage, gradient accumulation over the micro-batches);
    one AdamW over this rank's parameters and its LR schedule, prepared.
 2. `Trainer.train_step`: one optimizer step. The schedule runs forward and backward of every
    micro-batch (loss on the last stage); ``accelerator.clip_grad_norm_`` finishes the
@@ -258,13 +258,16 @@ class Trainer(TrainingLoop):
         self.optimizer, self.scheduler = self.accelerator.prepare(optimizer, scheduler)
 
     # -- one step ---------------------------------------------------------------------------
-    def _reduce(self, loss: torch.Tensor, *extra: float) -> list[float]:
+    def _reduce(self, loss: torch.Tensor, *extra: float, same: torch.Tensor | None = None) -> list[float]:
         """Global mean loss and summed extras, on every rank, in one all-reduce and one host
-        transfer (which also waits for the step's device work)."""
+        transfer (which also waits for the step's device work); ``same``: a 0-d tensor every
+        rank already holds the global value of (the gradient norm), read in that transfer, last."""
         counts = self.parts.has_last_stage and self.coords["tp"] == 0
         mine = loss / self.dims.dp if counts else torch.zeros_like(loss)
         values = torch.cat([mine.view(1), torch.tensor(extra, dtype=torch.float64).to(self.device)])
         dist.all_reduce(values)
+        if same is not None:
+            values = torch.cat([values, same.detach().to(values).view(1)])
         return values.tolist()
 
     def train_step(self) -> dict:
@@ -275,13 +278,13 @@ class Trainer(TrainingLoop):
         self.optimizer.zero_grad(set_to_none=True)
         with acc.autocast():
             loss = self.pipe.step(inputs, labels)
-        grad_norm = acc.clip_grad_norm_(self.params, cfg.max_grad_norm).item()
+        grad_norm = acc.clip_grad_norm_(self.params, cfg.max_grad_norm)  # read with the loss: one host sync a step
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
         self.batches.step = self.step
-        loss, *traffic = self._reduce(loss, *comm_totals())
+        loss, *traffic, grad_norm = self._reduce(loss, *comm_totals(), same=grad_norm)
         seconds = time.perf_counter() - start
         tokens = self.global_batch * cfg.seq_len
         return {
