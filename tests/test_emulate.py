@@ -280,3 +280,56 @@ def test_rank_parts_gradient_equals_slicing(split):
         assert torch.equal(got, want)
     else:  # the replicas' gradients add up in rank order, autograd's in its own: fp32 rounding apart
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def _per_rank(kind: str, xs: torch.Tensor, codec) -> tuple[torch.Tensor, int]:
+    """``kind`` through every virtual rank's own pieces (`run_compressed`: what real ranks run)."""
+    from taco_accel.codec.layout import length_tag
+    from taco_accel.comm.compressed import Workspace
+    from taco_accel.comm.emulated import run_compressed
+
+    world, x = xs.shape[0], xs[0]
+    if kind == "reduce_scatter":
+        out = torch.empty_like(x)
+        outs = list(out.view(world, -1).unbind(0))
+    else:
+        out = torch.empty_like(x) if kind == "all_reduce" else x.new_empty((world * x.shape[0], *x.shape[1:]))
+        outs = [out] + [None] * (world - 1)
+    sent = run_compressed(kind, list(xs.unbind(0)), outs, codec, 0, [Workspace() for _ in range(world)])
+    return out, sent
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_stacked_collectives_equal_every_ranks_own_pieces(world):
+    """`comm.stacked` (one codec call for all virtual ranks) against each rank's own codec calls:
+    the same values bit for bit (the codec works group by group, and every chunk is whole
+    groups) and the same bytes sent, for whole and padded groups, both scale layouts and formats."""
+    from taco_accel.codec.layout import length_tag
+    from taco_accel.comm import stacked
+    from taco_accel.comm.compressed import Workspace
+
+    g = torch.Generator().manual_seed(world)
+    codecs = [taco_accel.TacoConfig(group_size=32),
+              taco_accel.TacoConfig(group_size=64, scales="dual", random_signs=True, format="int8")]
+    for codec in codecs:
+        for cols in (37, 128):  # padded groups, whole chunks
+            for dtype in (torch.float32, torch.bfloat16):
+                for kind, rows in (("all_reduce", 5), ("reduce_scatter", 3 * world), ("all_gather", 3)):
+                    xs = torch.randn(world, rows, cols, generator=g).to(dtype)
+                    got, sent = stacked.KINDS[kind](xs, codec, length_tag(xs[0].numel()), Workspace())
+                    want, want_sent = _per_rank(kind, xs, codec)
+                    assert torch.equal(got, want) and sent == want_sent, (kind, codec, cols, dtype)
+
+
+def test_emulation_bench_runs_every_variant(capsys):
+    """`taco_accel.bench.emulation` on the CPU, nano preset, one step each: a row per variant with
+    its figures (values are machine-dependent: only their presence and signs are checked)."""
+    from taco_accel.bench import emulation
+
+    emulation.main(["--preset", "nano", "--seq", "16", "--batch", "1", "--steps", "1", "--warmup", "0", "--tp", "2"])
+    printed = capsys.readouterr().out
+    rows = [line for line in printed.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [r.split("|")[1].strip() for r in rows] == ["plain", "tp2 off", "tp2 on"], printed
+    for row in rows:
+        step, host, launches, ratio = (float(v) for v in row.split("|")[2:6])
+        assert step > 0 and host >= 0 and launches > 0 and ratio > 0, row

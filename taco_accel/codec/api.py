@@ -244,6 +244,26 @@ def encode_into(x: torch.Tensor, out: torch.Tensor, layout: WireLayout, config: 
             _raise_if_nonfinite(x, out, layout)
 
 
+def encode_rows_into(rows: torch.Tensor, out: torch.Tensor, layout: WireLayout, config: CodecConfig,
+                     tuning: Tuning | None = None, tag: int = 0, stage: torch.Tensor | None = None) -> WireLayout:
+    """Every row of ``rows`` [R, layout.numel] encoded under ``layout`` into ``out`` (R buffers of
+    ``layout.total_bytes``, row order), in one codec call: bit for bit the R calls of
+    `encode_into`, since the codec works group by group and a chunk is whole groups (each row is
+    first padded with zeros to whole chunks, in ``stage`` [R, layout.padded_numel] of the rows'
+    dtype where the rows need it). Returns the layout of ``out`` as one buffer: the rows' padded
+    values in ``R * layout.chunks`` chunks of ``layout``'s groups per chunk."""
+    count, width = rows.shape[0], layout.padded_numel
+    if width != layout.numel or not rows.is_contiguous():
+        if stage is None:
+            stage = rows.new_empty((count, width))
+        stage[:, layout.numel:].zero_()
+        stage[:, : layout.numel].copy_(rows.reshape(count, -1))
+        rows = stage
+    whole = WireLayout.for_tensor(count * width, config, count * layout.chunks)
+    encode_into(rows.reshape(-1), out, whole, config, tuning, tag)
+    return whole
+
+
 def decode_into(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig, out: torch.Tensor,
                 tuning: Tuning | None = None, tag: int = 0, seen: set | None = None) -> None:
     """`decompress` of ``buffer`` (one buffer of ``layout``, tagged ``tag``) into the contiguous ``out``."""

@@ -16,7 +16,9 @@ them, by copying between the ranks' buffers. Given bit-identical inputs, the out
 therefore bit-identical to a real group's (tests/test_comm.py checks every collective, dtype
 and odd size for P = 2, 3, 4), so a model emulated on one device or a laptop trains with the
 numerics of real compressed TP. Results every rank holds alike (all_reduce, all_gather) are
-decoded once, by rank 0.
+decoded once, by rank 0. A message of one piece without error feedback (every TP message up to
+``piece_bytes``) takes the shorter road of `stacked`: the ranks' tensors stacked, each codec
+step once for all of them, the same bytes (tests/test_emulate.py checks both roads agree).
 
 Statistics go to the site's `stats.SiteRecord` with the figures one rank of a real group would
 record: bytes that rank sends, and the ring bytes of the plain collective. The plain path sums
@@ -36,10 +38,10 @@ import torch
 from ..codec import CodecConfig
 from ..codec.api import SUPPORTED_DTYPES, check_config
 from ..codec.layout import length_tag
-from . import ops
+from . import ops, stacked
 from .collectives import check_residual, check_shape, nonfinite_error, relative_error, wire_codec
 from .compressed import PIECES, Tally, Workspace
-from .pieces import PIECE_BYTES, Pipeline
+from .pieces import PIECE_BYTES, Pipeline, piece_bounds, piece_length
 from .stats import DEFAULT, SiteRecord, plain_bytes
 
 Reducer = Callable[[Sequence[torch.Tensor], CodecConfig], tuple[torch.Tensor, int]]
@@ -202,7 +204,8 @@ class EmulatedGroup:
         layouts) costs no graph break and runs at run time, as `ops` does for real groups."""
         if isinstance(xs, torch.Tensor) and residuals is None and torch.compiler.is_compiling():
             return torch.ops.taco.emulated(xs, self.handle, site.handle, kind)
-        xs = self._check(kind, xs)
+        together = xs.detach().contiguous() if isinstance(xs, torch.Tensor) else None
+        xs = self._check(kind, together if together is not None else xs)
         for x in xs:
             site.observe(x)
         if residuals is not None:
@@ -210,7 +213,7 @@ class EmulatedGroup:
                 raise ValueError(f"{kind}: {len(residuals)} residuals for an EmulatedGroup of {self.size} ranks")
             residuals = [check_residual(kind, x, r) for x, r in zip(xs, residuals)]
         compress = site.compresses(kind, xs[0])
-        return self._run(kind, xs, site.codec, compress, site.piece_bytes, site.entry, site.name, residuals)
+        return self._run(kind, xs, site.codec, compress, site.piece_bytes, site.entry, site.name, residuals, together)
 
     # -- shared steps -----------------------------------------------------------------------
 
@@ -237,9 +240,11 @@ class EmulatedGroup:
         return [x.detach().contiguous() for x in xs]
 
     def _run(self, kind: str, xs: list[torch.Tensor], codec: CodecConfig | None, compress: bool, piece_bytes: int,
-             record: SiteRecord, site: str, residuals: list[torch.Tensor] | None = None) -> torch.Tensor:
+             record: SiteRecord, site: str, residuals: list[torch.Tensor] | None = None,
+             together: torch.Tensor | None = None) -> torch.Tensor:
         """The collective ``kind``, plain or compressed, as a tensor (reduce_scatter: all ranks'
-        rows stacked in rank order); records the call like one rank would."""
+        rows stacked in rank order); records the call like one rank would. ``together``: the
+        ranks' tensors ``xs`` stacked, if the caller has them so."""
         nbytes = xs[0].numel() * xs[0].element_size()
         plain = plain_bytes(kind, nbytes, self.size)
         if not (compress and codec is not None and self.size > 1 and nbytes > 0 and xs[0].dtype in SUPPORTED_DTYPES):
@@ -250,7 +255,7 @@ class EmulatedGroup:
                 residual.zero_()  # the plain collective carries every value
             record.add(plain, plain, False)
         else:
-            out, sent = self._compressed(kind, xs, wire_codec(codec), piece_bytes, residuals)
+            out, sent = self._compressed(kind, xs, wire_codec(codec), piece_bytes, residuals, together)
             record.add(sent, plain, True)
             if record.sample_due():
                 record.errors.append(relative_error(out, _plain(kind, [x.double() for x in xs])))
@@ -259,10 +264,14 @@ class EmulatedGroup:
         return out
 
     def _compressed(self, kind: str, xs: list[torch.Tensor], codec: CodecConfig, piece_bytes: int,
-                    residuals: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, int]:
+                    residuals: list[torch.Tensor] | None = None,
+                    together: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
         world, x = self.size, xs[0]
         if kind == "all_reduce" and self.reducer is not two_shot_all_reduce:
             return self.reducer(xs, codec)
+        if kind in stacked.KINDS and residuals is None and _one_piece(kind, x, codec, piece_bytes, world):
+            together = torch.stack(xs) if together is None else together  # the codec once for all ranks
+            return stacked.KINDS[kind](together, codec, length_tag(x.numel()), self._workspaces_on(x.device)[0])
         if kind in ("reduce_scatter", "reduce_scatter_by_rank"):
             out = torch.empty_like(x)
             outs = list(out.view(world, -1).unbind(0))  # rank r decodes its rows
@@ -279,6 +288,18 @@ class EmulatedGroup:
         if found is None:
             found = self._workspaces[device] = [Workspace() for _ in range(self.size)]
         return found
+
+
+def _one_piece(kind: str, x: torch.Tensor, codec: CodecConfig, piece_bytes: int, world: int) -> bool:
+    """Whether `compressed` sends ``x`` through ``kind`` in one piece (`stacked` runs those)."""
+    if kind == "all_reduce":
+        step = piece_length(piece_bytes, x.element_size(), world * codec.group_size)
+        return len(piece_bounds(x.numel(), step)) == 1
+    if kind == "reduce_scatter":
+        step = piece_length(piece_bytes, world * x.element_size(), codec.group_size)
+        return len(piece_bounds(x.numel() // world, step)) == 1
+    step = piece_length(piece_bytes, x.element_size(), codec.group_size)
+    return len(piece_bounds(x.numel(), step)) == 1
 
 
 @torch.library.custom_op("taco::emulated", mutates_args=())
