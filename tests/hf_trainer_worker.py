@@ -120,6 +120,7 @@ def run_trainer(args, name: str, compression=None, resume: str | None = None, se
                   compute_metrics=metrics, preprocess_logits_for_metrics=top1_and_logsumexp)
     trainer.train(resume_from_checkpoint=resume)
     out = history(trainer)
+    out["scaler"] = type(trainer.accelerator.scaler).__name__
     if resume is None and compression is None and not precision:
         out["eval"] = trainer.evaluate()
         final = os.path.join(args.dir, name, "final")
@@ -246,6 +247,7 @@ def main() -> None:
         "pipeline_sizes": lambda: run_pipeline_sizes(args),
         "trainer_bf16": lambda: fresh_precision(run_trainer, args, "trainer_bf16", bf16=True, use_cpu=True),
         "sft_bf16": lambda: fresh_precision(run_sft, args, "sft_bf16", bf16=True),
+        "trainer_fp16": lambda: fresh_precision(run_trainer, args, "trainer_fp16", fp16=True),
     }
     if args.reference:  # compressed and resumed runs compare with the reference "trainer" run
         result, base = {}, args.dir

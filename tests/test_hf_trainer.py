@@ -28,7 +28,7 @@ BATCH, ACCUM = 2, 2  # the worker's per-device batch and accumulation
 # (lr <= 3e-3) keep that at the 1e-6 level: bounds of 2e-5 absolute on losses, 1e-5 relative on norms.
 LOSS_TOL, NORM_RTOL = 2e-5, 1e-5
 LAUNCHES = {  # name: (dp, how it is started, runs)
-    "tp2": (1, "accelerate", "trainer,resume,compressed,sft,lora,plain_checkpoint,trainer_bf16,sft_bf16"),
+    "tp2": (1, "accelerate", "trainer,resume,compressed,sft,lora,plain_checkpoint,trainer_bf16,sft_bf16,trainer_fp16"),
     "dp2_tp2": (2, "torchrun", "trainer,sft,pipeline_sizes"),  # resume of dp replicas: test_accelerator
 }
 
@@ -213,3 +213,12 @@ def test_bf16_flags_train_like_one_process(results, run):
     assert got["steps"] == ref["steps"] == [1, 2, 3, 4] and got["lrs"] == ref["lrs"]
     assert max(abs(a - b) / b for a, b in zip(got["losses"], ref["losses"])) < BF16_LOSS, (got, ref)
     assert max(abs(a - b) / b for a, b in zip(got["grad_norms"], ref["grad_norms"])) < BF16_NORM, (got, ref)
+
+
+def test_fp16_flag_trains_with_the_mesh_scaler(results):
+    got, ref = run_of(results, "tp2", "trainer_fp16")  # against the fp32 run: Accelerate runs
+    # fp16 on one CPU process as fp32 (no autocast there), taco_accel as fp16 autocast + scaler
+    assert got["scaler"] == "MeshGradScaler" and got["steps"] == [1, 2, 3, 4], got
+    # fp16 roundings against none: u sqrt(N / 3), u = 2**-11, N < 100 per forward (test_precision's
+    # count), on the losses (4e-3 relative), the same argument for the later steps as BF16_LOSS
+    assert max(abs(a - b) / b for a, b in zip(got["losses"], ref["losses"])) < 2.0**-11 * (100 / 3) ** 0.5, (got, ref)
