@@ -215,8 +215,8 @@ class Pending:
             if compressed:
                 self._tally = Tally(codec.nonfinite == "raise", length_tag(x.numel()),
                                     None if record is None else record.verified)
-                self._buffers = acquire(x.device)  # send / receive / sum buffers reused from call to call
-                pieces = PIECES[kind](x.contiguous(), out, wire_codec(codec), link, self._tally, self._buffers,
+                self._buffers = acquire(link, x.device)  # send / receive / sum buffers reused from call to call
+                pieces = PIECES[kind](x.contiguous(), out, propagating_codec(codec), link, self._tally, self._buffers,
                                       piece_bytes, residual)
                 self._pipeline = Pipeline.of(list(pieces))
                 self._pipeline.tick()  # the first piece encoded and on the wire
@@ -304,9 +304,10 @@ def _plain(kind: str, x: torch.Tensor, out: torch.Tensor, link, codec: CodecConf
     return link.all_gather(out, x)
 
 
-def wire_codec(codec: CodecConfig) -> CodecConfig:
-    """The codec's settings on the wire: under "raise" the codec propagates and we raise after
-    the transfer (on a flag every rank agrees on)."""
+def propagating_codec(codec: CodecConfig) -> CodecConfig:
+    """The codec's settings on a collective's wire: under "raise" the codec propagates (a
+    non-finite group decodes to NaN) and the call raises after the transfer, on a flag every
+    rank agrees on (a point-to-point message zeroes them instead: `p2p.zeroing_codec`)."""
     return codec if codec.nonfinite != "raise" else _propagating(codec)
 
 
@@ -397,8 +398,8 @@ class GatherByRank:
             if self.compressed:
                 self._tally = Tally(codec.nonfinite == "raise", length_tag(x.numel()),
                                     None if record is None else record.verified)
-                self._buffers = acquire(x.device)
-                step = all_gather_by_rank_piece(x, out, wire_codec(codec), link, self._tally, self._buffers)
+                self._buffers = acquire(link, x.device)
+                step = all_gather_by_rank_piece(x, out, propagating_codec(codec), link, self._tally, self._buffers)
             else:
                 step = _gather_by_rank_plain(x, self.parts, link, codec)
             self._pipeline = Pipeline.of([step])
@@ -499,13 +500,13 @@ class ScatterByRank:
         self._owned = [False] * world
         self._next = 0
         self._exact: list | None = None
-        self._buffers = acquire(self.device)
+        self._buffers = acquire(link, self.device)
         self.out = None
         if self.compressed:
             self._tally = Tally(codec.nonfinite == "raise", length_tag(world * self.shape.numel()),
                                 None if record is None else record.verified)
             self.out = torch.empty(self.shape, dtype=dtype, device=self.device)
-            step = reduce_scatter_by_rank_piece(self.parts, self.out, wire_codec(codec), link, self._tally,
+            step = reduce_scatter_by_rank_piece(self.parts, self.out, propagating_codec(codec), link, self._tally,
                                                 self._buffers)
         else:
             step = self._plain()

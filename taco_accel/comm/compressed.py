@@ -67,7 +67,7 @@ class Workspace:
     summed by then), a sum buffer and, where a piece is not a contiguous run of whole groups, a
     staging buffer.
 
-    One per device, shared by every call site: collectives of a model run one after another,
+    One per group and device (the group's `dist_ops.Link` owns it), shared by the group's call sites: collectives of a model run one after another,
     and a call holds the workspace from its start to its result (`acquire` / `release`; a
     second call in flight meanwhile, or a CUDA graph capture, gets a workspace of its own). A
     piece uses slot ``index % 3``: at most three pieces are in flight (`pieces`). Each buffer
@@ -124,17 +124,16 @@ class Workspace:
         return buf
 
 
-_workspaces: dict[torch.device, Workspace] = {}
-
-
-def acquire(device: torch.device) -> Workspace:
-    """The device's workspace if it is free (and no CUDA graph is being captured), else a
-    workspace of this call's own (fresh buffers)."""
+def acquire(link, device: torch.device) -> Workspace:
+    """The workspace of ``link``'s group on ``device`` (`dist_ops.Link.workspaces`: released
+    with the group) if it is free (and no CUDA graph is being captured), else a workspace of
+    this call's own (fresh buffers)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return Workspace()  # a captured graph must own its buffers (the graph's memory pool)
-    workspace = _workspaces.get(device)
+    workspaces = link.workspaces
+    workspace = workspaces.get(device)
     if workspace is None:
-        workspace = _workspaces[device] = Workspace()
+        workspace = workspaces[device] = Workspace()
     if workspace.busy:
         return Workspace()
     workspace.busy = True

@@ -20,6 +20,7 @@ current CUDA stream wait: no host sync).
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -64,12 +65,15 @@ def _options(cls, **fields):
 class Link(SharedWithCopies):
     """The collectives of one process group, each returning a work handle (``async_op=True``).
 
-    Built once per group (`link`); holds the ``ProcessGroup`` object, its size and this rank's
-    index in it, and the options of every call.
+    Built once per group (`link`); holds the ``ProcessGroup`` by weak reference (the cache of
+    links, and the workspaces a link owns, go with the group: `destroy_process_group`), its size
+    and this rank's index in it, the options of every call, and ``workspaces``: the reused
+    buffers of the compressed calls on this group, per device (`compressed.acquire`).
     """
 
-    __slots__ = ("group", "pg", "world", "rank", "backend", "_sum", "_max", "_gather", "_scatter", "_a2a",
-                 "_all_gather", "_reduce_scatter", "_all_to_all", "_broadcast", "_gather_to", "_reduce_to")
+    __slots__ = ("_pg", "_default", "world", "rank", "backend", "_sum", "_max", "_gather", "_scatter", "_a2a",
+                 "_all_gather", "_reduce_scatter", "_all_to_all", "_broadcast", "_gather_to", "_reduce_to",
+                 "workspaces", "__weakref__")
 
     def __init__(self, group) -> None:
         pg = dist.group.WORLD if group is None else group
@@ -78,20 +82,37 @@ class Link(SharedWithCopies):
             raise ValueError(
                 f"rank {dist.get_rank()} is not a member of the group; call collectives on its members only"
             )
-        self.group, self.pg, self.world, self.rank = group, pg, world, dist.get_rank(group)
+        self._pg, self._default = weakref.ref(pg), group is None
+        self.world, self.rank = world, dist.get_rank(group)
         self.backend = str(dist.get_backend(group))
+        self.workspaces: dict = {}  # torch.device -> compressed.Workspace
         self._sum = _options(c10d.AllreduceOptions, reduceOp=dist.ReduceOp.SUM)
         self._max = _options(c10d.AllreduceOptions, reduceOp=dist.ReduceOp.MAX)
         self._gather = _options(c10d.AllgatherOptions)
         self._scatter = _options(c10d.ReduceScatterOptions, reduceOp=dist.ReduceOp.SUM)
         self._a2a = _options(c10d.AllToAllOptions)
-        self._all_gather = getattr(pg, "all_gather_single", None) or pg._allgather_base
-        self._reduce_scatter = getattr(pg, "reduce_scatter_single", None) or pg._reduce_scatter_base
-        self._all_to_all = getattr(pg, "all_to_all_single", None) or pg.alltoall_base
+        kind = type(pg)  # unbound: a bound method would hold the group
+        self._all_gather = getattr(kind, "all_gather_single", None) or kind._allgather_base
+        self._reduce_scatter = getattr(kind, "reduce_scatter_single", None) or kind._reduce_scatter_base
+        self._all_to_all = getattr(kind, "all_to_all_single", None) or kind.alltoall_base
         roots = range(world)  # the rooted collectives of the per-rank kinds, one options object per root
         self._broadcast = [_options(c10d.BroadcastOptions, rootRank=r) for r in roots]
         self._gather_to = [_options(c10d.GatherOptions, rootRank=r) for r in roots]
         self._reduce_to = [_options(c10d.ReduceOptions, rootRank=r, reduceOp=dist.ReduceOp.SUM) for r in roots]
+
+    @property
+    def pg(self):
+        """The ``ProcessGroup`` (an error once it was destroyed)."""
+        pg = self._pg()
+        if pg is None:
+            raise RuntimeError("this process group was destroyed (destroy_process_group); build the model's groups "
+                               "again before calling its collectives")
+        return pg
+
+    @property
+    def group(self):
+        """The group as torch.distributed's functions take it (None: the default group)."""
+        return None if self._default else self.pg
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum"):
         """x <- the sum (or ``op="max"``) over the ranks of x, in place."""
@@ -99,11 +120,11 @@ class Link(SharedWithCopies):
 
     def all_gather(self, out: torch.Tensor, x: torch.Tensor):
         """out [P*n] <- every rank's x [n] in rank order."""
-        return self._all_gather(out, x, self._gather)
+        return self._all_gather(self.pg, out, x, self._gather)
 
     def reduce_scatter(self, out: torch.Tensor, x: torch.Tensor):
         """out [n] <- this rank's block of the sum over ranks of x [P*n]."""
-        return self._reduce_scatter(out, x, self._scatter)
+        return self._reduce_scatter(self.pg, out, x, self._scatter)
 
     def broadcast(self, x: torch.Tensor, root: int):
         """x <- rank ``root``'s x (group rank)."""
@@ -123,7 +144,7 @@ class Link(SharedWithCopies):
         out[p*n:(p+1)*n] = x_p[r*n:(r+1)*n]."""
         if self.backend not in _no_native_all_to_all:
             try:
-                return self._all_to_all(out, x, [], [], self._a2a)
+                return self._all_to_all(self.pg, out, x, [], [], self._a2a)
             except (RuntimeError, NotImplementedError) as err:
                 if "support" not in str(err).lower():
                     raise
@@ -132,7 +153,7 @@ class Link(SharedWithCopies):
         return all_to_all_p2p(out, x, self.group)
 
 
-_links: dict = {}  # ProcessGroup -> Link
+_links: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # ProcessGroup -> Link, gone with the group
 
 
 def link(group=None) -> Link:

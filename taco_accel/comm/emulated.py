@@ -39,7 +39,7 @@ from ..codec import CodecConfig
 from ..codec.api import SUPPORTED_DTYPES, check_config
 from ..codec.layout import length_tag
 from . import ops, stacked
-from .collectives import check_residual, check_shape, nonfinite_error, relative_error, wire_codec
+from .collectives import check_residual, check_shape, nonfinite_error, propagating_codec, relative_error
 from .compressed import PIECES, Tally, Workspace
 from .pieces import PIECE_BYTES, Pipeline, piece_bounds, piece_length
 from .stats import DEFAULT, SiteRecord, plain_bytes
@@ -255,7 +255,7 @@ class EmulatedGroup:
                 residual.zero_()  # the plain collective carries every value
             record.add(plain, plain, False)
         else:
-            out, sent = self._compressed(kind, xs, wire_codec(codec), piece_bytes, residuals, together)
+            out, sent = self._compressed(kind, xs, propagating_codec(codec), piece_bytes, residuals, together)
             record.add(sent, plain, True)
             if record.sample_due():
                 record.errors.append(relative_error(out, _plain(kind, [x.double() for x in xs])))

@@ -51,9 +51,10 @@ from .collectives import nonfinite_error, relative_error
 KIND = "send"  # the kind of a point-to-point message, in timings and agreement checks
 
 
-def wire_codec(codec: CodecConfig) -> CodecConfig:
-    """The settings a message is encoded with: under ``"raise"`` the non-finite values travel as
-    zeros (the flag is the sender's)."""
+def zeroing_codec(codec: CodecConfig) -> CodecConfig:
+    """The settings a point-to-point message is encoded with: under ``"raise"`` the non-finite
+    values travel as zeros (the flag is the sender's; a collective propagates them instead:
+    `collectives.propagating_codec`)."""
     return codec if codec.nonfinite != "raise" else codec.replace(nonfinite="zero")
 
 
@@ -133,11 +134,11 @@ class Channel:
                 x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
             site.entry.add(nbytes, nbytes, False)
             return x
-        wire = self._wires[slot] = encode(x, wire_codec(codec), self._wires.get(slot))
+        wire = self._wires[slot] = encode(x, zeroing_codec(codec), self._wires.get(slot))
         record = site.entry
         record.add(wire.numel(), nbytes, True)
         if record.sample_due():
-            record.errors.append(relative_error(decode(wire, wire_codec(codec), torch.empty_like(x)), x.double()))
+            record.errors.append(relative_error(decode(wire, zeroing_codec(codec), torch.empty_like(x)), x.double()))
         return wire
 
     def nonfinite(self) -> torch.Tensor | None:
@@ -155,7 +156,7 @@ class Channel:
         if codec is None or not buffer.is_floating_point() or not self.compresses(buffer.shape, buffer.dtype,
                                                                                   buffer.device):
             return buffer
-        codec = wire_codec(codec)
+        codec = zeroing_codec(codec)
         size = wire_bytes(buffer.numel(), codec)
         wire = self._wires.get(slot)
         if wire is None or wire.numel() != size:
@@ -209,7 +210,7 @@ def round_trip_message(site, x: torch.Tensor) -> torch.Tensor:
         raise nonfinite_error(site.name)
     if out is x or out.dtype == x.dtype:
         return out
-    return decode(out, wire_codec(site.codec), torch.empty(x.shape, dtype=x.dtype, device=x.device))
+    return decode(out, zeroing_codec(site.codec), torch.empty(x.shape, dtype=x.dtype, device=x.device))
 
 
 def timed_exchanges(x: torch.Tensor, link, codec: CodecConfig) -> tuple[Callable, Callable]:

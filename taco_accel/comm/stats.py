@@ -152,15 +152,25 @@ def set_error_sampling(every: int) -> None:
     _sampling.generation += 1
 
 
-def pop_comm_stats() -> dict[str, CommStats]:
-    """The figures of every site in this process since the last pop, keyed by site name, then
-    reset: the direct calls' (``DEFAULT``) and every live model's, added up where two models
-    have a site of the same name (``model.taco.sites.pop_stats()`` gives one model's)."""
+def pop_ledgers(ledgers) -> dict[str, CommStats]:
+    """The figures of the sites of ``ledgers`` (one model's) since their last pop, keyed by site
+    name (added up where two ledgers hold a site of one name), then reset: what one model's
+    consumers read (`taco_accel.Accelerator.compression_stats`, the training loops), leaving
+    every other model's figures alone."""
     out: dict[str, CommStats] = {}
-    for ledger in [DEFAULT, *(ledger for ledger in list(_ledgers) if ledger is not DEFAULT)]:
+    for ledger in ledgers:
         for name, figures in ledger.pop().items():
             out[name] = out[name] + figures if name in out else figures
     return out
+
+
+def pop_comm_stats() -> dict[str, CommStats]:
+    """The figures of every site in this process since the last pop, keyed by site name, then
+    reset: the direct calls' (``DEFAULT``) and every live model's, added up where two models
+    have a site of the same name. A process-wide view for scripts and benchmarks: a consumer of
+    one model's figures reads that model's ledgers (`pop_ledgers`; ``model.taco.sites.pop_stats()``),
+    so that two models in a process (a policy and its reference) keep separate counts."""
+    return pop_ledgers([DEFAULT, *(ledger for ledger in list(_ledgers) if ledger is not DEFAULT)])
 
 
 def plain_bytes(kind: str, nbytes: int, world: int) -> int:

@@ -506,20 +506,34 @@ class Accelerator(_AccelerateAccelerator):
 
         return recursively_apply(one, tensor, error_on_other_type=True)
 
-    def compression_stats(self) -> dict[str, float]:
-        """What the TP (and compressed dp) collectives of all ranks sent since the last call, for
-        ``accelerator.log``: ``comm/bytes_sent``, ``comm/bytes_saved`` (against plain collectives)
-        and ``comm/compression`` (plain / sent). A collective; per-site figures:
-        `taco_accel.pop_comm_stats` (this rank's, and it resets them)."""
-        from ..comm import pop_comm_stats
+    def compression_stats(self, model: nn.Module | None = None) -> dict[str, float]:
+        """What the TP (and pipeline, compressed dp) collectives of ``model`` (None: every model
+        prepared here) sent on all ranks since the last call, for ``accelerator.log``:
+        ``comm/bytes_sent``, ``comm/bytes_saved`` (against plain collectives) and
+        ``comm/compression`` (plain / sent). Reads (and resets) only those models' figures: a
+        reference model's or an EMA copy's are its own. A collective; per-site figures:
+        ``model.taco.sites.pop_stats()``."""
+        from ..comm.stats import pop_ledgers
 
-        stats = pop_comm_stats().values()
+        stats = pop_ledgers(self.comm_ledgers(model)).values()
         totals = torch.tensor([sum(s.bytes_sent for s in stats), sum(s.bytes_uncompressed for s in stats)],
                               dtype=torch.float64, device=self.device)
         dist.all_reduce(totals)
         sent, plain = totals.tolist()
         return {"comm/bytes_sent": sent, "comm/bytes_saved": plain - sent,
                 "comm/compression": plain / sent if sent else 1.0}
+
+    def comm_ledgers(self, model: nn.Module | None = None) -> list:
+        """The statistics ledgers of ``model``'s communication sites (None: of every model prepared
+        here), each once (`comm.stats.pop_ledgers` reads them)."""
+        chosen = [parts for _, parts in self._parts] if model is None else [self._parts_of(model)]
+        if None in chosen:
+            raise ValueError("compression_stats(model=...): this model was not prepared by this Accelerator; pass "
+                             "the model that accelerator.prepare returned, or no model (every prepared one)")
+        ledgers = []
+        for parts in chosen:
+            ledgers += [ledger for ledger in parts.ledgers() if all(ledger is not seen for seen in ledgers)]
+        return ledgers
 
     def compression_decisions(self) -> dict[str, dict]:
         """Every communication site of the prepared models, over all pipeline stages: its mode

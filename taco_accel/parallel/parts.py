@@ -43,7 +43,7 @@ from .data_parallel import (
 )
 from .mesh import ParallelDims
 from .pipeline import apply_pp, is_tied
-from .stage import taco_context
+from .stage import site_tables, taco_context
 from .tensor_parallel import apply_tp, check_parallelized
 
 logger = logging.getLogger(__name__)
@@ -74,6 +74,18 @@ class ModelParts:
     _dirty: bool = False  # a backward accumulated into a trainable parameter since the last finish
     _reduced: bool = False  # finished, and the optimizer has not stepped (or zeroed) since
     _handles: list = field(default_factory=list, repr=False)
+
+    def ledgers(self) -> list:
+        """The statistics ledgers of this model's sites (TP, pipeline boundaries, compressed
+        gradients), each once: where this model's communication figures are read."""
+        tables = [table for module in self.modules for table in site_tables(module)]
+        if self.grad_sites is not None:
+            tables.append(self.grad_sites)
+        out = []
+        for table in tables:
+            if all(table.ledger is not seen for seen in out):
+                out.append(table.ledger)
+        return out
 
     def named_parameters(self):
         for module in self.modules:

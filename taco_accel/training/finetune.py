@@ -336,7 +336,7 @@ class Finetuner(TrainingLoop):
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        loss, *traffic = self._all_sum([loss / self.dims.dp, *comm_totals()], replica_only=True)
+        loss, *traffic = self._all_sum([loss / self.dims.dp, *comm_totals(self.accelerator.comm_ledgers(self.model))], replica_only=True)
         seconds = time.perf_counter() - start
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": seconds,
                 "tokens_per_s": global_tokens / seconds, **comm_fields(traffic)}
@@ -372,7 +372,7 @@ class Finetuner(TrainingLoop):
         if nll:  # one host transfer (a dp rank may hold no validation batch)
             nll, tokens = torch.cat(nll).tolist(), torch.cat(tokens).tolist()
         self.model.train()
-        comm_totals()  # evaluation traffic is not part of the training step figures
+        comm_totals(self.accelerator.comm_ledgers(self.model))  # evaluation traffic is not part of the training step figures
         parts = [None] * self.dims.dp
         dist.all_gather_object(parts, (nll, tokens), group=self.mesh["dp"].get_group())
         nll, tokens = [v for p in parts for v in p[0]], [v for p in parts for v in p[1]]

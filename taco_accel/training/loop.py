@@ -222,15 +222,15 @@ def traffic_kind(site: str) -> str:
     return head if head in ("pp", "dp") else "tp"
 
 
-def comm_totals() -> list[float]:
-    """Bytes sent and bytes a plain collective would send by this rank's sites since the last
-    call, per kind of traffic (`traffic_kind`): ``[tp sent, tp plain, pp sent, pp plain, dp sent,
-    dp plain]`` (a step's figures; the loops sum them over the ranks with their loss, then
-    `comm_fields`)."""
-    from ..comm import pop_comm_stats
+def comm_totals(ledgers) -> list[float]:
+    """Bytes sent and bytes a plain collective would send by this rank's sites of one model (its
+    ``ledgers``: `ModelParts.ledgers`, `Accelerator.comm_ledgers`) since the last call, per kind of traffic
+    (`traffic_kind`): ``[tp sent, tp plain, pp sent, pp plain, dp sent, dp plain]`` (a step's
+    figures; the loops sum them over the ranks with their loss, then `comm_fields`)."""
+    from ..comm.stats import pop_ledgers
 
     out = [0.0] * (2 * len(TRAFFIC_KINDS))
-    for name, s in pop_comm_stats().items():
+    for name, s in pop_ledgers(ledgers).items():
         k = 2 * TRAFFIC_KINDS.index(traffic_kind(name))
         out[k] += s.bytes_sent
         out[k + 1] += s.bytes_uncompressed

@@ -284,7 +284,7 @@ class Trainer(TrainingLoop):
         self.scheduler.step()
         self.step += 1
         self.batches.step = self.step
-        loss, *traffic, grad_norm = self._reduce(loss, *comm_totals(), same=grad_norm)
+        loss, *traffic, grad_norm = self._reduce(loss, *comm_totals(self.parts.ledgers()), same=grad_norm)
         seconds = time.perf_counter() - start
         tokens = self.global_batch * cfg.seq_len
         return {
@@ -300,7 +300,7 @@ class Trainer(TrainingLoop):
         for inputs, labels in self.val:
             with self.accelerator.autocast():
                 total += self.pipe.eval(inputs, labels)
-        comm_totals()  # evaluation traffic is not part of the training step figures
+        comm_totals(self.parts.ledgers())  # evaluation traffic is not part of the training step figures
         return {"val_loss": self._reduce(total / len(self.val))[0]}  # one collective and one host sync
 
     # -- the end of a run ---------------------------------------------------------------------
