@@ -233,13 +233,14 @@ def sum_packed(stacked: torch.Tensor, layout: WireLayout, config: CodecConfig, *
 
 
 def encode_into(x: torch.Tensor, out: torch.Tensor, layout: WireLayout, config: CodecConfig,
-                tuning: Tuning | None = None, tag: int = 0) -> None:
+                tuning: Tuning | None = None, tag: int = 0, headers: torch.Tensor | None = None) -> None:
     """`compress` of the contiguous ``x`` (``layout.numel`` values) into ``out`` (the layout's
-    uint8 buffer), its headers carrying the message tag ``tag``."""
+    uint8 buffer), its headers carrying the message tag ``tag`` (``headers``: the caller's
+    cached `WireLayout.headers` view of ``out``, which saves making it)."""
     if layout.numel:
         dispatch.compress_into(x if x.dim() == 1 else x.view(-1), out, layout, config, tuning or DEFAULT_TUNING)
         if tag:
-            layout.headers(out).fill_(signed_header(config, tag))
+            (layout.headers(out) if headers is None else headers).fill_(signed_header(config, tag))
         if config.nonfinite == "raise":
             _raise_if_nonfinite(x, out, layout)
 
@@ -274,14 +275,15 @@ def decode_into(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig, o
 
 
 def sum_packed_into(stacked: torch.Tensor, layout: WireLayout, config: CodecConfig, out: torch.Tensor,
-                    tuning: Tuning | None = None, tag: int = 0, seen: set | None = None) -> None:
+                    tuning: Tuning | None = None, tag: int = 0, seen: set | None = None,
+                    headers: torch.Tensor | None = None) -> None:
     """`sum_packed` of ``stacked`` [P, layout.total_bytes] (tagged ``tag``) into ``out`` (the
-    layout's uint8 buffer, tagged alike)."""
+    layout's uint8 buffer, tagged alike; ``headers``: as in `encode_into`)."""
     if layout.numel:
         _check_wire_where_cheap(stacked, layout, config, tag, seen)
         dispatch.sum_into(stacked, layout, config, out, tuning or DEFAULT_TUNING)
         if tag:
-            layout.headers(out).fill_(signed_header(config, tag))
+            (layout.headers(out) if headers is None else headers).fill_(signed_header(config, tag))
 
 
 _DEFAULT = CodecConfig()

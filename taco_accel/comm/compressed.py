@@ -105,6 +105,15 @@ class Workspace:
             view = self._views[key] = raw[: numel * dtype.itemsize].view(dtype).view(shape)
         return view
 
+    def headers(self, role: str, slot: int, layout: WireLayout, buffer: torch.Tensor, row: int = -1) -> torch.Tensor:
+        """The `WireLayout.headers` view of ``buffer`` (the buffer ``role`` of ``slot``, or its
+        row ``row``), made once per layout (it is what the length tag is written through)."""
+        key = (role, slot % self.SLOTS, layout, row, "headers")
+        found = self._views.get(key)
+        if found is None:
+            found = self._views[key] = layout.headers(buffer)
+        return found
+
     def rows(self, role: str, slot: int, world: int, nbytes: int, device: torch.device) -> list[torch.Tensor]:
         """The ``world`` rows of ``nbytes`` each of the buffer ``role`` in ``slot``, as a list
         (what a gather writes into), made once per size."""
@@ -151,14 +160,15 @@ def all_reduce_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecCo
     layout = WireLayout.for_tensor(src.numel(), codec, world)
     total, cb = layout.total_bytes, layout.chunk_bytes
     send = buffers.buffer("send", slot, total, device)  # [P * cb]: chunk p for rank p
-    encode_into(src, send, layout, codec, tag=tally.tag)
+    encode_into(src, send, layout, codec, tag=tally.tag, headers=buffers.headers("send", slot, layout, send))
     recv = buffers.buffer("recv", slot, total, device)  # [P * cb]: chunk `rank` of every peer
     work = link.all_to_all(recv, send)
     yield
     work.wait()
     mine = buffers.buffer("sum", slot, cb, device)  # [cb]
-    sum_packed_into(buffers.buffer("recv", slot, total, device, (world, cb)), layout.chunk_layout(), codec, mine,
-                    tag=tally.tag, seen=tally.seen)
+    chunk = layout.chunk_layout()
+    sum_packed_into(buffers.buffer("recv", slot, total, device, (world, cb)), chunk, codec, mine,
+                    tag=tally.tag, seen=tally.seen, headers=buffers.headers("sum", slot, chunk, mine))
     full = recv  # [P * cb]: every reduced chunk, rank order (the received chunks are summed by now)
     work = link.all_gather(full, mine)
     yield
@@ -185,7 +195,7 @@ def reduce_scatter_piece(blocks: torch.Tensor, out: torch.Tensor | None, codec: 
     layout = WireLayout.for_tensor(world * width, codec, world)  # chunk r = block r
     total, cb = layout.total_bytes, layout.chunk_bytes
     send = buffers.buffer("send", slot, total, device)
-    encode_into(blocks, send, layout, codec, tag=tally.tag)
+    encode_into(blocks, send, layout, codec, tag=tally.tag, headers=buffers.headers("send", slot, layout, send))
     recv = buffers.buffer("recv", slot, total, device)  # [P * cb]
     work = link.all_to_all(recv, send)
     if residual is not None:  # while the chunks travel: what they do not carry of blocks
@@ -203,8 +213,9 @@ def reduce_scatter_piece(blocks: torch.Tensor, out: torch.Tensor | None, codec: 
             out.copy_(got.sum(0)[:cols].view(out.shape))
         return
     mine = buffers.buffer("sum", slot, cb, device)  # [cb]
-    sum_packed_into(buffers.buffer("recv", slot, total, device, (world, cb)), layout.chunk_layout(), codec, mine,
-                    tag=tally.tag, seen=tally.seen)
+    chunk = layout.chunk_layout()
+    sum_packed_into(buffers.buffer("recv", slot, total, device, (world, cb)), chunk, codec, mine,
+                    tag=tally.tag, seen=tally.seen, headers=buffers.headers("sum", slot, chunk, mine))
     own = WireLayout.for_tensor(cols, codec)
     assert own.total_bytes == mine.numel(), (own, mine.numel())
     tally.note(own, mine)
@@ -220,7 +231,7 @@ def all_gather_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecCo
     world, device, cols = link.world, src.device, src.numel()
     layout = WireLayout.for_tensor(cols, codec)  # one chunk of gpc = ceil(c/G) groups
     send = buffers.buffer("send", slot, layout.total_bytes, device)
-    encode_into(src, send, layout, codec, tag=tally.tag)
+    encode_into(src, send, layout, codec, tag=tally.tag, headers=buffers.headers("send", slot, layout, send))
     full = buffers.buffer("recv", slot, world * layout.total_bytes, device)  # [P * cb]
     work = link.all_gather(full, send)
     if residual is not None:  # while the buffer travels: what it does not carry of src
@@ -256,7 +267,8 @@ def all_gather_by_rank_piece(src: torch.Tensor, out: torch.Tensor | None, codec:
     layout = WireLayout.for_tensor(cols, codec)  # one chunk of whole groups per rank
     cb = layout.total_bytes
     wires = buffers.buffer("recv", 0, world * cb, device, (world, cb))  # row r: rank r's wire
-    encode_into(src, wires[rank], layout, codec, tag=tally.tag)
+    encode_into(src, wires[rank], layout, codec, tag=tally.tag,
+                headers=buffers.headers("recv", 0, layout, wires[rank], rank))
     works = [link.broadcast(wires[r], r) for r in range(world)]
     parts = None if out is None else out.view(world, cols)
     for r in (rank, *range(rank), *range(rank + 1, world)):
@@ -285,7 +297,7 @@ def reduce_scatter_by_rank_piece(parts: list, out: torch.Tensor | None, codec: C
     received = buffers.rows("recv", 0, world, cb, device)  # row p: rank p's part for this rank
     works = []
     for r in range(world):
-        encode_into(parts[r], send[r], layout, codec, tag=tally.tag)
+        encode_into(parts[r], send[r], layout, codec, tag=tally.tag, headers=buffers.headers("send", 0, layout, send[r], r))
         parts[r] = None  # encoded: the caller's tensor is free
         works.append(link.gather(received if r == rank else None, send[r], r))
         yield r
@@ -293,8 +305,9 @@ def reduce_scatter_by_rank_piece(parts: list, out: torch.Tensor | None, codec: C
         work.wait()
     tally.sent += (world - 1) * cb
     mine = buffers.buffer("sum", 0, cb, device)
-    sum_packed_into(buffers.buffer("recv", 0, world * cb, device, (world, cb)), layout.chunk_layout(), codec, mine,
-                    tag=tally.tag, seen=tally.seen)
+    chunk = layout.chunk_layout()
+    sum_packed_into(buffers.buffer("recv", 0, world * cb, device, (world, cb)), chunk, codec, mine,
+                    tag=tally.tag, seen=tally.seen, headers=buffers.headers("sum", 0, chunk, mine))
     tally.note(layout, mine)
     if out is not None:
         decode_into(mine, layout, codec, out, tag=tally.tag, seen=tally.seen)
