@@ -24,3 +24,16 @@ def token_cache(tmp_path_factory) -> str:
     training tests share the shipped corpus's tokens, built once (several seconds) instead of
     once per module; entries are keyed by a hash of the tokenizer and the text."""
     return str(tmp_path_factory.mktemp("token_cache"))
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_leaks_between_tests():
+    """A test that builds a one-process world in this process (an in-process `taco_accel.Accelerator`
+    initialises a gloo group of size 1) must not hand it to the tests after it: one that expects
+    "no torch.distributed" would see a world of 1 instead, and the suite would depend on its order."""
+    import torch.distributed as dist
+
+    started_without = not (dist.is_available() and dist.is_initialized())
+    yield
+    if started_without and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
