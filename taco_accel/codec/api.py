@@ -261,7 +261,8 @@ def encode_rows_into(rows: torch.Tensor, out: torch.Tensor, layout: WireLayout, 
         stage[:, : layout.numel].copy_(rows.reshape(count, -1))
         rows = stage
     whole = WireLayout.for_tensor(count * width, config, count * layout.chunks)
-    encode_into(rows.reshape(-1), out, whole, config, tuning, tag)
+    tuning = tuning or DEFAULT_TUNING  # the encoder one row alone would get (chosen by its group count)
+    encode_into(rows.reshape(-1), out, whole, config, tuning.replace(split_max_groups=count * tuning.split_max_groups), tag)
     return whole
 
 
