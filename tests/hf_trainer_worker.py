@@ -1,4 +1,4 @@
-"""transformers' Trainer and TRL's SFTTrainer as a user runs them, with and without taco_accel.
+"""transformers' Trainer and TRL's SFTTrainer and DPOTrainer as a user runs them, with and without taco_accel.
 
 ``accelerate launch ... hf_trainer_worker.py --out OUT --dir DIR`` trains with
 ``taco_trainer(Trainer)`` / ``taco_trainer(SFTTrainer)`` (the two changed lines) on the launch's
@@ -165,6 +165,28 @@ def run_plain_checkpoint(args) -> dict:
     return {"refused": None}
 
 
+def run_patched(args) -> dict:
+    """A plain Trainer with transformers.trainer.Accelerator replaced by taco_accel.Accelerator (a
+    workaround a user may try): refused on every rank, naming taco_trainer."""
+    import torch.distributed as dist
+    import transformers.trainer as trainer_module
+    from transformers import Trainer, TrainingArguments
+
+    import taco_accel
+
+    built, trainer_module.Accelerator = trainer_module.Accelerator, taco_accel.Accelerator
+    try:
+        Trainer(model=tiny(), args=TrainingArguments(**common(args, "patched")), train_dataset=lm_rows(8, 1))
+        message = None
+    except Exception as e:  # noqa: BLE001 - the message is what the test reads
+        message = f"{type(e).__name__}: {e}"
+    finally:
+        trainer_module.Accelerator = built
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, message)
+    return {"refused": message, "every_rank": every}
+
+
 def run_pipeline_sizes(args) -> dict:
     """tp=2 on 4 processes: sizes that leave processes over are refused (Accelerate's rule), and
     pipeline stages asked for (TACO_PP_SIZE=2), which the Trainer cannot run, are refused too."""
@@ -220,6 +242,53 @@ def run_sft(args, name: str, lora: bool = False, bf16: bool = False) -> dict:
     return out
 
 
+def preferences(n: int, seed: int) -> list[dict]:
+    import random
+
+    r = random.Random(seed)
+    words = "tensor parallel training compresses every message to eight bits with a hadamard transform".split()
+    say = lambda: " ".join(r.choice(words) for _ in range(r.randint(2, 6)))  # noqa: E731
+    return [{"prompt": say(), "chosen": say(), "rejected": say()} for _ in range(n)]
+
+
+def run_dpo(args, name: str, ref: str, compression=None) -> dict:
+    """TRL's DPOTrainer: ``ref="passed"`` (a reference model given), ``"path"`` (TRL builds it from
+    the policy's local checkpoint and prepares it with prepare_model(evaluation_mode=True)),
+    ``"lora"`` (a LoRA policy: the reference is the adapter switched off)."""
+    import torch.distributed as dist
+    from trl import DPOConfig, DPOTrainer
+
+    from taco_accel.data.tokenizer import build_tokenizer
+
+    path = os.path.join(args.dir, "dpo_base")
+    if int(os.environ.get("RANK", "0")) == 0 and not os.path.isdir(path):
+        tiny().save_pretrained(path)
+    if dist.is_initialized():
+        dist.barrier()
+    from transformers import AutoModelForCausalLM
+
+    extra = {}
+    if ref == "passed":
+        extra["ref_model"] = AutoModelForCausalLM.from_pretrained(path)
+    if ref == "lora":
+        from peft import LoraConfig
+
+        extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                          target_modules=["q_proj", "v_proj", "down_proj"])
+    # SGD: at step 1 the policy is its reference and many gradient entries cancel to rounding noise,
+    # whose sign Adam's first step would turn into full steps of lr (another sum order, another sign)
+    config = DPOConfig(**common(args, name, max_length=48, beta=0.5, max_steps=2, optim="sgd", learning_rate=0.05),
+                       dataset_num_proc=None)
+    trainer = trainer_class(args, DPOTrainer, compression=compression)(
+        model=AutoModelForCausalLM.from_pretrained(path), args=config, processing_class=build_tokenizer("byte"),
+        train_dataset=_dataset(preferences(2 * BATCH * ACCUM * args.dp, 5)), **extra)
+    trainer.train()
+    out = history(trainer)
+    out["rewards"] = [[h.get("rewards/chosen"), h.get("rewards/rejected")] for h in trainer.state.log_history
+                      if "loss" in h]
+    return out
+
+
 def _dataset(rows: list[dict]):
     from datasets import Dataset
 
@@ -248,12 +317,19 @@ def main() -> None:
         "trainer_bf16": lambda: fresh_precision(run_trainer, args, "trainer_bf16", bf16=True, use_cpu=True),
         "sft_bf16": lambda: fresh_precision(run_sft, args, "sft_bf16", bf16=True),
         "trainer_fp16": lambda: fresh_precision(run_trainer, args, "trainer_fp16", fp16=True),
+        "patched": lambda: run_patched(args),
+        "dpo": lambda: run_dpo(args, "dpo", ref="passed"),
+        "dpo_path": lambda: run_dpo(args, "dpo_path", ref="path"),
+        "dpo_lora": lambda: run_dpo(args, "dpo_lora", ref="lora"),
+        "dpo_compressed": lambda: run_dpo(args, "dpo_compressed", ref="passed",
+                                          compression=taco_accel.TacoConfig(group_size=32)),
     }
     if args.reference:  # compressed and resumed runs compare with the reference "trainer" run
         result, base = {}, args.dir
         for dp in map(int, args.reference.split(",")):
             args.dp, args.dir = dp, os.path.join(base, f"dp{dp}")
-            result[f"dp{dp}"] = guarded(runs, ["trainer", "sft"] + (["lora", "trainer_bf16", "sft_bf16"] if dp == 1 else []))
+            result[f"dp{dp}"] = guarded(runs, ["trainer", "sft"] + (["lora", "trainer_bf16", "sft_bf16", "dpo", "dpo_lora"]
+                                                                     if dp == 1 else []))
     else:
         args.dp = int(os.environ["WORLD_SIZE"]) // 2  # tp=2 in every launch of the test
         result = guarded(runs, args.runs.split(","))

@@ -156,6 +156,7 @@ def test_unsafe_paths_fail_loudly(run):
     r = _check(result, "refusals")
     plain, mismatch = r["plain"], r["mismatch"]
     assert plain is not None and "tensor-parallel" in plain and "from taco_accel import Accelerator" in plain, plain
+    assert "taco_accel.taco_trainer(Trainer)" in plain, plain  # the door for a Trainer user (--multi_gpu)
     assert mismatch is not None and "tp=2" in mismatch and "tp=1" in mismatch, mismatch
 
 

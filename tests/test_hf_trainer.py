@@ -28,7 +28,8 @@ BATCH, ACCUM = 2, 2  # the worker's per-device batch and accumulation
 # (lr <= 3e-3) keep that at the 1e-6 level: bounds of 2e-5 absolute on losses, 1e-5 relative on norms.
 LOSS_TOL, NORM_RTOL = 2e-5, 1e-5
 LAUNCHES = {  # name: (dp, how it is started, runs)
-    "tp2": (1, "accelerate", "trainer,resume,compressed,sft,lora,plain_checkpoint,trainer_bf16,sft_bf16,trainer_fp16"),
+    "tp2": (1, "accelerate", "trainer,resume,compressed,sft,lora,plain_checkpoint,trainer_bf16,sft_bf16,trainer_fp16,"
+                             "patched,dpo,dpo_path,dpo_lora,dpo_compressed"),
     "dp2_tp2": (2, "torchrun", "trainer,sft,pipeline_sizes"),  # resume of dp replicas: test_accelerator
 }
 
@@ -76,7 +77,9 @@ def run_of(results, launch: str, run: str) -> tuple[dict, dict]:
     assert "launch_error" not in got, got.get("launch_error")
     assert "error" not in got[run], got[run]["error"]
     dp = LAUNCHES[launch][0]
-    reference = ref[f"dp{dp}"].get(run if run in ("sft", "lora", "trainer_bf16", "sft_bf16") else "trainer")
+    same = {"sft": "sft", "lora": "lora", "trainer_bf16": "trainer_bf16", "sft_bf16": "sft_bf16", "dpo": "dpo",
+            "dpo_path": "dpo", "dpo_compressed": "dpo", "dpo_lora": "dpo_lora"}
+    reference = ref[f"dp{dp}"].get(same.get(run, "trainer"))
     assert "error" not in reference, reference["error"]
     return got[run], reference
 
@@ -222,3 +225,39 @@ def test_fp16_flag_trains_with_the_mesh_scaler(results):
     # fp16 roundings against none: u sqrt(N / 3), u = 2**-11, N < 100 per forward (test_precision's
     # count), on the losses (4e-3 relative), the same argument for the later steps as BF16_LOSS
     assert max(abs(a - b) / b for a, b in zip(got["losses"], ref["losses"])) < 2.0**-11 * (100 / 3) ** 0.5, (got, ref)
+
+
+# TRL's DPOTrainer: its loss and rewards come from the fused head's per-token log-probabilities of
+# the policy and of the reference model, both tensor parallel (the reference prepared by
+# prepare_model(evaluation_mode=True), or the LoRA policy with its adapter switched off). The
+# rewards are beta (0.5) x differences of sequence log-prob sums (about 30 tokens x 5.5: ulp
+# 1.5e-5): a few ulps of reordered fp32 sums bound them by 5e-5; losses and norms as the Trainer's.
+REWARD_TOL = 5e-5
+
+
+@pytest.mark.parametrize("launch,run", [("tp2", "dpo"), ("tp2", "dpo_path"), ("tp2", "dpo_lora")])
+def test_dpo_trainer_trains_like_one_process(results, launch, run):
+    got, ref = run_of(results, launch, run)
+    assert got["steps"] == ref["steps"] == [1, 2] and got["lrs"] == ref["lrs"]
+    assert got["losses"][0] == pytest.approx(0.6931472, abs=LOSS_TOL)  # ln 2: the policy is its reference
+    assert got["losses"] == pytest.approx(ref["losses"], abs=LOSS_TOL)
+    assert got["grad_norms"] == pytest.approx(ref["grad_norms"], rel=NORM_RTOL)
+    for mine, theirs in zip(got["rewards"], ref["rewards"]):
+        assert mine == pytest.approx(theirs, abs=REWARD_TOL)
+
+
+def test_dpo_trainer_with_compression_stays_within_the_codec_bound(results):
+    got, ref = run_of(results, "tp2", "dpo_compressed")
+    # the policy and its reference see the same codec rounding of the same activations at step 1,
+    # so their log-ratio, and the loss ln 2, stay close; after one update the codec bound of
+    # test_compression_on_stays_within_the_codec_bound (2e-2 relative) applies
+    assert got["losses"][0] == pytest.approx(ref["losses"][0], rel=5e-3)
+    assert got["losses"][1] == pytest.approx(ref["losses"][1], rel=2e-2)
+    assert got["bytes_saved"] > got["bytes_sent"] > 0
+
+
+def test_a_plain_trainer_on_a_replaced_accelerator_is_refused_on_every_rank(results):
+    message = refusal(results, "tp2", "patched")  # on main it trained with loss 0.0 and grad norm 0.0
+    assert "ValueError" in message and "taco_trainer(Trainer)(model=..., args=...)" in message
+    assert "train on zeros" in message
+    assert results[0]["tp2"]["patched"]["every_rank"] == [message] * 2

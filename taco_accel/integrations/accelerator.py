@@ -76,6 +76,8 @@ from ..parallel.grad_scaler import MeshGradScaler
 from ..parallel.mesh import PP_ENV
 from ..parallel.stage import site_tables
 from ..comm.policy import DEFAULT_COMPRESSION, Compression
+from ..upstream import accelerate as upstream
+from ..upstream.transformers import trainer_building_accelerator
 from . import checkpoint as ckpt
 from .launch import launch_notes, without_parallelism_config
 
@@ -124,6 +126,14 @@ class Accelerator(_AccelerateAccelerator):
     def __init__(self, *args, parallelism_config=None, parallel_dims: ParallelDims | None = None,
                  pp_size: int | None = None, compression=DEFAULT_COMPRESSION, grad_compression="off",
                  sequence_parallel: bool = False, logits: LogitsMode | None = None, **kwargs):
+        trainer = trainer_building_accelerator()
+        if trainer is not None and not hasattr(type(trainer), "taco_options"):
+            raise ValueError(
+                f"transformers' {type(trainer).__name__} is building taco_accel.Accelerator directly (through a "
+                "replaced transformers.trainer.Accelerator): its batch arithmetic would divide the loss by the tp "
+                "size and train on zeros. Use taco_accel.taco_trainer: taco_trainer("
+                f"{type(trainer).__name__})(model=..., args=...), which builds this Accelerator itself"
+            )
         compression = Compression.resolve(compression)  # before any process group starts
         grad_compression = Compression.resolve(grad_compression)
         for name, what in _REFUSED_PLUGINS.items():
@@ -272,7 +282,7 @@ class Accelerator(_AccelerateAccelerator):
         passed in the same call are re-pointed at their new (sharded) parameters."""
         moved: dict[int, nn.Parameter] = {}
         for obj in args:
-            if isinstance(obj, nn.Module) and not getattr(obj, "_is_accelerate_prepared", False):
+            if isinstance(obj, nn.Module) and not upstream.is_prepared(obj):
                 before = dict(obj.named_parameters())
                 self._lay_out(obj)
                 after = dict(obj.named_parameters())
@@ -292,7 +302,7 @@ class Accelerator(_AccelerateAccelerator):
         and compilation; never Accelerate's DDP / FSDP wrappers. ``evaluation_mode=True`` (as in
         Accelerate: a model for inference only): tensor parallel and placed, without FSDP2
         sharding or gradient reductions."""
-        if not getattr(model, "_is_accelerate_prepared", False) and self._parts_of(model) is None:
+        if not upstream.is_prepared(model) and self._parts_of(model) is None:
             self._lay_out(model, evaluation=evaluation_mode)
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
 
@@ -322,7 +332,7 @@ class Accelerator(_AccelerateAccelerator):
         replica gets the same batches."""
         from accelerate.data_loader import prepare_data_loader
 
-        if getattr(data_loader, "_is_accelerate_prepared", False):
+        if upstream.is_prepared(data_loader):
             return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
         if self.dispatch_batches and self.parallel_dims.world_size > self.parallel_dims.dp:
             raise ValueError(
@@ -338,12 +348,12 @@ class Accelerator(_AccelerateAccelerator):
             data_seed=self.dataloader_config.data_seed, non_blocking=self.non_blocking,
             use_stateful_dataloader=self.use_stateful_dataloader,
         )
-        self._dataloaders.append(prepared)
+        upstream.add_prepared(self, "dataloader", prepared)
         return prepared
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
         """Accelerate's optimizer wrapper, whose ``step`` first reduces the step's gradients."""
-        if getattr(optimizer, "_is_accelerate_prepared", False):
+        if upstream.is_prepared(optimizer):
             return super().prepare_optimizer(optimizer, device_placement)
         stale = sum(1 for g in optimizer.param_groups for p in g["params"]
                     if (ref := self._replaced.get(id(p))) is not None and ref() is p)
@@ -357,19 +367,19 @@ class Accelerator(_AccelerateAccelerator):
             device_placement = self.device_placement
         prepared = _StepOptimizer(optimizer, self._finish_gradients, self._step_done,
                                   device_placement=device_placement, scaler=self.scaler)
-        self._optimizers.append(prepared)
+        upstream.add_prepared(self, "optimizer", prepared)
         return prepared
 
     def prepare_scheduler(self, scheduler):
         """Accelerate's scheduler wrapper, stepping `num_processes` (dp replica) times per
         optimizer step."""
-        if getattr(scheduler, "_is_accelerate_prepared", False):
+        if upstream.is_prepared(scheduler):
             return super().prepare_scheduler(scheduler)
-        optimizer = next((o for o in self._optimizers if getattr(scheduler, "optimizer", None) is o.optimizer),
-                         self._optimizers)
+        optimizers = upstream.prepared(self, "optimizer")
+        optimizer = next((o for o in optimizers if getattr(scheduler, "optimizer", None) is o.optimizer), optimizers)
         prepared = _ReplicaScheduler(scheduler, optimizer, step_with_optimizer=self.step_scheduler_with_optimizer,
                                      split_batches=self.split_batches, replicas=self.num_processes)
-        self._schedulers.append(prepared)
+        upstream.add_prepared(self, "scheduler", prepared)
         return prepared
 
     def _emulate(self, model: nn.Module) -> None:
@@ -489,7 +499,7 @@ class Accelerator(_AccelerateAccelerator):
             return data
         if use_gather_object:
             return data[:remainder]
-        return recursively_apply(lambda t: t[:remainder], data)
+        return recursively_apply(lambda t: t[:remainder] if t.ndim else t, data)  # a scalar holds no samples
 
     def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
         """Reduce over the dp ranks (``"sum"``, ``"mean"`` or ``"none"``)."""
@@ -596,7 +606,7 @@ class Accelerator(_AccelerateAccelerator):
         output_dir = self._save_dir(output_dir)
         state = ckpt.TrainingState.of(self)
         weights = [ckpt.model_weights(parts) for parts in state.parts]
-        for hook in self._save_model_state_pre_hook.values():
+        for hook in upstream.save_state_pre_hooks(self):
             hook([model for model, _ in self._parts], weights, str(output_dir))
         folder = ckpt.save(output_dir, state, self._taco_mesh, self.parallel_dims, run=self._run_identity(),
                            weights=weights)
@@ -628,7 +638,7 @@ class Accelerator(_AccelerateAccelerator):
             logger.warning("load_state ignores %s: Accelerate passes them to DeepSpeed's load_checkpoint, which "
                            "taco_accel does not use", unused)
         models = [model for model, _ in self._parts]
-        for hook in self._load_model_state_pre_hook.values():
+        for hook in upstream.load_state_pre_hooks(self):
             hook(models, str(input_dir))
         keep = [i for i, (model, _) in enumerate(self._parts) if any(model is m for m in models)]
         record = ckpt.load(input_dir, ckpt.TrainingState.of(self), self._taco_mesh, self.parallel_dims, models=keep,

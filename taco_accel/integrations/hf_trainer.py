@@ -54,6 +54,8 @@ from ..errors import CheckpointError
 from ..models import context_of, parallelize
 from ..comm.policy import DEFAULT_COMPRESSION
 from ..tp import ColumnParallelLinear, Compression, gather_from_tp_region
+from ..upstream import transformers as upstream_transformers
+from ..upstream import trl as upstream_trl
 from .accelerator import Accelerator
 
 logger = logging.getLogger(__name__)
@@ -79,6 +81,7 @@ def taco_trainer(trainer_cls: type, *, compression=DEFAULT_COMPRESSION, sequence
         raise TypeError(f"taco_trainer takes transformers.Trainer or a subclass, got {trainer_cls!r}")
     if issubclass(trainer_cls, _TacoTrainer):
         raise ValueError(f"{trainer_cls.__name__} already trains with taco_accel; pass the original class")
+    upstream_transformers.check_trainer(trainer_cls)  # the private methods overridden below
     options = {"compression": compression, "sequence_parallel": sequence_parallel}
     return type(f"Taco{trainer_cls.__name__}", (_TacoTrainer, trainer_cls),
                 {"taco_options": options, "__module__": trainer_cls.__module__, "__doc__": trainer_cls.__doc__})
@@ -96,20 +99,15 @@ class _TacoTrainer:
         if self.accelerator.parallel_dims.world_size > 1:
             self.model = self.model_wrapped = _tensor_parallel_lora(self.model, self.accelerator)
         _gather_fused_head(self.model)
-        if hasattr(self, "_tp_size"):  # TRL: divides its dp-gathered token counts by it
-            self._tp_size = 1
+        if getattr(self, "ref_model", None) is not None:  # TRL's DPO: the reference model's fused head too
+            _gather_fused_head(self.ref_model)
+        upstream_trl.count_tokens_once(self)
 
     # -- the accelerator ---------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
-        import transformers.trainer as trainer_module
-
         _processes_on_cpu(self.args)
-        built = trainer_module.Accelerator
-        trainer_module.Accelerator = functools.partial(Accelerator, **self.taco_options)
-        try:
+        with upstream_transformers.building_accelerator(functools.partial(Accelerator, **self.taco_options)):
             super().create_accelerator_and_postprocess()
-        finally:
-            trainer_module.Accelerator = built
         if self.accelerator.parallel_dims.pp > 1:
             raise ValueError(
                 f"{self.accelerator.parallel_layout}: the Trainer runs no pipeline schedule; give sizes that cover "
@@ -213,8 +211,7 @@ def _processes_on_cpu(args) -> None:
     if torch.cuda.is_available() or args.use_cpu or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
     args.use_cpu = True
-    args.__dict__.pop("_setup_devices", None)  # a cached_property: computed again below
-    args._setup_devices  # noqa: B018 - resets Accelerate's state and builds it for the CPU processes
+    upstream_transformers.setup_devices_again(args)  # Accelerate's state, built for the CPU processes
 
 
 # -- TRL's fused LM head ---------------------------------------------------------------------------
@@ -225,8 +222,7 @@ def _gather_fused_head(model: nn.Module) -> None:
     same hidden states, so each keeps its rows of the head's gradient (`gather_from_tp_region`)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     forward = base.__dict__.get("forward")
-    code = getattr(getattr(forward, "__func__", forward), "__code__", None)
-    if code is None or "fused_lm_head" not in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
+    if not upstream_trl.has_fused_head(forward):
         return
 
     @functools.wraps(forward)

@@ -37,6 +37,7 @@ from torch import nn
 from ..models import context_of, gather_state_dict
 from ..models.state import shard_specs
 from ..tp import ColumnParallelLinear, RowParallelLinear, SiteTable, copy_to_tp_region, sum_replica_grads
+from ..upstream import peft as upstream_peft
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ def _make_tp_lora_linear():
                     a_weight = copy_to_tp_region(a_weight, self._tp_grad_site)
                     if base.shard.replicas > 1:  # replicated kv heads: B's rows too
                         b_weight = sum_replica_grads(b_weight, self.lora_B[name].shards["weight"], base.replica_site)
-                h = self.lora_dropout[name](self._cast_input_dtype(x, a_weight.dtype))
+                h = self.lora_dropout[name](upstream_peft.cast_input_dtype(self, x, a_weight.dtype))
                 total = total + F.linear(F.linear(h, a_weight), b_weight) * self.scaling[name]
             return total
 
@@ -246,7 +247,7 @@ def resolve_lora_config(model: nn.Module, config):
     conv1d = {targets[n].conv1d for n in matched}
     config.fan_in_fan_out = conv1d == {True}  # GPT-2's Conv1D: what peft expects on the original model
     layer = functools.partial(tp_lora_linear(), sites=context_of(model).sites)
-    config._register_custom_module({ColumnParallelLinear: layer, RowParallelLinear: layer})
+    upstream_peft.register_custom_modules(config, {ColumnParallelLinear: layer, RowParallelLinear: layer})
     return config
 
 

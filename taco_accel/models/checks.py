@@ -417,8 +417,9 @@ def check_not_under_ddp(group) -> None:
             f"this tensor-parallel model runs inside DistributedDataParallel over ranks that hold different "
             f"tensor-parallel shards (tp ranks {sorted(shared)}): DDP overwrote their weights with rank "
             f"{min(shared)}'s and would average different shards. Use `from taco_accel import Accelerator` "
-            "instead of accelerate's (it lays the model out over tp and averages gradients over dp only), or "
-            "wrap in DDP over the data-parallel group only"
+            "instead of accelerate's (it lays the model out over tp and averages gradients over dp only; with "
+            "transformers' Trainer or TRL's: taco_accel.taco_trainer(Trainer)(model=..., args=...), which builds "
+            "it), or wrap in DDP over the data-parallel group only"
         )
 
 

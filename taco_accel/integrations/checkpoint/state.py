@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ...errors import CheckpointError
+from ...upstream import accelerate as upstream
 from ...models.state import shard_specs
 from ...parallel import ModelParts, ParallelDims
 from ...parallel.stage import StageModule, taco_context
@@ -42,8 +43,8 @@ class TrainingState:
 
     @classmethod
     def of(cls, accelerator) -> "TrainingState":
-        return cls([parts for _, parts in accelerator._parts], accelerator._optimizers, accelerator._schedulers,
-                   accelerator._dataloaders, accelerator._custom_objects, accelerator.scaler, accelerator)
+        lists = [upstream.prepared(accelerator, kind) for kind in ("optimizer", "scheduler", "dataloader", "custom")]
+        return cls([parts for _, parts in accelerator._parts], *lists, accelerator.scaler, accelerator)
 
 
 def save(folder: str | os.PathLike, state: TrainingState, mesh, dims: ParallelDims, *, run: str | None = None,

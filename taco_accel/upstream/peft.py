@@ -1,0 +1,30 @@
+"""peft's private names that the tensor-parallel LoRA layers rely on.
+
+- ``LoraConfig._register_custom_module``: LoRA layers for our parallel linear classes (peft's
+  documented way to add custom modules, still private);
+- ``LoraLayer._cast_input_dtype``: the cast of a layer's input to its adapter's dtype, as peft's
+  own forward does.
+"""
+
+from __future__ import annotations
+
+from .versions import check_range
+
+SUPPORTED = ("0.17", "0.22")
+
+
+def check_version() -> str | None:
+    """The installed peft version; a ConfigError outside `SUPPORTED` (checked at first use: peft is
+    optional)."""
+    return check_range("peft", *SUPPORTED)
+
+
+def register_custom_modules(config, mapping: dict) -> None:
+    """Make ``config`` (a ``LoraConfig``) put ``mapping[type(module)]`` layers on those modules."""
+    check_version()
+    config._register_custom_module(mapping)
+
+
+def cast_input_dtype(layer, x, dtype):
+    """``x`` in the dtype peft's LoRA ``layer`` computes its adapter in (peft's own cast)."""
+    return layer._cast_input_dtype(x, dtype)
