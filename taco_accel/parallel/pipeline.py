@@ -216,10 +216,14 @@ def emulate_boundaries(model: nn.Module, num_stages: int, compression: Compressi
     through the boundary codec, in one process: each cut's ``pp.<b>-<b+1>/fwd`` and ``/bwd`` sites
     (settings from ``compression``, anything `Compression.resolve` takes, ``"auto"`` by default as
     at every entry: here the auto mode's size rule, `comm.policy.UNTIMED_BYTES`, as there is no
-    link to time) decode what they would send. Returns the sites' table (its
-    ledger counts the bytes; keep it to read them). Without sequence parallelism: the cut holds
-    every token."""
-    table = SiteTable(None, Compression.resolve(compression), timed=False)
+    link to time) decode what they would send. Returns the sites' table. Its ledger counts the
+    bytes: a parallelised ``model``'s own (``model.taco.sites.ledger``), so that the model's
+    figures (`ModelParts.ledgers`, a loop's `comm_totals`) include its boundaries' as they
+    include a real pipeline's; else a new one (keep the table to read it). Without sequence
+    parallelism: the cut holds every token."""
+    context = getattr(model, "taco", None)
+    ledger = context.sites.ledger if isinstance(getattr(context, "sites", None), SiteTable) else None
+    table = SiteTable(None, Compression.resolve(compression), timed=False, ledger=ledger)
     layers = decoder_layers(model)
     config = getattr(model, "config", None) or model.get_base_model().config
     ranges = split_layers(len(layers), num_stages, *stage_costs(config, seq_len))
