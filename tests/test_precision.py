@@ -68,6 +68,22 @@ def _bound(dtype: torch.dtype, n_a: int, n_b: int) -> float:
     return UNIT[dtype] * (math.sqrt(n_a) + math.sqrt(n_b)) / math.sqrt(3)
 
 
+def _grads_rel_rms(model, ref, emulate: bool = False) -> float:
+    """Relative rms difference of ``model``'s gradients (this rank's shards; trainable ones) from
+    the one-process ``ref``'s, each reference gradient cut to the shard this rank holds."""
+    rank, specs = (0, {}) if emulate else (model.taco.rank, shard_specs(model))
+    diff_sq = ref_sq = 0.0
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        expected = ref.get_parameter(name).grad
+        if name in specs:
+            expected = specs[name].take(expected, rank)
+        diff_sq += float((param.grad.double() - expected.double()).pow(2).sum())
+        ref_sq += float(expected.double().pow(2).sum())
+    return math.sqrt(diff_sq / ref_sq)
+
+
 def _rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm())
@@ -112,21 +128,10 @@ def _precision_case(arch: str, *, sp: bool = False, overlap: bool = True, autoca
     comm.pop_comm_stats()
     got, want = _step(model, ids, labels, autocast, dtype), _step(ref, ids, labels, autocast, dtype)
     stats = comm.pop_comm_stats()
-    rank, specs = (0, {}) if emulate else (model.taco.rank, shard_specs(model))
-    diff_sq = ref_sq = 0.0
-    grad_dtypes = set()
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        expected = ref.get_parameter(name).grad
-        if name in specs:
-            expected = specs[name].take(expected, rank)
-        grad_dtypes.add((param.grad.dtype == param.dtype))
-        diff_sq += float((param.grad.double() - expected.double()).pow(2).sum())
-        ref_sq += float(expected.double().pow(2).sum())
+    grad_dtypes = {param.grad.dtype == param.dtype for param in model.parameters() if param.requires_grad}
     return {
         "logits": _rel_rms(got["logits"], want["logits"]), "loss": abs(got["loss"].item() - want["loss"].item()),
-        "loss_value": want["loss"].item(), "grads": math.sqrt(diff_sq / ref_sq),
+        "loss_value": want["loss"].item(), "grads": _grads_rel_rms(model, ref, emulate),
         "logits_bound": _bound(dtype, got["n_fwd"], want["n_fwd"]), "grads_bound": _bound(dtype, got["n_all"], want["n_all"]),
         "logits_dtype": (got["logits"].dtype, want["logits"].dtype), "grad_dtypes_match": grad_dtypes == {True},
         "compressed_calls": sum(s.compressed_calls for s in stats.values()),
@@ -178,13 +183,7 @@ def _own_loop(sp: bool, bf16_params: bool) -> dict:
         n_fwd = count.count
         acc.backward(out.loss)
     want = _step(ref, ids, labels, autocast, torch.bfloat16)
-    specs, rank = shard_specs(model), model.taco.rank
-    diff_sq = ref_sq = 0.0
-    for name, param in model.named_parameters():
-        expected = ref.get_parameter(name).grad
-        expected = specs[name].take(expected, rank) if name in specs else expected
-        diff_sq += float((param.grad.double() - expected.double()).pow(2).sum())
-        ref_sq += float(expected.double().pow(2).sum())
+    grads = _grads_rel_rms(model, ref)
     losses = [out.loss.item()]
     for _ in range(2):
         opt.step()
@@ -192,7 +191,7 @@ def _own_loop(sp: bool, bf16_params: bool) -> dict:
         loss = model(ids, labels=labels).loss
         acc.backward(loss)
         losses.append(loss.item())
-    return {"logits": _rel_rms(out.logits, want["logits"]), "grads": math.sqrt(diff_sq / ref_sq),
+    return {"logits": _rel_rms(out.logits, want["logits"]), "grads": grads,
             "logits_bound": _bound(torch.bfloat16, n_fwd, want["n_fwd"]),
             "grads_bound": _bound(torch.bfloat16, count.count, want["n_all"]),
             "logits_dtype": str(out.logits.dtype), "losses": losses}

@@ -43,9 +43,7 @@ def _worker() -> dict:
 def _autocast_worker() -> dict:
     """fp32 weights under CUDA bf16 autocast, against the same model on one process under it
     (tests/test_precision.py's comparison, on the GPU: cuBLAS bf16 products)."""
-    from test_precision import _bound, _rel_rms, _step
-
-    from taco_accel.models.state import shard_specs
+    from test_precision import _bound, _grads_rel_rms, _rel_rms, _step
 
     torch.cuda.set_device(0)
     out = {}
@@ -55,14 +53,7 @@ def _autocast_worker() -> dict:
             ref = tiny_model(arch).cuda()
             model = taco_accel.parallelize(copy.deepcopy(ref), compression=None, sequence_parallel=sp)
             got, want = (_step(m, ids, ids, torch.bfloat16, torch.bfloat16) for m in (model, ref))
-            specs, rank = shard_specs(model), model.taco.rank
-            diff = total = 0.0
-            for name, param in model.named_parameters():
-                expected = ref.get_parameter(name).grad
-                expected = specs[name].take(expected, rank) if name in specs else expected
-                diff += float((param.grad.double() - expected.double()).pow(2).sum())
-                total += float(expected.double().pow(2).sum())
-            out[arch, sp] = {"logits": _rel_rms(got["logits"], want["logits"]), "grads": (diff / total) ** 0.5,
+            out[arch, sp] = {"logits": _rel_rms(got["logits"], want["logits"]), "grads": _grads_rel_rms(model, ref),
                              "logits_bound": _bound(torch.bfloat16, got["n_fwd"], want["n_fwd"]),
                              "grads_bound": _bound(torch.bfloat16, got["n_all"], want["n_all"]),
                              "dtype": str(got["logits"].dtype), "device": str(got["logits"].device)}
