@@ -39,11 +39,12 @@ import torch.distributed as dist
 from ..codec import CodecConfig
 from ..errors import CollectiveMismatch, CollectiveTimeout, EnvironmentSettingError
 from . import dist_ops
+from .kinds import KINDS as COLLECTIVES
 
 DEBUG_ENV = "TACO_CHECK_COLLECTIVES"
 CHECKED_CALLS = 1  # per site
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "send",  # "send": a point-to-point message (`p2p`)
-         "all_gather_by_rank", "reduce_scatter_by_rank")
+# a call's code in the fingerprint is its index here; "send": a point-to-point message (`p2p`)
+KINDS = (*COLLECTIVES, "send")
 FIELDS = ("collective", "elements", "rows", "dims", "dtype", "compressed", "codec settings", "codec settings",
           DEBUG_ENV)
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")

@@ -64,12 +64,11 @@ from ..codec.api import SUPPORTED_DTYPES, check_config
 from ..codec.layout import length_tag
 from ..errors import NonFiniteError, WireFormatError
 from . import agreement, dist_ops
-from .compressed import PIECES, Tally, acquire, all_gather_by_rank_piece, reduce_scatter_by_rank_piece, release
+from .compressed import Tally, acquire, all_gather_by_rank_piece, reduce_scatter_by_rank_piece, release
 from .dist_ops import DONE
+from .kinds import KINDS, kind_of
 from .pieces import PIECE_BYTES, Pipeline
-from .stats import DEFAULT, SiteRecord, plain_bytes
-
-_SAME_BYTES_EVERYWHERE = {"all_reduce": True, "reduce_scatter": False, "all_gather": True}
+from .stats import DEFAULT, SiteRecord
 
 
 def all_reduce(
@@ -128,7 +127,7 @@ def _public(kind: str, x, group, config, site, async_op: bool, compress, inplace
                         "(anything else would arrive inexact); leave compress=None, which sends it plain, or cast it")
     x = x.detach()
     link = dist_ops.link(group)
-    check_shape(kind, x, link.world)
+    kind_of(kind).check(x, link.world)
     if isinstance(piece_bytes, bool) or not isinstance(piece_bytes, int) or piece_bytes < 0:
         raise ValueError(f"{kind}(piece_bytes={piece_bytes!r}) must be an int >= 0 (bytes; 0: one piece)")
     name = site or kind
@@ -140,15 +139,6 @@ def _public(kind: str, x, group, config, site, async_op: bool, compress, inplace
 # --- shared steps -----------------------------------------------------------------------------
 
 
-def output_shape(kind: str, x: torch.Tensor, world: int) -> tuple[int, ...]:
-    """Shape of the result of ``kind`` on this rank's ``x`` over ``world`` ranks."""
-    if kind in ("reduce_scatter", "reduce_scatter_by_rank"):
-        return (x.shape[0] // world, *x.shape[1:])
-    if kind in ("all_gather", "all_gather_by_rank"):
-        return (x.shape[0] * world, *x.shape[1:])
-    return tuple(x.shape)
-
-
 def check_residual(kind: str, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
     """``residual`` if it can take x's error feedback (reduce_scatter or all_gather; float32,
     contiguous, x's number of values, on x's device); a TypeError or ValueError naming the fix."""
@@ -156,25 +146,13 @@ def check_residual(kind: str, x: torch.Tensor, residual: torch.Tensor | None) ->
         return None
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"{kind}(residual={type(residual).__name__}): pass a float32 tensor of x's size, or None")
-    if kind == "all_reduce":
-        raise ValueError("all_reduce takes no residual (the two-shot's second encoding, of the sum, is no rank's "
-                         "input): for error feedback, reduce_scatter with residual= and then all_gather with residual=")
+    if KINDS[kind].no_residual is not None:
+        raise ValueError(KINDS[kind].no_residual)
     if residual.dtype != torch.float32 or residual.numel() != x.numel() or not residual.is_contiguous() \
             or residual.device != x.device:
         raise ValueError(f"{kind}: residual must be a contiguous float32 tensor of {x.numel()} values on {x.device} "
                          f"(x's size), got {residual.dtype} {list(residual.shape)} on {residual.device}")
     return residual
-
-
-def check_shape(kind: str, x: torch.Tensor, world: int) -> None:
-    """reduce_scatter needs dim 0 divisible by ``world``; all_gather a dim 0."""
-    if kind in ("all_gather", "all_gather_by_rank") and x.dim() == 0:
-        raise ValueError(f"{kind} needs x with at least one dimension (got a 0-d tensor); use x.view(1)")
-    if kind in ("reduce_scatter", "reduce_scatter_by_rank") and (x.dim() == 0 or x.shape[0] % world):
-        raise ValueError(
-            f"{kind} needs dim 0 of x (shape {list(x.shape)}) divisible by the group "
-            f"size {world}; pad or trim dim 0 to a multiple of {world}"
-        )
 
 
 class Pending:
@@ -206,18 +184,20 @@ class Pending:
         self.compressed, self.nbytes, self._done = compressed, nbytes, False
         if record is not None and agreement.due(record):  # the same calls on every rank: checked before any byte moves
             agreement.check(kind, x, link, codec, compressed, site, piece_bytes)
-        owned = inplace and kind == "all_reduce" and x.is_contiguous()
+        described = KINDS[kind]
+        owned = inplace and described.in_place and x.is_contiguous()
         self._exact_in = None
         if compressed and record is not None and record.sample_due():
             self._exact_in = x.double()  # the input of the float64 reference, before x is decoded over
-        self.out = out = x if owned else torch.empty(output_shape(kind, x, world), dtype=x.dtype, device=x.device)
+        self.out = out = x if owned else torch.empty(described.output_shape(x.shape, world), dtype=x.dtype,
+                                                     device=x.device)
         try:
             if compressed:
                 self._tally = Tally(codec.nonfinite == "raise", length_tag(x.numel()),
                                     None if record is None else record.verified)
                 self._buffers = acquire(link, x.device)  # send / receive / sum buffers reused from call to call
-                pieces = PIECES[kind](x.contiguous(), out, propagating_codec(codec), link, self._tally, self._buffers,
-                                      piece_bytes, residual)
+                pieces = described.pieces(x.contiguous(), out, propagating_codec(codec), link, self._tally,
+                                          self._buffers, piece_bytes, residual)
                 self._pipeline = Pipeline.of(list(pieces))
                 self._pipeline.tick()  # the first piece encoded and on the wire
             else:
@@ -251,10 +231,10 @@ class Pending:
             sent = self._tally.sent
             flag = self._tally.any_nonfinite() if raising else None
         else:
-            sent = plain_bytes(self.kind, self.nbytes, world)
+            sent = KINDS[self.kind].plain_bytes(self.nbytes, world)
             flag = ~torch.isfinite(out).all() if raising else None
         if flag is not None:
-            raise_if_flag(flag, self.link, self.site, agree=not _SAME_BYTES_EVERYWHERE[self.kind])
+            raise_if_flag(flag, self.link, self.site, agree=not KINDS[self.kind].same_bytes)
         return out, sent, self.compressed
 
     def wait(self) -> torch.Tensor:
@@ -262,7 +242,7 @@ class Pending:
         out, sent, compressed = self.result()
         record = self.record
         if record is not None:
-            record.add(sent, plain_bytes(self.kind, self.nbytes, self.link.world), compressed)
+            record.add(sent, KINDS[self.kind].plain_bytes(self.nbytes, self.link.world), compressed)
             if self._exact_in is not None:
                 exact = exact_result(self.kind, self._exact_in, out.shape, self.link)
                 record.errors.append(relative_error(out, exact))
@@ -284,9 +264,9 @@ class Pending:
 def _plain(kind: str, x: torch.Tensor, out: torch.Tensor, link, codec: CodecConfig | None):
     """Start out <- the plain collective ``kind`` of x, in x's dtype; returns its work handle.
 
-    For all_reduce ``out`` may be x itself (reduced in place)."""
+    For a kind ``in_place`` (all_reduce) ``out`` may be x itself (reduced in place)."""
     if codec is not None and codec.nonfinite == "zero" and x.is_floating_point():
-        if kind == "all_reduce":
+        if KINDS[kind].in_place:
             x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0, out=out)  # out may be x itself
         else:
             x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
@@ -294,14 +274,7 @@ def _plain(kind: str, x: torch.Tensor, out: torch.Tensor, link, codec: CodecConf
         if out is not x:
             out.copy_(x.view(out.shape))
         return DONE
-    if kind == "all_reduce":
-        if out is not x:
-            out.copy_(x)
-        return link.all_reduce(out)
-    x = x.contiguous()
-    if kind == "reduce_scatter":
-        return link.reduce_scatter(out, x)
-    return link.all_gather(out, x)
+    return KINDS[kind].plain(x, out, link)
 
 
 def propagating_codec(codec: CodecConfig) -> CodecConfig:
@@ -432,7 +405,7 @@ class GatherByRank:
             release(self._buffers)
             self._buffers = None
         world, out = self.link.world, self.out
-        uncompressed = plain_bytes("all_gather", self.nbytes, world)
+        uncompressed = KINDS[self.kind].plain_bytes(self.nbytes, world)
         sent = self._tally.sent if self.compressed else uncompressed
         if self.record is not None:
             self.record.add(sent, uncompressed, self.compressed)
@@ -553,7 +526,7 @@ class ScatterByRank:
         release(self._buffers)
         self._buffers = None
         out, world = self.out.view(self.shape), self.link.world
-        uncompressed = plain_bytes("reduce_scatter", self.nbytes, world)
+        uncompressed = KINDS[self.kind].plain_bytes(self.nbytes, world)
         sent = self._tally.sent if self.compressed else uncompressed
         if self.record is not None:
             self.record.add(sent, uncompressed, self.compressed)

@@ -379,7 +379,3 @@ def reduce_scatter_by_rank_pieces(x: torch.Tensor, out: torch.Tensor | None, cod
     the part for rank r): one piece."""
     assert residual is None, "the per-rank kinds take no residual"
     yield reduce_scatter_by_rank_piece(list(x.view(link.world, -1).unbind(0)), out, codec, link, tally, buffers)
-
-
-PIECES = {"all_reduce": all_reduce_pieces, "reduce_scatter": reduce_scatter_pieces, "all_gather": all_gather_pieces,
-          "all_gather_by_rank": all_gather_by_rank_pieces, "reduce_scatter_by_rank": reduce_scatter_by_rank_pieces}

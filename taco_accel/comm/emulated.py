@@ -38,11 +38,12 @@ import torch
 from ..codec import CodecConfig
 from ..codec.api import SUPPORTED_DTYPES, check_config
 from ..codec.layout import length_tag
-from . import ops, stacked
-from .collectives import check_residual, check_shape, nonfinite_error, propagating_codec, relative_error
-from .compressed import PIECES, Tally, Workspace
-from .pieces import PIECE_BYTES, Pipeline, piece_bounds, piece_length
-from .stats import DEFAULT, SiteRecord, plain_bytes
+from . import ops
+from .collectives import check_residual, nonfinite_error, propagating_codec, relative_error
+from .compressed import Tally, Workspace
+from .kinds import KINDS, kind_of
+from .pieces import PIECE_BYTES, Pipeline
+from .stats import DEFAULT, SiteRecord
 
 Reducer = Callable[[Sequence[torch.Tensor], CodecConfig], tuple[torch.Tensor, int]]
 """``(partials, codec) -> (sum, bytes one rank sends)``: a compressed all-reduce of P
@@ -127,7 +128,7 @@ def run_compressed(kind: str, xs: list[torch.Tensor], outs: list[torch.Tensor | 
     tallies = [Tally(tag=length_tag(xs[0].numel())) for _ in range(world)]
     lost = residuals if residuals is not None else [None] * world
     pipelines = [
-        Pipeline.of(list(PIECES[kind](x, out, codec, EmulatedRank(exchange, r), tally, workspace, piece_bytes,
+        Pipeline.of(list(KINDS[kind].pieces(x, out, codec, EmulatedRank(exchange, r), tally, workspace, piece_bytes,
                                       residual)))
         for r, (x, out, tally, workspace, residual) in enumerate(zip(xs, outs, tallies, workspaces, lost))
     ]
@@ -236,7 +237,7 @@ class EmulatedGroup:
         first = xs[0]
         if any(x.shape != first.shape or x.dtype != first.dtype or x.device != first.device for x in xs):
             raise ValueError(f"{kind}: every rank's tensor must have one shape, dtype and device")
-        check_shape(kind, first, self.size)
+        kind_of(kind).check(first, self.size)
         return [x.detach().contiguous() for x in xs]
 
     def _run(self, kind: str, xs: list[torch.Tensor], codec: CodecConfig | None, compress: bool, piece_bytes: int,
@@ -246,11 +247,11 @@ class EmulatedGroup:
         rows stacked in rank order); records the call like one rank would. ``together``: the
         ranks' tensors ``xs`` stacked, if the caller has them so."""
         nbytes = xs[0].numel() * xs[0].element_size()
-        plain = plain_bytes(kind, nbytes, self.size)
+        plain = KINDS[kind].plain_bytes(nbytes, self.size)
         if not (compress and codec is not None and self.size > 1 and nbytes > 0 and xs[0].dtype in SUPPORTED_DTYPES):
             if codec is not None and codec.nonfinite == "zero" and xs[0].is_floating_point():
                 xs = [torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0) for x in xs]
-            out = _plain(kind, xs)
+            out = KINDS[kind].emulated_plain(xs)
             for residual in residuals or ():
                 residual.zero_()  # the plain collective carries every value
             record.add(plain, plain, False)
@@ -258,7 +259,7 @@ class EmulatedGroup:
             out, sent = self._compressed(kind, xs, propagating_codec(codec), piece_bytes, residuals, together)
             record.add(sent, plain, True)
             if record.sample_due():
-                record.errors.append(relative_error(out, _plain(kind, [x.double() for x in xs])))
+                record.errors.append(relative_error(out, KINDS[kind].emulated_plain([x.double() for x in xs])))
         if codec is not None and codec.nonfinite == "raise" and not bool(torch.isfinite(out).all()):
             raise nonfinite_error(site)
         return out
@@ -266,17 +267,17 @@ class EmulatedGroup:
     def _compressed(self, kind: str, xs: list[torch.Tensor], codec: CodecConfig, piece_bytes: int,
                     residuals: list[torch.Tensor] | None = None,
                     together: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
-        world, x = self.size, xs[0]
+        world, x, described = self.size, xs[0], KINDS[kind]
         if kind == "all_reduce" and self.reducer is not two_shot_all_reduce:
             return self.reducer(xs, codec)
-        if kind in stacked.KINDS and residuals is None and _one_piece(kind, x, codec, piece_bytes, world):
+        if described.stacked is not None and residuals is None and described.one_piece(x, codec, piece_bytes, world):
             together = torch.stack(xs) if together is None else together  # the codec once for all ranks
-            return stacked.KINDS[kind](together, codec, length_tag(x.numel()), self._workspaces_on(x.device)[0])
-        if kind in ("reduce_scatter", "reduce_scatter_by_rank"):
+            return described.stacked(together, codec, length_tag(x.numel()), self._workspaces_on(x.device)[0])
+        if not described.same_bytes:
             out = torch.empty_like(x)
             outs = list(out.view(world, -1).unbind(0))  # rank r decodes its rows
         else:
-            out = torch.empty_like(x) if kind == "all_reduce" else x.new_empty((world * x.shape[0], *x.shape[1:]))
+            out = x.new_empty(described.output_shape(x.shape, world))
             outs = [out] + [None] * (world - 1)  # the same bytes on every rank: rank 0 decodes them
         sent = run_compressed(kind, xs, outs, codec, piece_bytes, self._workspaces_on(x.device), residuals)
         return out, sent
@@ -290,18 +291,6 @@ class EmulatedGroup:
         return found
 
 
-def _one_piece(kind: str, x: torch.Tensor, codec: CodecConfig, piece_bytes: int, world: int) -> bool:
-    """Whether `compressed` sends ``x`` through ``kind`` in one piece (`stacked` runs those)."""
-    if kind == "all_reduce":
-        step = piece_length(piece_bytes, x.element_size(), world * codec.group_size)
-        return len(piece_bounds(x.numel(), step)) == 1
-    if kind == "reduce_scatter":
-        step = piece_length(piece_bytes, world * x.element_size(), codec.group_size)
-        return len(piece_bounds(x.numel() // world, step)) == 1
-    step = piece_length(piece_bytes, x.element_size(), codec.group_size)
-    return len(piece_bounds(x.numel(), step)) == 1
-
-
 @torch.library.custom_op("taco::emulated", mutates_args=())
 def emulated(xs: torch.Tensor, group_handle: int, site_handle: int, kind: str) -> torch.Tensor:
     """`EmulatedGroup.collective` of the stacked ``xs`` [P, ...] through a site, as one op of a
@@ -311,16 +300,7 @@ def emulated(xs: torch.Tensor, group_handle: int, site_handle: int, kind: str) -
 
 @emulated.register_fake
 def _(xs, group_handle, site_handle, kind):
-    if kind == "all_gather":  # every rank's tensor, concatenated along its dim 0
-        return xs.new_empty((xs.shape[0] * xs.shape[1], *xs.shape[2:]))
-    return xs.new_empty(xs.shape[1:])  # the sum (reduce_scatter: every rank's rows of it, in rank order)
-
-
-def _plain(kind: str, xs: list[torch.Tensor]) -> torch.Tensor:
-    """The plain collective in the inputs' dtype (sums in rank order)."""
-    if kind in ("all_gather", "all_gather_by_rank"):
-        return torch.cat(xs)
-    out = xs[0].clone()
-    for x in xs[1:]:
-        out += x
-    return out
+    described = KINDS[kind]
+    if described.same_bytes:  # this rank's result (all_gather: every rank's tensor, concatenated)
+        return xs.new_empty(described.output_shape(xs.shape[1:], xs.shape[0]))
+    return xs.new_empty(xs.shape[1:])  # every rank's rows of the sum, in rank order

@@ -30,8 +30,9 @@ import torch
 from ..codec import CodecConfig, TacoConfig
 from ..codec.api import SUPPORTED_DTYPES
 from . import dist_ops, ops
-from .collectives import GatherByRank, Pending, ScatterByRank, check_residual, check_shape
+from .collectives import GatherByRank, Pending, ScatterByRank, check_residual
 from .copies import SharesGroup
+from .kinds import KINDS, kind_of
 from .pieces import PIECE_BYTES
 from .stats import DEFAULT, Ledger
 
@@ -84,9 +85,7 @@ class Site(SharesGroup):
         "reduce_scatter") from this site: `run`, or inside torch.compile the custom op that
         calls `run` at run time (`ops`: the collective stays in the graph, out of place)."""
         if torch.compiler.is_compiling():
-            if kind == "all_reduce":
-                return torch.ops.taco.all_reduce(x, self.handle)
-            return ops.OPS[kind](x, self.handle, self.world)
+            return KINDS[kind].op(x, self.handle, self.world)
         return self.run(kind, x, inplace=inplace)
 
     def run(self, kind: str, x: torch.Tensor, *, inplace: bool = False, async_op: bool = False,
@@ -100,8 +99,7 @@ class Site(SharesGroup):
         if self.samples is not None:
             self.observe(x)
         link = self._link or self.link
-        if kind != "all_reduce":
-            check_shape(kind, x, link.world)
+        kind_of(kind).check(x, link.world)
         if self.decider is None:  # the size floor, inline: this is every plain site's path
             nbytes = x.numel() * x.element_size()
             compress = self.codec is not None and nbytes >= self._threshold and nbytes > 0 \

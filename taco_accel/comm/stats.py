@@ -8,8 +8,9 @@ site *name* (`all_reduce(x, group, config, site="...")`) record into the process
 ledger.
 
 Every collective records the bytes this rank actually sent and the bytes the plain collective
-in the input dtype would have sent (bandwidth-optimal ring figures, per rank; see
-`plain_bytes`). Recording is Python integer arithmetic on shapes: no device work, no host sync.
+in the input dtype would have sent (bandwidth-optimal ring figures, per rank: each kind's
+`kinds.Kind.plain_bytes`). Recording is Python integer arithmetic on shapes: no device work, no
+host sync.
 
 `pop_comm_stats` returns the figures of every site in this process (the ``DEFAULT`` ledger and
 every live model's, added up where two ledgers hold a site of the same name) and starts them
@@ -171,18 +172,3 @@ def pop_comm_stats() -> dict[str, CommStats]:
     one model's figures reads that model's ledgers (`pop_ledgers`; ``model.taco.sites.pop_stats()``),
     so that two models in a process (a policy and its reference) keep separate counts."""
     return pop_ledgers([DEFAULT, *(ledger for ledger in list(_ledgers) if ledger is not DEFAULT)])
-
-
-def plain_bytes(kind: str, nbytes: int, world: int) -> int:
-    """Bytes one rank sends in a bandwidth-optimal (ring) plain collective.
-
-    ``nbytes`` is the size of the input of this rank: all_reduce 2(P-1)/P * nbytes,
-    reduce_scatter (P-1)/P * nbytes (the input holds P blocks), all_gather (P-1) * nbytes.
-    """
-    if kind == "all_reduce":
-        return 2 * (world - 1) * nbytes // world
-    if kind in ("reduce_scatter", "reduce_scatter_by_rank"):
-        return (world - 1) * nbytes // world
-    if kind in ("all_gather", "all_gather_by_rank"):
-        return (world - 1) * nbytes
-    raise ValueError(f"unknown collective {kind!r}")
