@@ -410,7 +410,7 @@ class GatherByRank:
         if self.record is not None:
             self.record.add(sent, uncompressed, self.compressed)
             if self._exact_in is not None:
-                exact = exact_result("all_gather", self._exact_in.view(1, -1), (world, self.x.numel()), self.link)
+                exact = exact_result(self.kind, self._exact_in.view(1, -1), (world, self.x.numel()), self.link)
                 self.record.errors.append(relative_error(out.view(world, -1), exact))
         if self.codec is not None and self.codec.nonfinite == "raise" and out.is_floating_point():
             flag = self._tally.any_nonfinite() if self.compressed else ~torch.isfinite(out).all()
@@ -531,7 +531,7 @@ class ScatterByRank:
         if self.record is not None:
             self.record.add(sent, uncompressed, self.compressed)
             if self._exact is not None:
-                exact = exact_result("reduce_scatter", torch.stack(self._exact), (1, self.shape.numel()), self.link)
+                exact = exact_result(self.kind, torch.stack(self._exact), (1, self.shape.numel()), self.link)
                 self.record.errors.append(relative_error(out.view(1, -1), exact))
         if self.codec is not None and self.codec.nonfinite == "raise" and out.is_floating_point():
             flag = self._tally.any_nonfinite() if self.compressed else ~torch.isfinite(out).all()

@@ -89,4 +89,5 @@ def _decode_rows(buffer: torch.Tensor, whole: WireLayout, codec: CodecConfig, ou
     out.copy_(decoded[:, :cols])
 
 
+# by name, for tests of the stacked road alone; the collectives find it through `kinds.Kind.stacked`
 KINDS = {"all_reduce": all_reduce, "reduce_scatter": reduce_scatter, "all_gather": all_gather}
