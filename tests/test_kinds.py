@@ -57,8 +57,7 @@ def _keys_a_kind(node: ast.AST) -> bool:
 
 
 def test_no_other_comm_module_keys_a_table_by_kind():
-    # stacked.KINDS: the stacked road by name for its own tests; the collectives read Kind.stacked
-    allowed = {"kinds.py", "stacked.py", "__init__.py"}  # __init__: the public names of the package
+    allowed = {"kinds.py", "__init__.py"}  # __init__: the public names of the package
     found = [f"{path.name}:{node.lineno}" for path in sorted(COMM.glob("*.py")) if path.name not in allowed
              for node in ast.walk(ast.parse(path.read_text())) if _keys_a_kind(node)]
     assert not found, f"tables keyed by a collective kind outside comm/kinds.py: {found}"

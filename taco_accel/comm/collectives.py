@@ -327,7 +327,22 @@ def relative_error(out: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
 # --- the per-rank kinds: all_gather / reduce_scatter cut per rank, for compute overlap --------
 
 
-class GatherByRank:
+class _PerRankCall:
+    """What the per-rank handles share: on a failure, the workspace goes back to its link and a
+    wire-format error is named after the site (timeouts are named where they are waited on)."""
+
+    _buffers = None
+
+    def _fail(self, error: Exception):
+        if self._buffers is not None:
+            release(self._buffers)
+            self._buffers = None
+        if isinstance(error, WireFormatError):
+            raise WireFormatError(f"{self.site}: {error}") from error
+        raise error
+
+
+class GatherByRank(_PerRankCall):
     """``all_gather_by_rank`` in flight: every rank's ``x`` into ``out``, one rank's part at a
     time, so that compute can follow each part as it lands (the decomposition of PyTorch's async
     TP and Megatron's TP overlap)::
@@ -417,14 +432,6 @@ class GatherByRank:
             raise_if_flag(flag, self.link, self.site, agree=False)  # the same bytes on every rank
         return out
 
-    def _fail(self, error: Exception):
-        if self._buffers is not None:
-            release(self._buffers)
-            self._buffers = None
-        if isinstance(error, WireFormatError):
-            raise WireFormatError(f"{self.site}: {error}") from error
-        raise error
-
 
 def _gather_by_rank_plain(x: torch.Tensor, parts: list[torch.Tensor], link, codec: CodecConfig | None):
     """The plain all_gather_by_rank: this rank's x into its part, one broadcast per rank into
@@ -442,7 +449,7 @@ def _gather_by_rank_plain(x: torch.Tensor, parts: list[torch.Tensor], link, code
     works[rank].wait()
 
 
-class ScatterByRank:
+class ScatterByRank(_PerRankCall):
     """``reduce_scatter_by_rank`` in flight: this rank's part of each rank's rows submitted in
     rank order, each sent (a reduction to its rank) while the next is computed::
 
@@ -560,11 +567,3 @@ class ScatterByRank:
         for work in works:
             work.wait()
         self.out = mine if owned else mine.clone()  # the staging buffer is the next call's
-
-    def _fail(self, error: Exception):
-        if self._buffers is not None:
-            release(self._buffers)
-            self._buffers = None
-        if isinstance(error, WireFormatError):
-            raise WireFormatError(f"{self.site}: {error}") from error
-        raise error

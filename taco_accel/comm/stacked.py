@@ -87,7 +87,3 @@ def _decode_rows(buffer: torch.Tensor, whole: WireLayout, codec: CodecConfig, ou
     decoded = buffers.typed("decoded", 0, (world, width), out.dtype, buffer.device)
     decode_into(buffer, whole, codec, decoded, tag=tag)
     out.copy_(decoded[:, :cols])
-
-
-# by name, for tests of the stacked road alone; the collectives find it through `kinds.Kind.stacked`
-KINDS = {"all_reduce": all_reduce, "reduce_scatter": reduce_scatter, "all_gather": all_gather}
