@@ -277,11 +277,18 @@ def run_dpo(args, name: str, ref: str, compression=None) -> dict:
                                           target_modules=["q_proj", "v_proj", "down_proj"])
     # SGD: at step 1 the policy is its reference and many gradient entries cancel to rounding noise,
     # whose sign Adam's first step would turn into full steps of lr (another sum order, another sign)
-    config = DPOConfig(**common(args, name, max_length=48, beta=0.5, max_steps=2, optim="sgd", learning_rate=0.05),
+    # max_length 64: longer than every prompt (at most 50 bytes here), so TRL's keep_start truncation
+    # cuts completions but drops no example; a dropped one leaves a short last batch, which one
+    # process trains as it is while Accelerate's even_batches fills a dp replica's with repeated rows
+    config = DPOConfig(**common(args, name, max_length=64, beta=0.5, max_steps=2, optim="sgd", learning_rate=0.05),
                        dataset_num_proc=None)
+    rows = 2 * BATCH * ACCUM * args.dp  # two full global batches
     trainer = trainer_class(args, DPOTrainer, compression=compression)(
         model=AutoModelForCausalLM.from_pretrained(path), args=config, processing_class=build_tokenizer("byte"),
-        train_dataset=_dataset(preferences(2 * BATCH * ACCUM * args.dp, 5)), **extra)
+        train_dataset=_dataset(preferences(rows, 5)), **extra)
+    if len(trainer.train_dataset) != rows:
+        raise ValueError(f"TRL kept {len(trainer.train_dataset)} of {rows} preference rows (fully truncated "
+                         "prompts dropped): raise max_length above the longest prompt")
     trainer.train()
     out = history(trainer)
     out["rewards"] = [[h.get("rewards/chosen"), h.get("rewards/rejected")] for h in trainer.state.log_history
@@ -329,7 +336,7 @@ def main() -> None:
         for dp in map(int, args.reference.split(",")):
             args.dp, args.dir = dp, os.path.join(base, f"dp{dp}")
             result[f"dp{dp}"] = guarded(runs, ["trainer", "sft"] + (["lora", "trainer_bf16", "sft_bf16", "dpo", "dpo_lora"]
-                                                                     if dp == 1 else []))
+                                                                     if dp == 1 else ["dpo"]))
     else:
         args.dp = int(os.environ["WORLD_SIZE"]) // 2  # tp=2 in every launch of the test
         result = guarded(runs, args.runs.split(","))

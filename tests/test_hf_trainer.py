@@ -30,7 +30,7 @@ LOSS_TOL, NORM_RTOL = 2e-5, 1e-5
 LAUNCHES = {  # name: (dp, how it is started, runs)
     "tp2": (1, "accelerate", "trainer,resume,compressed,sft,lora,plain_checkpoint,trainer_bf16,sft_bf16,trainer_fp16,"
                              "patched,dpo,dpo_path,dpo_lora,dpo_compressed"),
-    "dp2_tp2": (2, "torchrun", "trainer,sft,pipeline_sizes"),  # resume of dp replicas: test_accelerator
+    "dp2_tp2": (2, "torchrun", "trainer,sft,pipeline_sizes,dpo"),  # resume of dp replicas: test_accelerator
 }
 
 
@@ -235,7 +235,7 @@ def test_fp16_flag_trains_with_the_mesh_scaler(results):
 REWARD_TOL = 5e-5
 
 
-@pytest.mark.parametrize("launch,run", [("tp2", "dpo"), ("tp2", "dpo_path"), ("tp2", "dpo_lora")])
+@pytest.mark.parametrize("launch,run", [("tp2", "dpo"), ("tp2", "dpo_path"), ("tp2", "dpo_lora"), ("dp2_tp2", "dpo")])
 def test_dpo_trainer_trains_like_one_process(results, launch, run):
     got, ref = run_of(results, launch, run)
     assert got["steps"] == ref["steps"] == [1, 2] and got["lrs"] == ref["lrs"]
