@@ -108,6 +108,19 @@ def per_case(cases: Mapping[Hashable, Callable[[], Any]]) -> dict:
     return out
 
 
+def refusals(calls: Mapping[Hashable, Callable[[], Any]], error: type[Exception] = ValueError) -> dict:
+    """In a rank: ``{key: the message of the ``error`` the call raised, or None where it did not
+    raise}``, for tests of what an entry point refuses (any other exception propagates)."""
+    out = {}
+    for key, call in calls.items():
+        try:
+            call()
+            out[key] = None
+        except error as e:
+            out[key] = str(e)
+    return out
+
+
 def case(results: list, key: Hashable) -> list:
     """The values of case ``key`` on every rank (``results``: `run_ranks` of a `per_case` worker);
     an AssertionError with the rank's traceback where the case raised."""

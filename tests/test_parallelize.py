@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from harness import case, fp32_bound, per_case, run_ranks
+from harness import case, fp32_bound, per_case, refusals, run_ranks
 
 import taco_accel
 from taco_accel import comm
@@ -146,19 +146,12 @@ def _calibration(group) -> dict:
 
 def _errors(group) -> dict:
     """Multi-rank misuse: each message must quote the bad value."""
-    messages = {}
     wide = dict(num_attention_heads=8, num_key_value_heads=8)  # 8 heads: only the world size is wrong
-    for key, call in {
+    return refusals({
         "world": lambda: taco_accel.parallelize(tiny_model("llama", **wide), tp=8),
         "mesh": lambda: taco_accel.parallelize(tiny_model("llama"), tp=4, device_mesh=group),
         "twice": lambda: taco_accel.parallelize(taco_accel.parallelize(tiny_model("gpt2"), device_mesh=group)),
-    }.items():
-        try:
-            call()
-            messages[key] = None
-        except ValueError as error:
-            messages[key] = str(error)
-    return messages
+    })
 
 
 def _subgroup_default(tp: int) -> dict:

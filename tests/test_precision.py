@@ -27,7 +27,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from harness import case, per_case, run_ranks
+from harness import case, per_case, refusals, run_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -229,17 +229,11 @@ def _refusals() -> dict:
     with pipeline stages."""
     from taco_accel import ParallelDims
 
-    out = {}
-    for key, build in (("half_params", lambda: _accelerator("fp16").prepare(tiny_model("qwen3").half())),
-                       ("pipeline", lambda: _accelerator("fp16", parallelism_config=None,
-                                                         parallel_dims=ParallelDims(pp=2)).prepare_pipeline(
-                           tiny_model("qwen3"), micro_batches=2))):
-        try:
-            build()
-            out[key] = None
-        except ValueError as e:
-            out[key] = str(e)
-    return out
+    return refusals({
+        "half_params": lambda: _accelerator("fp16").prepare(tiny_model("qwen3").half()),
+        "pipeline": lambda: _accelerator("fp16", parallelism_config=None, parallel_dims=ParallelDims(pp=2))
+        .prepare_pipeline(tiny_model("qwen3"), micro_batches=2),
+    })
 
 
 def _pipeline_bf16() -> dict:
