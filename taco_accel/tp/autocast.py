@@ -27,13 +27,11 @@ class MatmulCast:
     def __call__(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """``t`` in the matmul dtype; as is when autocast is off, for None, and for what autocast
         leaves alone (float64, integer tensors)."""
-        if self.dtype is None or t is None or not t.is_floating_point() or t.dtype == torch.float64:
-            return t
-        return t.to(self.dtype)
+        return t.to(self.dtype) if t is not None and self.changes(t) else t
 
     def changes(self, t: torch.Tensor) -> bool:
-        """Whether ``self(t)`` is a new tensor (a cast), not ``t`` itself."""
-        return self(t) is not t
+        """Whether ``self(t)`` is a cast (a new tensor), decided from dtypes alone: no cast is made."""
+        return self.dtype is not None and t.is_floating_point() and t.dtype not in (torch.float64, self.dtype)
 
     @staticmethod
     def grad_for(grad: torch.Tensor | None, like: torch.Tensor | torch.dtype) -> torch.Tensor | None:
