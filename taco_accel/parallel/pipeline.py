@@ -315,7 +315,6 @@ class PipelineRunner:
             return torch.zeros((), dtype=torch.float64, device=self.device)
         return torch.stack([loss.detach().double() for loss in losses]).mean()
 
-
     def _accumulate(self, input_ids, target, losses: list, train: bool) -> None:
         """One stage: gradient accumulation over the micro-batches, as the schedules run it (the
         same slices, the mean gradient) without their per-chunk bookkeeping and per-parameter

@@ -276,8 +276,7 @@ class Trainer(TrainingLoop):
         start = time.perf_counter()
         inputs, labels = self.batches.batch(self.step)
         self.optimizer.zero_grad(set_to_none=True)
-        with acc.autocast():
-            loss = self.pipe.step(inputs, labels)
+        loss = self.pipe.step(inputs, labels)  # in the accelerator's autocast (prepare_pipeline's runner)
         grad_norm = acc.clip_grad_norm_(self.params, cfg.max_grad_norm)  # read with the loss: one host sync a step
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -298,8 +297,7 @@ class Trainer(TrainingLoop):
         """``{"val_loss": mean loss over the fixed validation batches}`` (a collective)."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for inputs, labels in self.val:
-            with self.accelerator.autocast():
-                total += self.pipe.eval(inputs, labels)
+            total += self.pipe.eval(inputs, labels)
         comm_totals(self.parts.ledgers())  # evaluation traffic is not part of the training step figures
         return {"val_loss": self._reduce(total / len(self.val))[0]}  # one collective and one host sync
 
