@@ -141,7 +141,7 @@ def test_ids_and_labels_outside_the_vocabulary_raise(emulate):
     for bad in (130, -1):
         wrong = ids.clone()
         wrong[1, 4] = bad
-        with pytest.raises(IndexError):
+        with pytest.raises(IndexError, match=rf"input id {bad} is out of range: the vocabulary has 130 tokens"):
             model(wrong)
     labels = ids.clone()
     labels[0, :3] = -100  # ignored: fine

@@ -114,8 +114,10 @@ def test_the_commit_record_holds_the_training_step(tmp_path, caplog):
 
 # -- GPT-2 beyond its learned positions ----------------------------------------------------------
 
-def test_gpt2_beyond_n_positions_names_the_limit():
-    model = taco_accel.parallelize(tiny_model("gpt2"), tp=1, compression=None)
+@pytest.mark.parametrize("emulate", [False, True], ids=["tp1", "emulated_tp2"])
+def test_gpt2_beyond_n_positions_names_the_limit(emulate):
+    ranks = dict(tp=2, emulate=True) if emulate else dict(tp=1)  # emulated TP checks its inputs as real TP does
+    model = taco_accel.parallelize(tiny_model("gpt2"), compression=None, **ranks)
     limit = model.config.n_positions
     model(torch.zeros(1, limit, dtype=torch.long))  # exactly the limit: fine
     with pytest.raises(IndexError, match=rf"position {limit} is out of range: the model has {limit} learned "

@@ -1,7 +1,9 @@
 """``parallelize(model, tp=N, emulate=True)``: a causal LM rewritten into N emulated TP ranks.
 
 The same plan, the same checks (a tp that does not divide the heads raises the ValueError of
-real TP), the same communication sites with the same names, settings and statistics, as
+real TP; token ids outside the vocabulary and a GPT-2 sequence past its learned positions raise
+the IndexError naming the limit, as in real TP: `checks.install_input_checks` without a group),
+the same communication sites with the same names, settings and statistics, as
 `parallelize` without ``emulate``; the layers are those of `taco_accel.tp.emulate`, which keep
 the full parameters and compute every rank's share in this one process. Attention modules
 get the total head counts of the emulated layout (tp times the local counts: a replicated kv
@@ -42,6 +44,7 @@ from ..tp.emulate import (
 from ..tp.regions import SequenceState
 from ..comm.policy import Compression
 from ..tp.sites import Site, SiteTable
+from .checks import install_input_checks
 from .context import TPContext
 from .loss import CausalLMLoss
 from .plan import Colwise, EnterRegion, Rowwise, TPPlan
@@ -66,6 +69,7 @@ def emulate_tp(model: nn.Module, plan: TPPlan, tp, compression: Compression, seq
     head = EmulatedRewrite(model, plan, context).install()
     loss = EmulatedCausalLMLoss(head, context.sites.plain("loss/lse"), getattr(model, "_loss_function", None))
     install_loss(model, loss)
+    install_input_checks(model, plan, None, same_batch=False)  # one process: nothing to compare over a group
     model.taco = context
     logger.info(
         "emulated tensor parallel %s: tp=%d in one process, sequence_parallel=%s, %s",
