@@ -462,12 +462,17 @@ def _ranks(root: str, data: str) -> dict:
     torch.manual_seed(0)
     out["same_model"] = _outcome(lambda: type(taco_accel.parallelize(AutoModelForCausalLM.from_config(model.config),
                                                                      compression=None)).__name__)
-    # a later batch of another shape on one rank
+    # later batches of other shapes: one exchange per new (batch, sequence) shape; every forward's
+    # with TACO_CHECK_COLLECTIVES=1
     model = taco_accel.parallelize(tiny_model("qwen2"), compression=None)
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
     model(ids)
-    out["same_shape"] = _outcome(lambda: model(ids).logits.shape[-1])
-    out["other_shape"] = _outcome(lambda: model(ids[:, : 8 - 2 * rank]))
+    out["same_shape"] = _outcome(lambda: _shape_exchanges(model, [ids, ids, ids[:, :7], ids[:, :7]]))
+    with _every_forward_checked():
+        out["every_forward"] = _outcome(lambda: _shape_exchanges(model, [ids, ids]))
+    out["other_shape"] = _outcome(lambda: model(ids[:, : 6 - rank]))  # new on both ranks
+    with _every_forward_checked():
+        out["seen_and_new"] = _outcome(lambda: model(ids[:, : 8 - 2 * rank]))  # agreed on rank 0, new on rank 1
     out["after"] = _outcome(lambda: model(ids).logits.shape[-1])  # the group still works
     # a byte-tokenizer run resumed with a BPE tokenizer of the same padded vocabulary (384)
     _run(f"{root}/tok", data=data).train()
@@ -483,6 +488,40 @@ def _ranks(root: str, data: str) -> dict:
     out["cli_compression"] = _cli(["--compression", "maybe"], error_file + "b")
     out["cli_data"] = _cli(["--data", f"{root}/missing.jsonl"], error_file + "c")
     return out
+
+
+def _shape_exchanges(model, batches: list) -> list[int]:
+    """How many all-gathers (the input checks' collective: the TP layers call the process group
+    itself) each forward of ``batches`` ran."""
+    real, counts = dist.all_gather, []
+
+    def counted(*args, **kwargs):
+        counts[-1] += 1
+        return real(*args, **kwargs)
+
+    dist.all_gather = counted
+    try:
+        for ids in batches:
+            counts.append(0)
+            model(ids)
+    finally:
+        dist.all_gather = real
+    return counts
+
+
+@contextlib.contextmanager
+def _every_forward_checked():
+    """``TACO_CHECK_COLLECTIVES=1`` inside (on every rank alike: the setting is part of the ranks' agreement)."""
+    from taco_accel.comm import agreement
+
+    saved = os.environ.get(agreement.DEBUG_ENV)
+    os.environ[agreement.DEBUG_ENV] = "1"
+    agreement.debug.cache_clear()
+    try:
+        yield
+    finally:
+        os.environ.pop(agreement.DEBUG_ENV) if saved is None else os.environ.update({agreement.DEBUG_ENV: saved})
+        agreement.debug.cache_clear()
 
 
 def _accelerate_contracts(folder: Path) -> dict:
@@ -571,9 +610,13 @@ def test_a_config_marked_by_save_pretrained_on_one_rank_is_the_same_model(ranks)
 
 
 def test_a_batch_of_another_shape_on_one_rank_raises_on_every_rank(ranks):
-    _every_rank(ranks, "same_shape", None)
-    _every_rank(ranks, "other_shape", "ValueError", "input_ids of different shapes ([[2, 8], [2, 6]]",
+    # one all-gather for each (batch, sequence) shape not seen before, none for one agreed already
+    assert _every_rank(ranks, "same_shape", None) == [[0, 0, 1, 0]] * 2
+    assert _every_rank(ranks, "every_forward", None) == [[1, 1]] * 2  # TACO_CHECK_COLLECTIVES=1
+    _every_rank(ranks, "other_shape", "ValueError", "input_ids of different shapes ([[2, 6], [2, 5]]",
                 "same batch size and sequence length")
+    # rank 0's shape agreed before, rank 1's new: the check of every forward sees it
+    _every_rank(ranks, "seen_and_new", "ValueError", "input_ids of different shapes ([[2, 8], [2, 6]]")
     assert _every_rank(ranks, "after", None) == [128, 128]
 
 

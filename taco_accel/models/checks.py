@@ -10,9 +10,10 @@
 - Inputs of every forward (`InputIdsCheck`, `check_labels`): token ids and labels outside
   the vocabulary raise, as in plain transformers (a vocab-parallel embedding would look an
   id up as zeros, and the vocab-parallel loss would score a label against no logit). The
-  first forward also checks that every TP rank got the same ``input_ids``, and every later
-  one that they got batches of one shape (their collectives would otherwise disagree in size,
-  which gloo answers by aborting the process).
+  first forward also checks that every TP rank got the same ``input_ids``, and a later one
+  whose ids have a shape not seen before that every rank got that shape (their collectives
+  would otherwise disagree in size, which gloo answers by aborting the process); a shape once
+  agreed is not exchanged again, unless ``TACO_CHECK_COLLECTIVES=1`` asks for every forward.
 
 A check whose outcome could differ between ranks (the model, the first batch) decides after
 one collective that every rank of the group takes part in, so that all of them raise the same
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm.agreement import debug as check_every_call
 from ..comm.copies import SharesGroup
 from .plan import Colwise, Rowwise, TPPlan
 
@@ -321,10 +323,18 @@ class InputIdsCheck(SharesGroup):
     IndexError (as ``nn.Embedding`` does) instead of being looked up as zeros; the first
     ``same_batch_checks`` calls check that every TP rank got the same ids (one all-gather of
     five numbers; ranks with different batches, e.g. a data loader sharded over the tp ranks,
-    would mix the embeddings of different tokens), and every later call (``same_shape``) that
-    they got ids of the same shape (one all-gather of two numbers: a rank with a batch of
-    another size would send collectives of another size, which gloo answers by aborting the
-    process and NCCL by hanging).
+    would mix the embeddings of different tokens), and a later call whose ids have a (batch,
+    sequence) shape this hook has not checked before (``same_shape``), that every rank got ids
+    of that shape (one all-gather of two numbers: a rank with a batch of another size would
+    send collectives of another size, which gloo answers by aborting the process and NCCL by
+    hanging).
+
+    A shape checked once is not exchanged again: a training run pays one all-gather per batch
+    shape, not one per forward. Ranks that later get different shapes are caught where the shape
+    is new on every rank (an uneven last batch); where one of them has seen its shape before, the
+    TP collectives of different sizes are left to the backend, as any collective whose length
+    changes after its first call is (`taco_accel.comm.agreement`): ``TACO_CHECK_COLLECTIVES=1``
+    checks the shape on every forward, and then every rank raises.
 
     Every TP rank sees the same ids, so a local range check makes them all raise. The range
     check costs one min/max pass over the ids (see `_out_of_range`): no host sync on an
@@ -334,6 +344,7 @@ class InputIdsCheck(SharesGroup):
     def __init__(self, num_embeddings: int, group, same_batch_checks: int = 1, same_shape: bool = True) -> None:
         self.num_embeddings, self.group, self.same_batch_checks = num_embeddings, group, same_batch_checks
         self.same_shape = same_shape
+        self.agreed: set[tuple[int, int]] = set()  # (batch, sequence) shapes every rank was checked to have
 
     def __call__(self, module: nn.Module, args, kwargs) -> None:
         ids = args[0] if args else kwargs.get("input_ids", kwargs.get("input"))
@@ -347,11 +358,12 @@ class InputIdsCheck(SharesGroup):
                 "taco_accel.from_pretrained(path, tp=...) reads them straight into the shards"
             )
         check_not_under_ddp(self.group)  # before any collective: every rank raises alone
-        if self.same_batch_checks > 0 and not torch.compiler.is_compiling():  # a compiled graph keeps no count
-            self.same_batch_checks -= 1
-            self.check_same_batch(ids)  # first: a collective every rank reaches
-        elif self.same_shape:
-            self.check_same_shape(ids)
+        if not torch.compiler.is_compiling():  # a compiled graph keeps no count and no shapes
+            if self.same_batch_checks > 0:
+                self.same_batch_checks -= 1
+                self.check_same_batch(ids)  # first: a collective every rank reaches
+            elif self.same_shape and (_leading_shape(ids) not in self.agreed or check_every_call()):
+                self.check_same_shape(ids)
         _out_of_range(ids, self.num_embeddings, "input id")
 
     def _size(self) -> int:
@@ -362,11 +374,12 @@ class InputIdsCheck(SharesGroup):
         if size == 1 or ids.device.type == "meta" or torch.compiler.is_compiling():
             return
         mine = torch.empty(2, dtype=torch.long, device=ids.device)
-        mine[0], mine[1] = list(ids.shape[:2]) + [1] * (2 - min(ids.dim(), 2))  # fills: no copy, no host sync
+        mine[0], mine[1] = _leading_shape(ids)  # fills: no copy, no host sync
         every = [torch.empty_like(mine) for _ in range(size)]
         dist.all_gather(every, mine, group=self.group)
         if ids.device.type != "cpu":
             torch._assert_async(torch.stack(every).eq(mine).all(), "the TP ranks got input_ids of different shapes")
+            self.agreed.add(_leading_shape(ids))  # a difference fails the next synchronisation
             return
         shapes = [t.tolist() for t in every]
         if any(s != shapes[0] for s in shapes):
@@ -376,6 +389,7 @@ class InputIdsCheck(SharesGroup):
                 "Accelerate: `from taco_accel import Accelerator`), and give every rank the same batch size and "
                 "sequence length (drop or pad an uneven last batch on all ranks alike)"
             )
+        self.agreed.add(_leading_shape(ids))
 
     def check_same_batch(self, ids: torch.Tensor) -> None:
         size = self._size()
@@ -383,9 +397,8 @@ class InputIdsCheck(SharesGroup):
             return
         flat = ids.reshape(-1).long()
         weights = torch.arange(1, flat.numel() + 1, device=flat.device)
-        shape = list(ids.shape[:2]) + [1] * (2 - min(ids.dim(), 2))
-        mine = torch.cat([torch.tensor(shape, device=flat.device), flat.sum()[None], (flat * weights).sum()[None],
-                          torch.tensor([flat.numel()], device=flat.device)])
+        mine = torch.cat([torch.tensor(_leading_shape(ids), device=flat.device), flat.sum()[None],
+                          (flat * weights).sum()[None], torch.tensor([flat.numel()], device=flat.device)])
         every = [torch.empty_like(mine) for _ in range(size)]
         dist.all_gather(every, mine, group=self.group)
         every = [t.tolist() for t in every]
@@ -398,6 +411,12 @@ class InputIdsCheck(SharesGroup):
                 "Accelerator`, whose prepare() does; else a DistributedSampler with the dp rank and size, "
                 "not the global ones)"
             )
+        self.agreed.add(_leading_shape(ids))
+
+
+def _leading_shape(ids: torch.Tensor) -> tuple[int, int]:
+    """(batch, sequence) of ``ids``; 1 for a dimension it does not have."""
+    return tuple(ids.shape[:2]) + (1,) * (2 - min(ids.dim(), 2))
 
 
 def check_not_under_ddp(group) -> None:
