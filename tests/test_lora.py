@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from harness import case, fp32_bound, per_case, run_ranks
+from harness import case, fp32_bound, per_case, refusals, run_ranks
 
 import taco_accel
 from taco_accel.models.state import shard_specs
@@ -125,6 +125,7 @@ def _exports(path: str, root: str) -> dict:
     reloaded = taco_accel.load_adapter(taco_accel.from_pretrained(path, compression=None), adapter)
     with torch.no_grad():
         out["load_adapter_logits"] = _diff(reloaded(ids).logits, expected)
+    out["refused"] = refusals({"unknown": lambda: taco_accel.load_adapter(reloaded, adapter, adapter_name="x")})
     merged_model = taco_accel.export_merged(model, merged)
     with torch.no_grad():
         out["merged_tp_logits"] = _diff(merged_model(ids).logits, expected)
@@ -196,6 +197,8 @@ def test_adapter_and_merged_exports_load_in_plain_peft_and_transformers(measured
     assert first["peft_logits"] < merged and first["merged_logits"] < merged and first["merged_keys"], first
     for m in ranks:
         assert m["load_adapter_logits"] < FP32 and m["merged_tp_logits"] < merged, m
+        # an adapter name the peft model does not have loads nothing: refused, naming the ones it has
+        assert "no adapter 'x'" in m["refused"]["unknown"] and "['default']" in m["refused"]["unknown"], m
 
 
 # -- misuse, one process (tp=1) -----------------------------------------------------------

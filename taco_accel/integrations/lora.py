@@ -335,6 +335,10 @@ def load_adapter(model: nn.Module, source, adapter_name: str = "default", is_tra
         config = peft.LoraConfig.from_pretrained(os.fspath(source))
         config.inference_mode = not is_trainable
         model = get_peft_model(model, config, adapter_name=adapter_name)
+    if adapter_name not in model.peft_config:
+        raise ValueError(f"the peft model has no adapter {adapter_name!r} to load into (its adapters: "
+                         f"{sorted(model.peft_config)}); pass one of those as adapter_name, or load into the "
+                         "parallelised model without adapters (a peft model is built from the folder)")
     full = _read_adapter(source)
     specs = shard_specs(model)
     rank = context_of(model).rank
