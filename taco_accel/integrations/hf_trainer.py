@@ -215,14 +215,25 @@ def _processes_on_cpu(args) -> None:
 
 
 # -- TRL's fused LM head ---------------------------------------------------------------------------
+GATHERS_HEAD = "taco_gathers_head"  # marks the forward `_gather_fused_head` installed
+
+
 def _gather_fused_head(model: nn.Module) -> None:
     """Give a fused LM head that reads ``get_output_embeddings().weight`` (TRL's
-    ``add_fused_lm_head``, recognised by its ``fused_lm_head`` keyword) the full head weight when
+    ``add_fused_lm_head``, recognised by its ``fused_lm_head`` keyword, also under the mixed-precision
+    wrappers of a model Accelerate prepared: `upstream_trl.has_fused_head`) the full head weight when
     the model is tensor parallel. Every tp rank then computes the same per-token results from the
-    same hidden states, so each keeps its rows of the head's gradient (`gather_from_tp_region`)."""
+    same hidden states, so each keeps its rows of the head's gradient (`gather_from_tp_region`).
+
+    A model whose forward shows no fused head gets `_refuse_hidden_fused_head` instead: called with
+    ``fused_lm_head=True`` while tensor parallel, it raises rather than score tokens over this
+    rank's vocabulary slice."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     forward = base.__dict__.get("forward")
+    if getattr(forward, GATHERS_HEAD, False):
+        return
     if not upstream_trl.has_fused_head(forward):
+        model.register_forward_pre_hook(functools.partial(_refuse_hidden_fused_head, base), with_kwargs=True)
         return
 
     @functools.wraps(forward)
@@ -236,7 +247,24 @@ def _gather_fused_head(model: nn.Module) -> None:
         with _full_output_embeddings(base):
             return forward(*args, fused_lm_head=True, **kwargs)
 
+    setattr(tensor_parallel_forward, GATHERS_HEAD, True)
     base.forward = tensor_parallel_forward
+
+
+def _refuse_hidden_fused_head(base: nn.Module, module: nn.Module, args, kwargs) -> None:
+    """Forward pre-hook of a model in whose forward `_gather_fused_head` found no fused LM head: a
+    ``fused_lm_head=True`` call while tensor parallel raises (the head it would read holds this
+    rank's vocabulary rows only)."""
+    context = getattr(base, "taco", None)
+    if not kwargs.get(upstream_trl.FUSED_KEYWORD) or context is None or context.emulated or context.tp == 1:
+        return
+    raise ValueError(
+        f"{type(module).__name__} was called with {upstream_trl.FUSED_KEYWORD}=True (TRL's fused LM head), but "
+        f"taco_accel found no fused head in its forward ({base.__dict__.get('forward')!r}) to give the full head "
+        f"weight: at tp={context.tp} it would score tokens over this rank's vocabulary slice only. Wrap a model's "
+        "forward with functools.wraps (the fused head stays visible through __wrapped__), and pass the model to "
+        "the trainer as TRL patched it"
+    )
 
 
 @contextlib.contextmanager

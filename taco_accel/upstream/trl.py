@@ -4,10 +4,14 @@
   all-process token counts by; our gather spans the dp replicas only (each token once), so
   taco trainers set it to 1;
 - the keyword ``fused_lm_head`` of the forward that ``trl.trainer.utils.add_fused_lm_head``
-  installs (how a fused head is recognised: `has_fused_head`).
+  installs (how a fused head is recognised: `has_fused_head`), found through the functools
+  wrappers around it (``__wrapped__``: Accelerate's ``convert_outputs_to_fp32`` and autocast on a
+  prepared model, TRL's own ``functools.wraps``).
 """
 
 from __future__ import annotations
+
+import inspect
 
 from .versions import check_range
 
@@ -29,6 +33,15 @@ def count_tokens_once(trainer) -> None:
 
 
 def has_fused_head(forward) -> bool:
-    """Whether ``forward`` is the one ``add_fused_lm_head`` installed (it takes ``fused_lm_head``)."""
-    code = getattr(getattr(forward, "__func__", forward), "__code__", None)
+    """Whether ``forward`` is the one ``add_fused_lm_head`` installed (it takes ``fused_lm_head``), or
+    wraps it: a model that Accelerate prepared under mixed precision has ``convert_outputs_to_fp32``
+    around autocast around it, each a ``functools.wraps`` (``__wrapped__``). The walk stops at the
+    fused forward: it wraps the model class's own ``forward`` in turn."""
+    if forward is None:
+        return False
+    return _takes_fused_keyword(inspect.unwrap(forward, stop=_takes_fused_keyword))
+
+
+def _takes_fused_keyword(function) -> bool:
+    code = getattr(getattr(function, "__func__", function), "__code__", None)
     return code is not None and FUSED_KEYWORD in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
