@@ -9,8 +9,10 @@ Read top to bottom:
    straight into its TP slices (`taco_accel.from_pretrained`); LoRA through peft on the parallel
    layers (`get_peft_model`) or every parameter trainable; ``accelerator.prepare`` of the model
    (data parallelism), then of AdamW on what trains and its schedule.
-2. `Finetuner.train_step`: one optimizer step over ``micro_batches`` padded micro-batches; the
-   loss is the mean over the response tokens of the whole global batch (``num_items_in_batch``);
+2. `Finetuner.train_step`: one optimizer step over ``micro_batches`` padded micro-batches, each
+   forward in the accelerator's autocast (``prepare`` wraps the model's forward in it, as for a
+   user's own loop: the one precision rule of every entry point); the loss is the mean over the
+   response tokens of the whole global batch (``num_items_in_batch``);
    ``accelerator.clip_grad_norm_`` averages the gradients over dp and clips them by their norm
    over the mesh. ``--save-every`` / ``--resume`` checkpoint through ``accelerator.save_state``.
 3. `Finetuner.evaluate`: per held-out sequence, the summed negative log-likelihood of its
@@ -326,8 +328,7 @@ class Finetuner(TrainingLoop):
         self.optimizer.zero_grad(set_to_none=True)
         losses = []
         for mb in micro:
-            with self.accelerator.autocast():
-                out = self.model(**self._to_device(mb), num_items_in_batch=num_items)
+            out = self.model(**self._to_device(mb), num_items_in_batch=num_items)  # in the accelerator's autocast
             out.loss.backward()
             losses.append(out.loss.detach())
         loss = torch.stack(losses).double().sum()  # on the device: read with the step's other figures
@@ -366,8 +367,7 @@ class Finetuner(TrainingLoop):
             for mb in self.val:
                 tokens.append((mb["labels"][..., 1:] != IGNORE).sum(-1))  # on the host already
                 mb = self._to_device(mb)
-                with self.accelerator.autocast():
-                    logits = self.model(**mb).logits  # labels given: this rank's vocabulary slice
+                logits = self.model(**mb).logits  # labels given: this rank's vocabulary slice
                 nll.append(self._token_nll(logits, mb["labels"]).double().sum(-1))
         if nll:  # one host transfer (a dp rank may hold no validation batch)
             nll, tokens = torch.cat(nll).tolist(), torch.cat(tokens).tolist()
