@@ -110,6 +110,6 @@ def installed(name):
         return f"{name} (none)"
 
 
-names = ("torch", "triton", "transformers", "accelerate", "peft", "trl")
+names = ("torch", "triton", "transformers", "accelerate", "peft", "trl", "numpy")
 print(f"install.sh: the {sys.argv[1]} stack in {sys.prefix}:", ", ".join(map(installed, names)))
 EOF

@@ -604,7 +604,9 @@ def test_a_kernel_that_fails_to_build_falls_back_once_with_one_warning(compiled,
         compress(x, config)
     assert len(calls) == 2 and calls[1][-1] == 0
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no further warning: neither Gluon encoder is tried again
+        # no further warning: neither Gluon encoder is tried again (an older Triton's interpreter
+        # may warn about NumPy meanwhile)
+        warnings.simplefilter("error", RuntimeWarning)
         assert torch.equal(compress(x, config).buffer, got.buffer)
     assert len(calls) == 2 and select("compress", config, CUDA, layout, Tuning()) is Kernel.TILES
 
