@@ -15,6 +15,15 @@ except ImportError:  # pragma: no cover
 if not _has_cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Where the tests run: on the CPU over gloo, on any machine, unless a test puts its tensors on a GPU
+# itself (tests/test_tp_cuda.py, test_triton_kernels.py, the CUDA-graph test of test_compile.py).
+# Accelerate's state (hence taco_accel.Accelerator's device and its mesh's backend, and the recipes'
+# trainers built on it) and transformers' TrainingArguments read this variable; every rank, launch and
+# one-process reference started from this session inherits it. On a GPU box an Accelerator would
+# otherwise take the GPU: two ranks on one GPU fail in NCCL ("Duplicate GPU detected"), and a model
+# moved to the GPU meets the CPU tensors the tests feed it, in one process as on several.
+os.environ["ACCELERATE_USE_CPU"] = "1"
+
 import pytest  # noqa: E402
 
 

@@ -10,6 +10,9 @@ values with `case`, which fails that test alone with the rank's traceback. A cas
 every rank (a library error) leaves the others intact; one that raises on some ranks only can
 leave its peers waiting in a collective, and then the launch's timeout fails the whole file.
 
+Ranks keep their tensors on the CPU, over gloo, on a GPU box too: conftest.py sets
+``ACCELERATE_USE_CPU`` for the session, which every rank inherits.
+
 Ranks start from a fork server that has already imported torch, transformers' model modules
 and taco_accel (about 0.1 s per launch instead of several seconds for a fresh interpreter). ``env`` is applied in each rank before ``fn`` runs, i.e.
 after torch was imported: a variable that torch reads at import time must be set before the

@@ -125,7 +125,7 @@ import atexit, json, sys
 import torch.distributed as dist
 atexit.register(lambda: open(sys.argv[1], "w").write(json.dumps(dist.is_initialized())))  # runs after taco_accel's hook
 from taco_accel.parallel import ParallelDims, build_mesh
-build_mesh(ParallelDims())
+build_mesh(ParallelDims(), "cpu")  # gloo, whose teardown this test is about
 if sys.argv[2] == "raise":
     raise RuntimeError("the script failed")
 """
@@ -157,7 +157,7 @@ def _pair_groups(pp: int) -> dict:
     from taco_accel.parallel import build_mesh
     from taco_accel.parallel.mesh import pp_pair_groups
 
-    mesh = build_mesh(ParallelDims(pp=pp, tp=4 // pp))
+    mesh = build_mesh(ParallelDims(pp=pp, tp=4 // pp), "cpu")
     pairs = [(b, (b + 1) % pp) for b in range(pp)] + [(0, pp - 1), (1, 1)]
     out = {}
     for key, group in pp_pair_groups(mesh, pairs).items():

@@ -194,7 +194,9 @@ def _own_loop(sp: bool, bf16_params: bool) -> dict:
     return {"logits": _rel_rms(out.logits, want["logits"]), "grads": grads,
             "logits_bound": _bound(torch.bfloat16, n_fwd, want["n_fwd"]),
             "grads_bound": _bound(torch.bfloat16, count.count, want["n_all"]),
-            "logits_dtype": str(out.logits.dtype), "losses": losses}
+            "logits_dtype": str(out.logits.dtype), "losses": losses,
+            "where": (acc.device.type, dist.get_backend(acc.torch_device_mesh["tp"].get_group()),
+                      next(model.parameters()).device.type)}
 
 
 def _fp16_overflow_on_one_rank() -> dict:
@@ -300,6 +302,13 @@ def test_own_loop_in_bf16_matches_one_process(measured, sp, precision):
         # the first step: relative rms within the rounding bound of the module docstring
         assert r["logits"] < r["logits_bound"] and r["grads"] < r["grads_bound"], r
         assert all(math.isfinite(x) for x in r["losses"]) and r["losses"][-1] < r["losses"][0], r  # it trains
+
+
+def test_the_accelerator_keeps_the_ranks_on_the_cpu_when_told(measured):
+    # conftest.py sets ACCELERATE_USE_CPU for the session: on a GPU box too, the Accelerator's device,
+    # its mesh's backend and the prepared model are the CPU's (two ranks cannot share one GPU in NCCL)
+    for r in case(measured, ("loop", False, "bf16 autocast")):
+        assert r["where"] == ("cpu", "gloo", "cpu"), r
 
 
 def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(measured):

@@ -317,6 +317,7 @@ def main(argv=None) -> None:
     parser.add_argument("--group-sizes", default="64,128,256")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--peers", default="2,4,8", help="P values for dequant-sum-requant")
+    parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
     parser.add_argument("--check", action="store_true", help="run the triton-vs-reference check only (CUDA)")
     parser.add_argument("--no-check", action="store_true", help="skip the triton-vs-reference check")
     parser.add_argument("--check-group-sizes", default=None, help="only these group sizes of the check's cases")
@@ -328,7 +329,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tuning", nargs="+", default=[], metavar="KEY=JSON",
                         help="launch settings (fields of codec.Tuning) for the check, the sweep's base and the table")
     args = parser.parse_args(argv)
-    cuda = torch.cuda.is_available()
+    cuda = args.device == "cuda" if args.device else torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     sizes = args.sizes or ("1M,4M,16M,64M,256M" if cuda else "64K,1M")
     sizes = [parse_size(s) for s in sizes.split(",")]

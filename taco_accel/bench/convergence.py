@@ -62,7 +62,7 @@ from taco_accel.models import context_of
 from taco_accel.parallel import emulate_boundaries
 from taco_accel.training import TrainConfig, Trainer, model_config
 from taco_accel.training.presets import pad_vocab
-from taco_accel.training.trainer import pretraining_tokens
+from taco_accel.training.trainer import device_type, pretraining_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -699,7 +699,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run per seed (weights and batch order)")
     parser.add_argument("--data", nargs="+", help="text sources for load_texts (files, globs); default: the preset's")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", choices=("cpu", "cuda"),
+                        help="default: cuda when available, unless Accelerate is told to use the CPU")
     parser.add_argument("--out", default="runs/convergence", help="folder of the per-variant JSON files and the PNG")
     parser.add_argument("--force", action="store_true", help="rerun variants whose JSON already exists")
     parser.add_argument("--report", action="store_true", help="only rebuild the table and PNG from --out")
@@ -783,7 +784,7 @@ def main(argv: Sequence[str] | None = None) -> Records:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse_args(argv)
     start = time.perf_counter()
-    preset, out, device = resolve_preset(args), Path(args.out), torch.device(args.device)
+    preset, out, device = resolve_preset(args), Path(args.out), torch.device(device_type(args.device))
     out.mkdir(parents=True, exist_ok=True)
     if args.prepare:
         data = load_data(preset, out / "cache")

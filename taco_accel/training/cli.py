@@ -19,7 +19,7 @@ from ..errors import TacoError
 from ..parallel import SCHEDULES
 from .ranks import global_rank, record_failure
 from .presets import FAMILY_PRESETS
-from .trainer import MIXED_PRECISION, TrainConfig, Trainer
+from .trainer import MIXED_PRECISION, TrainConfig, Trainer, device_type
 
 logger = logging.getLogger(__name__)
 SMALL_PRESETS = ("nano", "tiny")
@@ -166,7 +166,8 @@ def build_parser(family: str, description: str) -> argparse.ArgumentParser:
     r.add_argument("--no-export", action="store_true", help="skip the final transformers export")
     r.add_argument("--no-plot", action="store_true", help="no loss-curve PNG")
     r.add_argument("--cache-dir", help="tokenizer and token cache (default: OUTPUT_DIR/cache)")
-    r.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available (cpu: gloo on a GPU machine)")
+    r.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available, unless the launch "
+                   "says to use the CPU (--cpu, use_cpu: true); cpu: gloo on a GPU machine")
     add_timeout_arg(r)
     return p
 
@@ -228,9 +229,7 @@ def add_speed_args(p: argparse.ArgumentParser) -> None:
 
 def mixed_precision_from_args(args) -> str:
     """--mixed-precision, else bf16 on a GPU run and no on the CPU."""
-    import torch
-
-    return args.mixed_precision or ("bf16" if torch.cuda.is_available() and args.device != "cpu" else "no")
+    return args.mixed_precision or ("bf16" if device_type(args.device) == "cuda" else "no")
 
 
 def trackers_from_args(args) -> tuple:

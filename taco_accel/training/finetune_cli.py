@@ -67,7 +67,8 @@ def build_parser(family: str, description: str, default_data: str | None = None)
     r.add_argument("--no-export", action="store_true", help="skip the adapter / merged / final export")
     r.add_argument("--no-merge", action="store_true", help="LoRA: write the adapter only")
     r.add_argument("--no-plot", action="store_true", help="no loss-curve PNG")
-    r.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
+    r.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available, unless the launch "
+                   "says to use the CPU (--cpu, use_cpu: true)")
     add_timeout_arg(r)
     return p
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from accelerate.utils import parse_flag_from_env
 
 from ..comm.policy import DEFAULT_COMPRESSION, Compression, CompressionLike
 from ..parallel import SCHEDULES, ParallelDims, collective_timeout, compile_backend, enable_activation_checkpointing
@@ -101,7 +102,7 @@ class TrainConfig:
     export: bool = True
     plot: bool = True
     cache_dir: str | None = None
-    device: str | None = None  # "cpu" forces the CPU (gloo) on a GPU machine; None: cuda if available
+    device: str | None = None  # "cpu" forces the CPU (gloo) on a GPU machine; None: `device_type`
     timeout_s: float | None = None  # a collective waiting longer fails; None: TACO_TIMEOUT_S, else 600
 
     def __post_init__(self) -> None:
@@ -151,8 +152,12 @@ def fused_adamw(params) -> dict:
 
 
 def device_type(device: str | None) -> str:
-    """The device type a run's ``device`` setting gives (None: cuda when available)."""
-    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+    """The device type a run's ``device`` setting gives (None: cuda when available, unless Accelerate is
+    told to use the CPU, ``ACCELERATE_USE_CPU``, as ``accelerate launch --cpu`` or a config's
+    ``use_cpu: true`` sets it: the device the run's Accelerator then takes)."""
+    if device is not None:
+        return device
+    return "cuda" if torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_CPU") else "cpu"
 
 
 def config_dict(cfg) -> dict:
