@@ -42,6 +42,9 @@ from ..upstream import peft as upstream_peft
 logger = logging.getLogger(__name__)
 
 INIT_CHOICES = (True, False, "gaussian")  # inits that need no (sharded) base weight
+# LoRA variants (DoRA & co., computed by a variant object our forward does not run): peft marks their
+# switches with the field metadata ``is_lora_variant`` since 0.20; these are the ones before it
+UNMARKED_VARIANTS = ("use_dora", "alora_invocation_tokens", "arrow_config", "use_bdlora")
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
@@ -62,16 +65,18 @@ def _make_tp_lora_linear():
         ``in_features`` / ``out_features`` are the full layer's (peft draws the initial A and B
         on them); the live ``lora_B`` (column) or ``lora_A`` (row) holds this rank's slice and
         carries a ``shards`` entry, so `gather_state_dict` reassembles it. ``sites``: the
-        model's `SiteTable` (`resolve_lora_config` binds it), whose ledger records the sum of
-        the replicated factor's gradient.
+        model's `SiteTable`, whose ledger records the sum of the replicated factor's gradient;
+        ``names``: the qualified name of each parallel linear by ``id`` (`resolve_lora_config`
+        binds both). peft's own arguments pass through as peft gives them: ``config`` since
+        peft 0.19, ``r, lora_alpha, ...`` before.
         """
 
-        def __init__(self, base_layer, adapter_name, config, *, sites: SiteTable, **kwargs):
+        def __init__(self, base_layer, adapter_name, *args, sites: SiteTable, names: dict[int, str], **kwargs):
             base = base_layer.get_base_layer() if hasattr(base_layer, "get_base_layer") else base_layer
-            _check_layer(base, kwargs.get("target_name", ""))
-            super().__init__(base_layer, adapter_name, config, **kwargs)
+            name = names.get(id(base), type(base).__name__)
+            _check_layer(base, name)
+            super().__init__(base_layer, adapter_name, *args, **kwargs)
             self.fan_in_fan_out = base.conv1d  # delta W in the base weight's layout
-            name = kwargs.get("target_name") or "lora"
             self._tp_grad_site = sites.plain(f"{name}.lora/grad")  # plain: weight gradients
 
         @property
@@ -85,8 +90,8 @@ def _make_tp_lora_linear():
         def lora_variants(self):
             return {(): None}  # DoRA & co. are refused by check_lora_config before we get here
 
-        def update_layer(self, adapter_name, r, lora_alpha, config, **kwargs):
-            super().update_layer(adapter_name, r, lora_alpha, config, **kwargs)  # full shapes, peft's RNG draws
+        def update_layer(self, adapter_name, *args, **kwargs):
+            super().update_layer(adapter_name, *args, **kwargs)  # full shapes, peft's RNG draws
             base = self.get_base_layer()
             _broadcast_from_first(self.lora_A[adapter_name].weight, base.group)
             _broadcast_from_first(self.lora_B[adapter_name].weight, base.group)
@@ -187,7 +192,7 @@ def check_lora_config(config) -> None:
         raise ValueError(f"expected a peft.LoraConfig, got {type(config).__name__}; taco_accel supports LoRA only")
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
-        if field.metadata.get("is_lora_variant") and value:
+        if (field.metadata.get("is_lora_variant") or field.name in UNMARKED_VARIANTS) and value:
             _refuse(field.name, value, "use plain LoRA (leave it unset)")
     if config.init_lora_weights not in INIT_CHOICES:
         _refuse("init_lora_weights", config.init_lora_weights, f"use one of {INIT_CHOICES} (these need no "
@@ -246,7 +251,8 @@ def resolve_lora_config(model: nn.Module, config):
                          f"row parallel linears (the lm head, norms and embeddings are not); use some of {suffixes}")
     conv1d = {targets[n].conv1d for n in matched}
     config.fan_in_fan_out = conv1d == {True}  # GPT-2's Conv1D: what peft expects on the original model
-    layer = functools.partial(tp_lora_linear(), sites=context_of(model).sites)
+    names = {id(module): name for name, module in targets.items()}
+    layer = functools.partial(tp_lora_linear(), sites=context_of(model).sites, names=names)
     upstream_peft.register_custom_modules(config, {ColumnParallelLinear: layer, RowParallelLinear: layer})
     return config
 
