@@ -88,15 +88,27 @@ def _dtype(precision: str) -> torch.dtype:
     return torch.bfloat16 if precision == "bf16_params" else torch.float32
 
 
-def _arguments(run: Run, name: str, precision: str, cls=None, **extra):
-    """The Trainer's arguments of every Trainer cell: the global batch over the replicas, SGD."""
+def _arguments(run: Run, name: str, precision: str, cls=None, default: str | None = None, **extra):
+    """The Trainer's arguments of every Trainer cell: the global batch over the replicas, SGD;
+    ``default``: a precision ``cls`` gives unasked (TRL's SFTConfig: bf16), left to it there."""
     from transformers import TrainingArguments
 
+    flags = dict(PRECISION_FLAGS[precision])
+    if precision == default:
+        flags.pop("bf16")
     values = dict(output_dir=run.folder(f"{name}_{precision}"), per_device_train_batch_size=GLOBAL // run.dp,
                   gradient_accumulation_steps=1, max_steps=STEPS, learning_rate=LR, optim="sgd",
                   lr_scheduler_type="constant", logging_steps=1, report_to=[], seed=7, save_strategy="no",
-                  disable_tqdm=True, **PRECISION_FLAGS[precision], **extra)
-    return (cls or TrainingArguments)(**values)
+                  disable_tqdm=True, **flags, **extra)
+    arguments = (cls or TrainingArguments)(**values)
+    assert arguments.bf16 == (precision == "bf16"), arguments.bf16
+    return arguments
+
+
+def _trained(trainer) -> dict:
+    """The figures of a Trainer cell (tests/hf_trainer_worker.py's `history`) and its gradient scaler."""
+    trainer.train()
+    return {**history(trainer), "scaler": type(trainer.accelerator.scaler).__name__}
 
 
 # -- the entries ---------------------------------------------------------------------------------
@@ -127,7 +139,7 @@ def run_loop(run: Run, precision: str) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(accelerator.gather(loss.detach()).mean().item())
-    return {"losses": losses, "grad_norms": norms}
+    return {"losses": losses, "grad_norms": norms, "scaler": type(accelerator.scaler).__name__}
 
 
 def run_trainer(run: Run, precision: str) -> dict:
@@ -135,8 +147,7 @@ def run_trainer(run: Run, precision: str) -> dict:
 
     trainer = run.trainer_class(Trainer)(model=tiny().to(_dtype(precision)), args=_arguments(run, "trainer", precision),
                                          train_dataset=lm_rows(STEPS * GLOBAL, 1))
-    trainer.train()
-    return history(trainer)
+    return _trained(trainer)
 
 
 def run_sft(run: Run, precision: str) -> dict:
@@ -145,12 +156,11 @@ def run_sft(run: Run, precision: str) -> dict:
 
     from taco_accel.data.tokenizer import build_tokenizer
 
-    config = _arguments(run, "sft", precision, SFTConfig, max_length=48, dataset_num_proc=None)
+    config = _arguments(run, "sft", precision, SFTConfig, default="bf16", max_length=48, dataset_num_proc=None)
     trainer = run.trainer_class(SFTTrainer)(
         model=tiny().to(_dtype(precision)), args=config, processing_class=build_tokenizer("byte"),
         train_dataset=Dataset.from_list(texts(STEPS * GLOBAL, 3)))
-    trainer.train()
-    return history(trainer)
+    return _trained(trainer)
 
 
 def run_dpo(run: Run, precision: str, ref: str) -> dict:
@@ -178,9 +188,9 @@ def run_dpo(run: Run, precision: str, ref: str) -> dict:
         **extra)
     if len(trainer.train_dataset) != STEPS * GLOBAL:
         raise ValueError(f"TRL kept {len(trainer.train_dataset)} of {STEPS * GLOBAL} preference rows")
-    trainer.train()
+    figures = _trained(trainer)
     logged = [h for h in trainer.state.log_history if "loss" in h]
-    return {**history(trainer), "logps": [[h["logps/chosen"], h["logps/rejected"]] for h in logged]}
+    return {**figures, "logps": [[h["logps/chosen"], h["logps/rejected"]] for h in logged]}
 
 
 def run_finetuner(run: Run, precision: str) -> dict:
