@@ -435,7 +435,7 @@ def _checks() -> dict:
             and torch.equal(comm.all_gather(x, None, CFG), exact_ag)
             and torch.equal(comm.reduce_scatter(x, None, CFG), exact_rs)
             and torch.equal(site.run("all_reduce", x), exact_ar),
-            compressed=site.entry.compressed_calls,
+            compressed=site.record.compressed_calls,
         )
     try:
         comm.all_reduce(big, None, CFG, compress=True)

@@ -305,6 +305,7 @@ def test_stacked_collectives_equal_every_ranks_own_pieces(world):
     the same values bit for bit (the codec works group by group, and every chunk is whole
     groups) and the same bytes sent, for whole and padded groups, both scale layouts and formats."""
     from taco_accel.codec.layout import length_tag
+    from taco_accel.comm import stacked
     from taco_accel.comm.kinds import KINDS
     from taco_accel.comm.compressed import Workspace
 
@@ -316,7 +317,7 @@ def test_stacked_collectives_equal_every_ranks_own_pieces(world):
             for dtype in (torch.float32, torch.bfloat16):
                 for kind, rows in (("all_reduce", 5), ("reduce_scatter", 3 * world), ("all_gather", 3)):
                     xs = torch.randn(world, rows, cols, generator=g).to(dtype)
-                    got, sent = KINDS[kind].stacked(xs, codec, length_tag(xs[0].numel()), Workspace())
+                    got, sent = stacked.run(KINDS[kind], xs, codec, length_tag(xs[0].numel()), Workspace())
                     want, want_sent = _per_rank(kind, xs, codec)
                     assert torch.equal(got, want) and sent == want_sent, (kind, codec, cols, dtype)
 

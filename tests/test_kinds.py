@@ -1,7 +1,7 @@
 """`comm.kinds.KINDS` is the one source of what the code knows per collective kind: every kind the
-collectives issue is registered there, the agreement codes, the statistics' plain bytes, the
-custom ops and the result shapes answer from it, and no other module of comm keys a table by a
-kind's name."""
+collectives issue is registered there; the result shapes, the statistics' ring bytes, the
+emulated results and the compiled graph's custom op answer from a kind's fields; the agreement
+fingerprint carries the kind's name; and no module of comm keys a table by a kind's name."""
 
 from __future__ import annotations
 
@@ -11,27 +11,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from taco_accel.comm import agreement, collectives, ops
+from taco_accel.comm import agreement, call
 from taco_accel.comm.emulated import EmulatedGroup
 from taco_accel.comm.kinds import KINDS, kind_of
-from taco_accel.comm.stats import DEFAULT
+from taco_accel.comm.stats import DEFAULT, ring_bytes
 
-COMM = Path(collectives.__file__).parent
+COMM = Path(call.__file__).parent
 PUBLIC = ("all_reduce", "reduce_scatter", "all_gather")
+PER_RANK = ("all_gather_by_rank", "reduce_scatter_by_rank")
 
 
 def test_every_kind_issued_is_registered_and_an_unknown_one_is_refused():
-    issued = {*PUBLIC, collectives.GatherByRank.kind, collectives.ScatterByRank.kind}
-    assert issued == set(KINDS)
+    assert set(KINDS) == {*PUBLIC, *PER_RANK}
     assert all(KINDS[name].name == name for name in KINDS)
+    assert [name for name in KINDS if KINDS[name].per_rank] == list(PER_RANK)
     with pytest.raises(ValueError, match="unknown collective 'all_to_all'"):
         kind_of("all_to_all")
 
 
-def test_agreement_codes_stats_bytes_ops_and_shapes_answer_from_the_registry():
-    assert agreement.KINDS == (*KINDS, "send")  # the fingerprint's code: the index in the registry
-    for name in PUBLIC:  # a custom op for every kind a compiled TP graph issues
-        assert KINDS[name].op is not None and hasattr(torch.ops.taco, name)
+def test_shapes_ring_bytes_emulation_and_ops_answer_from_the_registry():
     world, group = 3, EmulatedGroup(3)
     xs = [torch.randn(world * 2, 5, generator=torch.Generator().manual_seed(r)) for r in range(world)]
     nbytes = xs[0].numel() * xs[0].element_size()
@@ -39,10 +37,22 @@ def test_agreement_codes_stats_bytes_ops_and_shapes_answer_from_the_registry():
         out = getattr(group, name)(xs, site=f"kinds.{name}")  # plain: no codec
         shape = out[0].shape if name == "reduce_scatter" else out.shape  # reduce_scatter: one tensor per rank
         assert tuple(shape) == KINDS[name].output_shape(xs[0].shape, world)
+        # the custom op's fake result (what a compiled graph's tracer is told): meta tensors run it
+        assert getattr(torch.ops.taco, name)(xs[0].to("meta"), 0, world).shape == shape
+        every = torch.cat(out) if name == "reduce_scatter" else out  # the emulated op: every rank's rows
+        assert torch.ops.taco.emulated(torch.stack(xs).to("meta"), 0, 0, name).shape == every.shape
         figures = DEFAULT.pop()[f"kinds.{name}"]
-        # exact integer ring figures: the plain call sends what the kind's plain_bytes says, on both counts
-        assert figures.bytes_sent == figures.bytes_uncompressed == KINDS[name].plain_bytes(nbytes, world)
-    assert ops.all_gather is KINDS["all_gather"].op and ops.reduce_scatter is KINDS["reduce_scatter"].op
+        # exact integer ring figures: the plain call sends what ring_bytes says, on both counts
+        assert figures.bytes_sent == figures.bytes_uncompressed == ring_bytes(KINDS[name], nbytes, world)
+    # the ring figures themselves: 2(P-1)/P, (P-1)/P of the input, (P-1) shards
+    assert [ring_bytes(KINDS[n], 1200, 3) for n in PUBLIC] == [1600, 800, 2400]
+    assert ring_bytes(KINDS["reduce_scatter_by_rank"], 1200, 3) == 800
+
+
+def test_the_agreement_fingerprint_names_each_kind():
+    for name in (*KINDS, "send"):
+        words = agreement.fingerprint(name, torch.Size([4, 8]), torch.float32, None, False)[:agreement.NAME_WORDS]
+        assert agreement._name(words) == name
 
 
 def _keys_a_kind(node: ast.AST) -> bool:
@@ -56,8 +66,7 @@ def _keys_a_kind(node: ast.AST) -> bool:
     return sum(isinstance(n, str) and n in KINDS for n in names) >= (1 if isinstance(node, ast.Dict) else 2)
 
 
-def test_no_other_comm_module_keys_a_table_by_kind():
-    allowed = {"kinds.py", "__init__.py"}  # __init__: the public names of the package
-    found = [f"{path.name}:{node.lineno}" for path in sorted(COMM.glob("*.py")) if path.name not in allowed
+def test_no_comm_module_keys_a_table_by_kind():
+    found = [f"{path.name}:{node.lineno}" for path in sorted(COMM.glob("*.py"))
              for node in ast.walk(ast.parse(path.read_text())) if _keys_a_kind(node)]
-    assert not found, f"tables keyed by a collective kind outside comm/kinds.py: {found}"
+    assert not found, f"tables keyed by a collective kind's name in comm/: {found}"

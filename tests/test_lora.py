@@ -239,4 +239,4 @@ def test_default_targets_and_all_linear():
     assert sorted(config.target_modules) == ["c_attn", "c_fc", "c_proj"] and config.fan_in_fan_out
     ledger = model.get_base_model().taco.sites.ledger  # the adapters' gradient sums count in the model's own
     sites = [m._tp_grad_site for m in model.modules() if hasattr(m, "_tp_grad_site")]
-    assert len(sites) == 8 and all(s.entry is ledger.record(s.name) for s in sites)  # 2 layers x 4
+    assert len(sites) == 8 and all(s.record is ledger.record(s.name) for s in sites)  # 2 layers x 4

@@ -505,11 +505,11 @@ def agreement_us(calls: int, device: torch.device) -> float:
 
     x, link = torch.randn(1024, device=device), dist_ops.link(None)
     for _ in range(10):
-        agreement.check("all_reduce", x, link, None, False, "bench")
+        agreement.check("all_reduce", x.shape, x.dtype, x.device, link, None, False, "bench")
     _sync(device)
     start = time.perf_counter()
     for _ in range(calls):
-        agreement.check("all_reduce", x, link, None, False, "bench")
+        agreement.check("all_reduce", x.shape, x.dtype, x.device, link, None, False, "bench")
     _sync(device)
     return (time.perf_counter() - start) / calls * 1e6
 

@@ -7,8 +7,8 @@
 One Llama decoder layer (plus a small embedding and lm head), parallelised with `parallelize`,
 runs forward and backward with ``model.taco.overlap.enabled`` on and off (interleaved, median of
 ``--reps``). Timestamps, not a profiler: `CommClock` adds up the host time spent inside the
-communication calls (issuing a collective, and waiting for it: `Pending`, `GatherByRank`,
-`ScatterByRank`), i.e. the communication the pass did not hide. Without overlap every
+communication calls (issuing a collective, and waiting for it: `comm.Call`'s steps), i.e. the
+communication the pass did not hide. Without overlap every
 collective blocks for its whole duration; with it, only the part not covered by compute.
 The hidden fraction is ``1 - exposed(on) / exposed(off)``. Both modes send the same bytes
 (checked from `pop_comm_stats`).
@@ -65,14 +65,11 @@ class CommClock:
     classes while active; one process)."""
 
     def __init__(self) -> None:
-        from ..comm import collectives
+        from ..comm.call import Call
 
         self.seconds = 0.0
-        self._targets = [(collectives.Pending, "__init__"), (collectives.Pending, "result"),
-                         (collectives.GatherByRank, "__init__"), (collectives.GatherByRank, "wait"),
-                         (collectives.ScatterByRank, "__init__"), (collectives.ScatterByRank, "submit"),
-                         (collectives.ScatterByRank, "wait")]
-        self._iter = collectives.GatherByRank.landed
+        self._targets = [(Call, name) for name in ("__init__", "start", "wait", "gather", "scatter", "submit")]
+        self._iter = Call.landed
         self._saved = []
 
     def _timed(self, fn):
@@ -85,7 +82,7 @@ class CommClock:
         return timed
 
     def __enter__(self):
-        from ..comm import collectives
+        from ..comm.call import Call
 
         for cls, name in self._targets:
             original = cls.__dict__[name]
@@ -105,15 +102,15 @@ class CommClock:
                 clock.seconds += time.perf_counter() - start
                 yield item
 
-        collectives.GatherByRank.landed = timed_iter
+        Call.landed = timed_iter
         return self
 
     def __exit__(self, *exc):
-        from ..comm import collectives
+        from ..comm.call import Call
 
         for cls, name, original in self._saved:
             setattr(cls, name, original)
-        collectives.GatherByRank.landed = self._iter
+        Call.landed = self._iter
 
 
 def measure(args) -> dict:

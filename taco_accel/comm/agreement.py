@@ -5,7 +5,7 @@ Every rank of a group must make the same call: the same kind, element count, dty
 settings, and so the same plain-or-compressed choice and pieces. When they do not, the transfer
 itself rarely says so: tensors that pad to the same number of groups sum as garbage, two configs
 decode each other's bytes, a plain all-reduce on one rank meets an all-to-all on the other and
-waits forever. `check` exchanges a fingerprint of the call (9 integers, one all-gather over the
+waits forever. `check` exchanges a fingerprint of the call (11 integers, one all-gather over the
 group) and raises a `CollectiveMismatch` on every rank that names the site, what differs and
 each rank's value.
 
@@ -39,14 +39,12 @@ import torch.distributed as dist
 from ..codec import CodecConfig
 from ..errors import CollectiveMismatch, CollectiveTimeout, EnvironmentSettingError
 from . import dist_ops
-from .kinds import KINDS as COLLECTIVES
 
 DEBUG_ENV = "TACO_CHECK_COLLECTIVES"
 CHECKED_CALLS = 1  # per site
-# a call's code in the fingerprint is its index here; "send": a point-to-point message (`p2p`)
-KINDS = (*COLLECTIVES, "send")
-FIELDS = ("collective", "elements", "rows", "dims", "dtype", "compressed", "codec settings", "codec settings",
-          DEBUG_ENV)
+NAME_WORDS = 3  # a kind's name travels as 3 int64 words (24 ASCII bytes)
+FIELDS = (*["collective"] * NAME_WORDS, "elements", "rows", "dims", "dtype", "compressed", "codec settings",
+          "codec settings", DEBUG_ENV)
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
@@ -78,25 +76,29 @@ def settings_hash(codec: CodecConfig | None, piece_bytes: int, mode: str | None 
     return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")
 
 
-def fingerprint(kind: str, x: torch.Tensor, codec: CodecConfig | None, compressed: bool,
+def fingerprint(kind: str, shape, dtype: torch.dtype, codec: CodecConfig | None, compressed: bool,
                 piece_bytes: int = 0, mode: str | None = None) -> list[int]:
-    """The call as 9 integers: kind, numel, dim 0, ndim, dtype, compressed, two words of a hash
-    of the codec settings, piece size and mode, and this rank's ``TACO_CHECK_COLLECTIVES`` setting."""
-    return [KINDS.index(kind), x.numel(), x.shape[0] if x.dim() else 1, x.dim(), _dtype_code(x.dtype),
+    """The call as 11 integers: the kind's name (`NAME_WORDS` words), numel, dim 0, ndim, dtype,
+    compressed, two words of a hash of the codec settings, piece size and mode, and this rank's
+    ``TACO_CHECK_COLLECTIVES`` setting."""
+    return [*_name_words(kind), shape.numel(), shape[0] if len(shape) else 1, len(shape), _dtype_code(dtype),
             int(compressed), *settings_hash(codec, piece_bytes, mode), int(debug())]
 
 
-def check(kind: str, x: torch.Tensor, link, codec: CodecConfig | None, compressed: bool, site: str,
-          piece_bytes: int = 0, mode: str | None = None) -> None:
-    """Raise `CollectiveMismatch` on every rank of ``link``'s group if their calls differ (a collective).
+def check(kind: str, shape, dtype: torch.dtype, device, link, codec: CodecConfig | None, compressed: bool,
+          site: str, piece_bytes: int = 0, mode: str | None = None) -> None:
+    """Raise `CollectiveMismatch` on every rank of ``link``'s group if their calls differ (a
+    collective); ``shape``, ``dtype``, ``device``: this rank's input.
 
     ``mode``: the site's mode (``Site.mode``), compared with the settings where the call itself
     does not show it (a point-to-point link checked before its first message)."""
     world, group = link.world, link.group
-    if world == 1 or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+    device = torch.device(device)
+    if world == 1 or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return
-    mine = torch.tensor(fingerprint(kind, x, codec, compressed, piece_bytes, mode), dtype=torch.int64, device=x.device)
-    every = torch.empty(world * mine.numel(), dtype=torch.int64, device=x.device)
+    mine = torch.tensor(fingerprint(kind, shape, dtype, codec, compressed, piece_bytes, mode), dtype=torch.int64,
+                        device=device)
+    every = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
     with named_timeouts(site, f"the agreement check of {kind}", group):
         link.all_gather(every, mine).wait()
     rows = every.view(world, -1).tolist()
@@ -105,11 +107,13 @@ def check(kind: str, x: torch.Tensor, link, codec: CodecConfig | None, compresse
     if not differ:
         return
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    named = [_name(row[:NAME_WORDS]) for row in rows]
+    rows = [row[NAME_WORDS:] for row in rows]
     shown = {
-        "collective": [KINDS[row[0]] for row in rows], "elements": [row[1] for row in rows],
-        "rows": [row[2] for row in rows], "dims": [row[3] for row in rows],
-        "dtype": [str(_DTYPES[row[4]]) if row[4] < len(_DTYPES) else "other" for row in rows],
-        "compressed": [bool(row[5]) for row in rows], DEBUG_ENV: [row[8] for row in rows],
+        "collective": named, "elements": [row[0] for row in rows], "rows": [row[1] for row in rows],
+        "dims": [row[2] for row in rows],
+        "dtype": [str(_DTYPES[row[3]]) if row[3] < len(_DTYPES) else "other" for row in rows],
+        "compressed": [bool(row[4]) for row in rows], DEBUG_ENV: [row[7] for row in rows],
     }
     if "codec settings" in differ:  # every rank is here: one more exchange names the fields
         mine_settings = None if codec is None else {**codec.to_dict(), "piece_bytes": piece_bytes}
@@ -199,6 +203,16 @@ def timeout_error(error: RuntimeError, site: str, what: str, group) -> Exception
         f"died, or runs another collective (its own error names it). Raise the timeout with TACO_TIMEOUT_S "
         f"or --timeout if a step is legitimately that slow. ({text.splitlines()[0][:300]})"
     )
+
+
+def _name_words(kind: str) -> list[int]:
+    """A kind's name as `NAME_WORDS` int64 words (its ASCII bytes, zero-padded)."""
+    raw = kind.encode("ascii")[: 8 * NAME_WORDS].ljust(8 * NAME_WORDS, b"\0")
+    return [int.from_bytes(raw[8 * i: 8 * i + 8], "little", signed=True) for i in range(NAME_WORDS)]
+
+
+def _name(words: list[int]) -> str:
+    return b"".join(w.to_bytes(8, "little", signed=True) for w in words).rstrip(b"\0").decode("ascii", "replace")
 
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8,

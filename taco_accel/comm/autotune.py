@@ -49,8 +49,9 @@ import torch
 
 from ..codec import CodecConfig
 from . import agreement, dist_ops, p2p
+from .call import Call
 from .copies import SharesGroup
-from .collectives import Pending
+from .kinds import kind_of
 from .pieces import PIECE_BYTES
 from .policy import UNTIMED_BYTES
 
@@ -91,12 +92,13 @@ def time_collective(
         codec = codec.replace(nonfinite="propagate")
     pieces = piece_bytes
     if record is not None and agreement.due(record):
-        agreement.check(kind, x, link, config.codec, True, site or kind, pieces)
+        agreement.check(kind, x.shape, x.dtype, x.device, link, config.codec, True, site or kind, pieces)
     if kind == p2p.KIND:  # the two ranks of a point-to-point link swap the message
         calls = p2p.timed_exchanges(x, link, codec)
     else:
-        calls = tuple(lambda on=on: Pending(kind, x, link, codec if on else None, on, pieces, None, site or kind)
-                      .result() for on in (False, True))
+        described = kind_of(kind)
+        calls = tuple(lambda on=on: Call(described, x, link, codec if on else None, on, pieces, None, site or kind)
+                      .start(x).wait() for on in (False, True))
     for call in calls:  # warm-up: Triton compilation, first allocations, connection set-up
         call()
     times: tuple[list[float], list[float]] = ([], [])
@@ -180,7 +182,7 @@ class AutoDecider(SharesGroup):
         x = message()
         key = (kind, tuple(x.shape), x.dtype, x.device.type, site.config, site.piece_bytes, site.group)
         if key not in self._timings:  # a link's own timings
-            timing = self.timer(kind, x, site.group, site.config, self.reps, self.margin, record=site.entry,
+            timing = self.timer(kind, x, site.group, site.config, self.reps, self.margin, record=site.record,
                                 site=site.name, piece_bytes=site.piece_bytes)
             self._timings[key] = (timing, site.name)
             self._log(logging.INFO, "auto compression: %s %s", site.name, timing_text(timing))

@@ -40,8 +40,8 @@ from ..codec.api import decode_into, encode_into, sum_packed_into
 from .pieces import piece_bounds, piece_length
 
 
-class Tally:
-    """What the pieces of one call share and report: the message tag of every chunk they encode
+class Message:
+    """One compressed message, as its pieces share and report it: the tag of every chunk they encode
     (``tag``: `codec.layout.length_tag` of the whole message's length, checked on every chunk
     they decode or sum), the set of wire checks already made on a GPU (``seen``: the site's), and
     back the bytes sent and (if asked) non-finite flags."""
@@ -153,14 +153,14 @@ def release(buffers: Workspace) -> None:
     buffers.busy = False
 
 
-def all_reduce_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
+def all_reduce_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, message: Message,
                      buffers: Workspace, slot: int) -> Iterator:
     """out <- compressed two-shot sum over the ranks of src (same numel, both contiguous)."""
     world, device = link.world, src.device
     layout = WireLayout.for_tensor(src.numel(), codec, world)
     total, cb = layout.total_bytes, layout.chunk_bytes
     send = buffers.buffer("send", slot, total, device)  # [P * cb]: chunk p for rank p
-    encode_into(src, send, layout, codec, tag=tally.tag, headers=buffers.headers("send", slot, layout, send))
+    encode_into(src, send, layout, codec, tag=message.tag, headers=buffers.headers("send", slot, layout, send))
     recv = buffers.buffer("recv", slot, total, device)  # [P * cb]: chunk `rank` of every peer
     work = link.all_to_all(recv, send)
     yield
@@ -168,18 +168,18 @@ def all_reduce_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecCo
     mine = buffers.buffer("sum", slot, cb, device)  # [cb]
     chunk = layout.chunk_layout()
     sum_packed_into(buffers.buffer("recv", slot, total, device, (world, cb)), chunk, codec, mine,
-                    tag=tally.tag, seen=tally.seen, headers=buffers.headers("sum", slot, chunk, mine))
+                    tag=message.tag, seen=message.seen, headers=buffers.headers("sum", slot, chunk, mine))
     full = recv  # [P * cb]: every reduced chunk, rank order (the received chunks are summed by now)
     work = link.all_gather(full, mine)
     yield
     work.wait()
-    tally.sent += 2 * (world - 1) * layout.chunk_bytes
-    tally.note(layout, full)
+    message.sent += 2 * (world - 1) * layout.chunk_bytes
+    message.note(layout, full)
     if out is not None:
-        decode_into(full, layout, codec, out, tag=tally.tag, seen=tally.seen)
+        decode_into(full, layout, codec, out, tag=message.tag, seen=message.seen)
 
 
-def reduce_scatter_piece(blocks: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
+def reduce_scatter_piece(blocks: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, message: Message,
                          buffers: Workspace, slot: int, residual: torch.Tensor | None = None) -> Iterator:
     """out [c] <- this rank's row of the compressed sum over ranks of blocks [P, c] (or any
     contiguous tensor of P*c values, row r of which is rank r's). ``residual`` [P, c] (fp32, may
@@ -195,35 +195,35 @@ def reduce_scatter_piece(blocks: torch.Tensor, out: torch.Tensor | None, codec: 
     layout = WireLayout.for_tensor(world * width, codec, world)  # chunk r = block r
     total, cb = layout.total_bytes, layout.chunk_bytes
     send = buffers.buffer("send", slot, total, device)
-    encode_into(blocks, send, layout, codec, tag=tally.tag, headers=buffers.headers("send", slot, layout, send))
+    encode_into(blocks, send, layout, codec, tag=message.tag, headers=buffers.headers("send", slot, layout, send))
     recv = buffers.buffer("recv", slot, total, device)  # [P * cb]
     work = link.all_to_all(recv, send)
     if residual is not None:  # while the chunks travel: what they do not carry of blocks
         sent = buffers.typed("decoded", slot, (world, width), torch.float32, device)
-        decode_into(send, layout, codec, sent, tag=tally.tag, seen=tally.seen)
+        decode_into(send, layout, codec, sent, tag=message.tag, seen=message.seen)
         residual.copy_(blocks.reshape(world, width)[:, :cols]).sub_(sent[:, :cols])
     yield
     work.wait()
-    tally.sent += (world - 1) * layout.chunk_bytes
+    message.sent += (world - 1) * layout.chunk_bytes
     if residual is not None:  # exactly the sum of what was sent: every chunk decoded, summed in fp32
         got = buffers.typed("decoded", slot, (world, width), torch.float32, device)  # [P, width], row p: peer p's
-        decode_into(recv, layout, codec, got, tag=tally.tag, seen=tally.seen)
-        tally.note(layout, recv)
+        decode_into(recv, layout, codec, got, tag=message.tag, seen=message.seen)
+        message.note(layout, recv)
         if out is not None:
             out.copy_(got.sum(0)[:cols].view(out.shape))
         return
     mine = buffers.buffer("sum", slot, cb, device)  # [cb]
     chunk = layout.chunk_layout()
     sum_packed_into(buffers.buffer("recv", slot, total, device, (world, cb)), chunk, codec, mine,
-                    tag=tally.tag, seen=tally.seen, headers=buffers.headers("sum", slot, chunk, mine))
+                    tag=message.tag, seen=message.seen, headers=buffers.headers("sum", slot, chunk, mine))
     own = WireLayout.for_tensor(cols, codec)
     assert own.total_bytes == mine.numel(), (own, mine.numel())
-    tally.note(own, mine)
+    message.note(own, mine)
     if out is not None:
-        decode_into(mine, own, codec, out, tag=tally.tag, seen=tally.seen)
+        decode_into(mine, own, codec, out, tag=message.tag, seen=message.seen)
 
 
-def all_gather_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
+def all_gather_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, message: Message,
                      buffers: Workspace, slot: int, residual: torch.Tensor | None = None) -> Iterator:
     """out [P, c] (may be a strided view, or any contiguous tensor of P*c values) <- every
     rank's src (c values, contiguous) decoded, in rank order. ``residual`` [c] (fp32): src
@@ -231,32 +231,32 @@ def all_gather_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecCo
     world, device, cols = link.world, src.device, src.numel()
     layout = WireLayout.for_tensor(cols, codec)  # one chunk of gpc = ceil(c/G) groups
     send = buffers.buffer("send", slot, layout.total_bytes, device)
-    encode_into(src, send, layout, codec, tag=tally.tag, headers=buffers.headers("send", slot, layout, send))
+    encode_into(src, send, layout, codec, tag=message.tag, headers=buffers.headers("send", slot, layout, send))
     full = buffers.buffer("recv", slot, world * layout.total_bytes, device)  # [P * cb]
     work = link.all_gather(full, send)
     if residual is not None:  # while the buffer travels: what it does not carry of src
         sent = buffers.typed("decoded", slot, (cols,), torch.float32, device)
-        decode_into(send, layout, codec, sent, tag=tally.tag, seen=tally.seen)
+        decode_into(send, layout, codec, sent, tag=message.tag, seen=message.seen)
         residual.copy_(src.view(-1)).sub_(sent)
     yield
     work.wait()
     width = layout.padded_numel  # gpc * G
     whole = WireLayout.for_tensor(world * width, codec, chunks=world)  # chunk p = rank p's buffer
     assert whole.total_bytes == full.numel(), (whole, full.numel())
-    tally.sent += (world - 1) * layout.total_bytes
-    tally.note(whole, full)
+    message.sent += (world - 1) * layout.total_bytes
+    message.note(whole, full)
     if out is None:
         return
     if width == cols and out.is_contiguous():
-        decode_into(full, whole, codec, out, tag=tally.tag, seen=tally.seen)
+        decode_into(full, whole, codec, out, tag=message.tag, seen=message.seen)
     else:
         decoded = buffers.typed("stage", slot, (world, width), out.dtype, device)
-        decode_into(full, whole, codec, decoded, tag=tally.tag, seen=tally.seen)
+        decode_into(full, whole, codec, decoded, tag=message.tag, seen=message.seen)
         rows = out.view(world, cols) if out.is_contiguous() else out  # [P, c]
         rows.copy_(decoded[:, :cols])
 
 
-def all_gather_by_rank_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
+def all_gather_by_rank_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, message: Message,
                              buffers: Workspace) -> Iterator[int]:
     """out [P, c] (contiguous, or any contiguous tensor of P*c values) <- every rank's src (c
     values, contiguous) decoded, one rank's part at a time: yields each rank as its part lands
@@ -267,7 +267,7 @@ def all_gather_by_rank_piece(src: torch.Tensor, out: torch.Tensor | None, codec:
     layout = WireLayout.for_tensor(cols, codec)  # one chunk of whole groups per rank
     cb = layout.total_bytes
     wires = buffers.buffer("recv", 0, world * cb, device, (world, cb))  # row r: rank r's wire
-    encode_into(src, wires[rank], layout, codec, tag=tally.tag,
+    encode_into(src, wires[rank], layout, codec, tag=message.tag,
                 headers=buffers.headers("recv", 0, layout, wires[rank], rank))
     works = [link.broadcast(wires[r], r) for r in range(world)]
     parts = None if out is None else out.view(world, cols)
@@ -275,14 +275,14 @@ def all_gather_by_rank_piece(src: torch.Tensor, out: torch.Tensor | None, codec:
         if r != rank:  # this rank's own broadcast is waited for last: its part is here already
             works[r].wait()
         if parts is not None:  # this rank's part too: every rank decodes the same bytes
-            decode_into(wires[r], layout, codec, parts[r], tag=tally.tag, seen=tally.seen)
+            decode_into(wires[r], layout, codec, parts[r], tag=message.tag, seen=message.seen)
         yield r
     works[rank].wait()
-    tally.sent += (world - 1) * cb
-    tally.note(WireLayout.for_tensor(world * layout.padded_numel, codec, chunks=world), wires.view(-1))
+    message.sent += (world - 1) * cb
+    message.note(WireLayout.for_tensor(world * layout.padded_numel, codec, chunks=world), wires.view(-1))
 
 
-def reduce_scatter_by_rank_piece(parts: list, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
+def reduce_scatter_by_rank_piece(parts: list, out: torch.Tensor | None, codec: CodecConfig, link, message: Message,
                                  buffers: Workspace) -> Iterator[int]:
     """out [c] <- the compressed sum over ranks of their parts for this rank, one destination at
     a time: step r encodes ``parts[r]`` (c values, contiguous; the caller puts it there before
@@ -297,26 +297,26 @@ def reduce_scatter_by_rank_piece(parts: list, out: torch.Tensor | None, codec: C
     received = buffers.rows("recv", 0, world, cb, device)  # row p: rank p's part for this rank
     works = []
     for r in range(world):
-        encode_into(parts[r], send[r], layout, codec, tag=tally.tag, headers=buffers.headers("send", 0, layout, send[r], r))
+        encode_into(parts[r], send[r], layout, codec, tag=message.tag, headers=buffers.headers("send", 0, layout, send[r], r))
         parts[r] = None  # encoded: the caller's tensor is free
         works.append(link.gather(received if r == rank else None, send[r], r))
         yield r
     for work in works:
         work.wait()
-    tally.sent += (world - 1) * cb
+    message.sent += (world - 1) * cb
     mine = buffers.buffer("sum", 0, cb, device)
     chunk = layout.chunk_layout()
     sum_packed_into(buffers.buffer("recv", 0, world * cb, device, (world, cb)), chunk, codec, mine,
-                    tag=tally.tag, seen=tally.seen, headers=buffers.headers("sum", 0, chunk, mine))
-    tally.note(layout, mine)
+                    tag=message.tag, seen=message.seen, headers=buffers.headers("sum", 0, chunk, mine))
+    message.note(layout, mine)
     if out is not None:
-        decode_into(mine, layout, codec, out, tag=tally.tag, seen=tally.seen)
+        decode_into(mine, layout, codec, out, tag=message.tag, seen=message.seen)
 
 
 # --- one call as pieces: views of the input and output, cut at group boundaries --------------
 
 
-def all_reduce_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
+def all_reduce_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, message: Message,
                       buffers: Workspace, piece_bytes: int, residual: None = None):
     """The pieces of a compressed all_reduce of x into out (same shape, both contiguous); no
     error feedback (its second encoding, of the sum, belongs to no rank's input)."""
@@ -324,14 +324,14 @@ def all_reduce_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecCon
     step = piece_length(piece_bytes, x.element_size(), link.world * codec.group_size)
     bounds = piece_bounds(x.numel(), step)
     if len(bounds) == 1:  # one piece: the tensors as they are (each view costs host time)
-        yield all_reduce_piece(x, out, codec, link, tally, buffers, 0)
+        yield all_reduce_piece(x, out, codec, link, message, buffers, 0)
         return
     src, dst = x.view(-1), None if out is None else out.view(-1)  # [n]
     for slot, (a, b) in enumerate(bounds):
-        yield all_reduce_piece(src[a:b], None if dst is None else dst[a:b], codec, link, tally, buffers, slot)
+        yield all_reduce_piece(src[a:b], None if dst is None else dst[a:b], codec, link, message, buffers, slot)
 
 
-def reduce_scatter_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
+def reduce_scatter_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, message: Message,
                           buffers: Workspace, piece_bytes: int, residual: torch.Tensor | None = None):
     """The pieces of a compressed reduce_scatter of x [P*m, ...] into out [m, ...] (contiguous);
     ``residual``: fp32, contiguous, x's number of values."""
@@ -340,16 +340,16 @@ def reduce_scatter_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: Code
     bounds = piece_bounds(x.numel() // world, step)
     lost = None if residual is None else residual.view(world, -1)  # [P, k]
     if len(bounds) == 1:
-        yield reduce_scatter_piece(x, out, codec, link, tally, buffers, 0, lost)
+        yield reduce_scatter_piece(x, out, codec, link, message, buffers, 0, lost)
         return
     blocks = x.view(world, -1)  # [P, k] (row r: the rows of rank r)
     dst = None if out is None else out.view(-1)  # [k]
     for slot, (a, b) in enumerate(bounds):
-        yield reduce_scatter_piece(blocks[:, a:b], None if dst is None else dst[a:b], codec, link, tally, buffers,
+        yield reduce_scatter_piece(blocks[:, a:b], None if dst is None else dst[a:b], codec, link, message, buffers,
                                    slot, None if lost is None else lost[:, a:b])
 
 
-def all_gather_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
+def all_gather_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, message: Message,
                       buffers: Workspace, piece_bytes: int, residual: torch.Tensor | None = None):
     """The pieces of a compressed all_gather of x [m, ...] into out [P*m, ...] (contiguous);
     ``residual``: fp32, contiguous, x's number of values."""
@@ -357,25 +357,25 @@ def all_gather_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecCon
     bounds = piece_bounds(x.numel(), step)
     lost = None if residual is None else residual.view(-1)  # [k]
     if len(bounds) == 1:
-        yield all_gather_piece(x, out, codec, link, tally, buffers, 0, lost)
+        yield all_gather_piece(x, out, codec, link, message, buffers, 0, lost)
         return
     src = x.view(-1)  # [k]
     blocks = None if out is None else out.view(link.world, -1)  # [P, k] (row p: rank p's x)
     for slot, (a, b) in enumerate(bounds):
-        yield all_gather_piece(src[a:b], None if blocks is None else blocks[:, a:b], codec, link, tally, buffers,
+        yield all_gather_piece(src[a:b], None if blocks is None else blocks[:, a:b], codec, link, message, buffers,
                                slot, None if lost is None else lost[a:b])
 
 
-def all_gather_by_rank_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
+def all_gather_by_rank_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, message: Message,
                               buffers: Workspace, piece_bytes: int = 0, residual: None = None):
     """all_gather cut per rank: one piece (a rank's part is the unit that overlaps compute)."""
     assert residual is None, "the per-rank kinds take no residual"
-    yield all_gather_by_rank_piece(x, out, codec, link, tally, buffers)
+    yield all_gather_by_rank_piece(x, out, codec, link, message, buffers)
 
 
-def reduce_scatter_by_rank_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, tally: Tally,
+def reduce_scatter_by_rank_pieces(parts: list, out: torch.Tensor | None, codec: CodecConfig, link, message: Message,
                                   buffers: Workspace, piece_bytes: int = 0, residual: None = None):
-    """reduce_scatter cut per destination rank, every part at hand (x [P*m, ...]: row block r is
-    the part for rank r): one piece."""
+    """reduce_scatter cut per destination rank: one piece, ``parts[r]`` (the part for rank r) put
+    there by the caller before step r."""
     assert residual is None, "the per-rank kinds take no residual"
-    yield reduce_scatter_by_rank_piece(list(x.view(link.world, -1).unbind(0)), out, codec, link, tally, buffers)
+    yield reduce_scatter_by_rank_piece(parts, out, codec, link, message, buffers)

@@ -7,18 +7,20 @@ returns what the collectives of `collectives` return on a real group of P ranks:
     reduce_scatter(partials, config, site=)  -> [rank r's rows of the sum, for r in 0..P-1]
     all_gather(shards, config, site=)        -> the dim-0 concatenation (the same on every rank)
 
-It takes the same decisions (a site's: its `policy.Compression` floor and piece size; the
-``config=`` calls, the codec-level escape hatch: compressed whenever a config is given, pieces
-of ``piece_bytes``) and runs the compressed path through the very piece generators of
-`compressed`, one per virtual rank, advanced in lockstep: each virtual rank's ``link`` is an
-`EmulatedRank` whose all-to-all and all-gather are fulfilled, once every rank has issued
+Each call is a `call.Call` (`EmulatedCall`): the same decision (a site's: its
+`policy.Compression` floor and piece size; the ``config=`` calls, the codec-level escape hatch:
+compressed whenever a config is given, pieces of ``piece_bytes``), statistics, error sampling
+and non-finite rule as a real group's, with the transfer done here. The compressed path runs the
+very piece generators of `compressed`, one per virtual rank, advanced in lockstep: each virtual
+rank's ``link`` is an `EmulatedRank` whose collectives are fulfilled, once every rank has issued
 them, by copying between the ranks' buffers. Given bit-identical inputs, the outputs are
 therefore bit-identical to a real group's (tests/test_comm.py checks every collective, dtype
 and odd size for P = 2, 3, 4), so a model emulated on one device or a laptop trains with the
 numerics of real compressed TP. Results every rank holds alike (all_reduce, all_gather) are
 decoded once, by rank 0. A message of one piece without error feedback (every TP message up to
-``piece_bytes``) takes the shorter road of `stacked`: the ranks' tensors stacked, each codec
-step once for all of them, the same bytes (tests/test_emulate.py checks both roads agree).
+``piece_bytes``, and every message of the per-rank kinds) takes the shorter road of `stacked`:
+the ranks' tensors stacked, each codec step once for all of them, the same bytes
+(tests/test_emulate.py checks both roads agree).
 
 Statistics go to the site's `stats.SiteRecord` with the figures one rank of a real group would
 record: bytes that rank sends, and the ring bytes of the plain collective. The plain path sums
@@ -36,14 +38,16 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..codec import CodecConfig
-from ..codec.api import SUPPORTED_DTYPES, check_config
+from ..codec.api import check_config
 from ..codec.layout import length_tag
-from . import ops
-from .collectives import check_residual, nonfinite_error, propagating_codec, relative_error
-from .compressed import Tally, Workspace
-from .kinds import KINDS, kind_of
+from . import ops, stacked
+from .call import Call, finite, nonfinite_error, propagating_codec, zeroes_nonfinite
+from .collectives import check_residual
+from .compressed import Message, Workspace
+from .dist_ops import DONE
+from .kinds import Kind, kind_of
 from .pieces import PIECE_BYTES, Pipeline
-from .stats import DEFAULT, SiteRecord
+from .stats import DEFAULT
 
 Reducer = Callable[[Sequence[torch.Tensor], CodecConfig], tuple[torch.Tensor, int]]
 """``(partials, codec) -> (sum, bytes one rank sends)``: a compressed all-reduce of P
@@ -120,24 +124,31 @@ class EmulatedRank:
 def run_compressed(kind: str, xs: list[torch.Tensor], outs: list[torch.Tensor | None], codec: CodecConfig,
                    piece_bytes: int, workspaces: list[Workspace],
                    residuals: Sequence[torch.Tensor] | None = None) -> int:
-    """Every virtual rank's pieces of ``kind`` (`compressed`), advanced in lockstep; rank r reads
-    ``xs[r]`` and decodes into ``outs[r]`` (None: not decoded), and fills ``residuals[r]`` (error
-    feedback, reduce_scatter and all_gather). Returns the bytes one rank sends."""
-    world = len(xs)
+    """Every virtual rank's pieces of the kind named ``kind`` (`compressed`), advanced in lockstep;
+    rank r reads ``xs[r]`` and decodes into ``outs[r]`` (None: not decoded), and fills
+    ``residuals[r]`` (error feedback, reduce_scatter and all_gather). Returns the bytes one rank
+    sends."""
+    world, pieces = len(xs), kind_of(kind).pieces
     exchange = _Exchange(world)
-    tallies = [Tally(tag=length_tag(xs[0].numel())) for _ in range(world)]
+    messages = [Message(tag=length_tag(xs[0].numel())) for _ in range(world)]
     lost = residuals if residuals is not None else [None] * world
     pipelines = [
-        Pipeline.of(list(KINDS[kind].pieces(x, out, codec, EmulatedRank(exchange, r), tally, workspace, piece_bytes,
-                                      residual)))
-        for r, (x, out, tally, workspace, residual) in enumerate(zip(xs, outs, tallies, workspaces, lost))
+        Pipeline.of(list(pieces(x, out, codec, EmulatedRank(exchange, r), message, workspace, piece_bytes, residual)))
+        for r, (x, out, message, workspace, residual) in enumerate(zip(xs, outs, messages, workspaces, lost))
     ]
     live = True
     while live:
         live = False
         for pipeline in pipelines:
             live = pipeline.tick() or live
-    return tallies[0].sent
+    return messages[0].sent
+
+
+def _one_piece(kind: Kind, x: torch.Tensor, codec: CodecConfig, piece_bytes: int, world: int) -> bool:
+    """Whether ``kind`` sends ``x`` in one piece: its piece generator, asked for the pieces of a
+    rank without starting them, says so."""
+    rank = EmulatedRank(_Exchange(world), 0)
+    return len(list(kind.pieces(x, None, codec, rank, None, None, piece_bytes))) == 1
 
 
 def two_shot_all_reduce(partials: Sequence[torch.Tensor], config: CodecConfig,
@@ -149,6 +160,17 @@ def two_shot_all_reduce(partials: Sequence[torch.Tensor], config: CodecConfig,
     sent = run_compressed("all_reduce", xs, [out] + [None] * (len(xs) - 1), config.codec, piece_bytes,
                           [Workspace() for _ in xs])
     return out, sent
+
+
+def plain_result(kind: Kind, xs: list[torch.Tensor]) -> torch.Tensor:
+    """The plain collective of every rank's tensor, in their dtype: the sum in rank order
+    (reduce_scatter: every rank's rows of it, stacked), or the concatenation."""
+    if not kind.reduces:
+        return torch.cat(xs)
+    out = xs[0].clone()
+    for x in xs[1:]:
+        out += x
+    return out
 
 
 class EmulatedGroup:
@@ -165,6 +187,11 @@ class EmulatedGroup:
         self.reducer = reducer or two_shot_all_reduce
         self._workspaces: dict[torch.device, list[Workspace]] = {}  # one per virtual rank: all are in flight
         self.handle = ops.register(self)  # how the compiled graph's op `taco::emulated` finds this group
+
+    @property
+    def world(self) -> int:
+        """The number of virtual ranks (a `call.Call`'s link size)."""
+        return self.size
 
     def __repr__(self) -> str:
         name = getattr(self.reducer, "__name__", repr(self.reducer))
@@ -201,86 +228,70 @@ class EmulatedGroup:
         feedback of `collectives` (reduce_scatter, all_gather).
 
         Under torch.compile (stacked ``xs``, no residuals) the call is the custom op
-        ``taco::emulated``: opaque to the tracer, so its Python (decision, statistics, codec
-        layouts) costs no graph break and runs at run time, as `ops` does for real groups."""
+        ``taco::emulated`` (`ops`): opaque to the tracer, so its Python (decision, statistics,
+        codec layouts) costs no graph break and runs at run time, as for real groups."""
         if isinstance(xs, torch.Tensor) and residuals is None and torch.compiler.is_compiling():
             return torch.ops.taco.emulated(xs, self.handle, site.handle, kind)
+        described = kind_of(kind)
         together = xs.detach().contiguous() if isinstance(xs, torch.Tensor) else None
-        xs = self._check(kind, together if together is not None else xs)
+        xs = self._check(described, together if together is not None else xs)
         for x in xs:
             site.observe(x)
         if residuals is not None:
             if len(residuals) != self.size:
                 raise ValueError(f"{kind}: {len(residuals)} residuals for an EmulatedGroup of {self.size} ranks")
-            residuals = [check_residual(kind, x, r) for x, r in zip(xs, residuals)]
-        compress = site.compresses(kind, xs[0])
-        return self._run(kind, xs, site.codec, compress, site.piece_bytes, site.entry, site.name, residuals, together)
-
-    # -- shared steps -----------------------------------------------------------------------
+            residuals = [check_residual(described, x, r) for x, r in zip(xs, residuals)]
+        return self._call(described, xs, site.codec, site.compresses(kind, xs[0]), site.piece_bytes, site.record,
+                          site.name, residuals, together)
 
     def _public(self, kind: str, xs, config, site: str | None, piece_bytes: int) -> torch.Tensor:
-        xs = self._check(kind, xs)
+        described = kind_of(kind)
+        xs = self._check(described, xs)
         if config is not None:
             config = check_config(config, kind)
-        compress = config is not None and xs[0].numel() > 0
         name = site or kind
-        return self._run(kind, xs, config, compress, piece_bytes,
-                         DEFAULT.record(name), name)
+        return self._call(described, xs, config, True, piece_bytes, DEFAULT.record(name), name)
 
-    def _check(self, kind: str, xs: Sequence[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
+    def _check(self, kind: Kind, xs: Sequence[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
         if isinstance(xs, torch.Tensor):
             xs = xs.unbind(0) if xs.dim() > 0 else ()  # stacked: rank p's tensor at [p]
         if len(xs) != self.size or not all(isinstance(x, torch.Tensor) for x in xs):
             raise ValueError(
-                f"{kind} on an EmulatedGroup of {self.size} ranks needs {self.size} tensors, got {len(xs)}"
+                f"{kind.name} on an EmulatedGroup of {self.size} ranks needs {self.size} tensors, got {len(xs)}"
             )
         first = xs[0]
         if any(x.shape != first.shape or x.dtype != first.dtype or x.device != first.device for x in xs):
-            raise ValueError(f"{kind}: every rank's tensor must have one shape, dtype and device")
-        kind_of(kind).check(first, self.size)
+            raise ValueError(f"{kind.name}: every rank's tensor must have one shape, dtype and device")
+        kind.check(first, self.size)
         return [x.detach().contiguous() for x in xs]
 
-    def _run(self, kind: str, xs: list[torch.Tensor], codec: CodecConfig | None, compress: bool, piece_bytes: int,
-             record: SiteRecord, site: str, residuals: list[torch.Tensor] | None = None,
-             together: torch.Tensor | None = None) -> torch.Tensor:
-        """The collective ``kind``, plain or compressed, as a tensor (reduce_scatter: all ranks'
-        rows stacked in rank order); records the call like one rank would. ``together``: the
-        ranks' tensors ``xs`` stacked, if the caller has them so."""
-        nbytes = xs[0].numel() * xs[0].element_size()
-        plain = KINDS[kind].plain_bytes(nbytes, self.size)
-        if not (compress and codec is not None and self.size > 1 and nbytes > 0 and xs[0].dtype in SUPPORTED_DTYPES):
-            if codec is not None and codec.nonfinite == "zero" and xs[0].is_floating_point():
-                xs = [torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0) for x in xs]
-            out = KINDS[kind].emulated_plain(xs)
-            for residual in residuals or ():
-                residual.zero_()  # the plain collective carries every value
-            record.add(plain, plain, False)
-        else:
-            out, sent = self._compressed(kind, xs, propagating_codec(codec), piece_bytes, residuals, together)
-            record.add(sent, plain, True)
-            if record.sample_due():
-                record.errors.append(relative_error(out, KINDS[kind].emulated_plain([x.double() for x in xs])))
-        if codec is not None and codec.nonfinite == "raise" and not bool(torch.isfinite(out).all()):
-            raise nonfinite_error(site)
-        return out
+    def _call(self, kind: Kind, xs: list[torch.Tensor], codec: CodecConfig | None, compress: bool,
+              piece_bytes: int, record, site: str, residuals: list[torch.Tensor] | None = None,
+              together: torch.Tensor | None = None) -> torch.Tensor:
+        """The collective ``kind`` as a tensor (reduce_scatter: all ranks' rows stacked in rank
+        order), recorded like one rank would. ``together``: the ranks' tensors ``xs`` stacked, if
+        the caller has them so."""
+        x = xs[0]
+        call = EmulatedCall(kind, x, self, codec, compress, piece_bytes, record, site)
+        return call.run(xs, residuals, together).wait()
 
-    def _compressed(self, kind: str, xs: list[torch.Tensor], codec: CodecConfig, piece_bytes: int,
-                    residuals: list[torch.Tensor] | None = None,
-                    together: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
-        world, x, described = self.size, xs[0], KINDS[kind]
-        if kind == "all_reduce" and self.reducer is not two_shot_all_reduce:
+    def compressed(self, kind: Kind, xs: list[torch.Tensor], codec: CodecConfig, piece_bytes: int,
+                   residuals: list[torch.Tensor] | None = None,
+                   together: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+        """The compressed ``kind`` of every rank's tensor: (the result, bytes one rank sends)."""
+        world, x = self.size, xs[0]
+        if kind.name == "all_reduce" and self.reducer is not two_shot_all_reduce:
             return self.reducer(xs, codec)
-        if described.stacked is not None and residuals is None and described.one_piece(x, codec, piece_bytes, world):
-            together = torch.stack(xs) if together is None else together  # the codec once for all ranks
-            return described.stacked(together, codec, length_tag(x.numel()), self._workspaces_on(x.device)[0])
-        if not described.same_bytes:
+        if kind.replicated:
+            out = x.new_empty(kind.output_shape(x.shape, world))
+            outs = [out] + [None] * (world - 1)  # the same bytes on every rank: rank 0 decodes them
+        else:
             out = torch.empty_like(x)
             outs = list(out.view(world, -1).unbind(0))  # rank r decodes its rows
-        else:
-            out = x.new_empty(described.output_shape(x.shape, world))
-            outs = [out] + [None] * (world - 1)  # the same bytes on every rank: rank 0 decodes them
-        sent = run_compressed(kind, xs, outs, codec, piece_bytes, self._workspaces_on(x.device), residuals)
-        return out, sent
+        if residuals is None and _one_piece(kind, x, codec, piece_bytes, world):  # the codec once for all ranks
+            together = torch.stack(xs) if together is None else together
+            return stacked.run(kind, together, codec, length_tag(x.numel()), self._workspaces_on(x.device)[0])
+        return out, run_compressed(kind.name, xs, outs, codec, piece_bytes, self._workspaces_on(x.device), residuals)
 
     def _workspaces_on(self, device: torch.device) -> list[Workspace]:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -291,16 +302,37 @@ class EmulatedGroup:
         return found
 
 
-@torch.library.custom_op("taco::emulated", mutates_args=())
-def emulated(xs: torch.Tensor, group_handle: int, site_handle: int, kind: str) -> torch.Tensor:
-    """`EmulatedGroup.collective` of the stacked ``xs`` [P, ...] through a site, as one op of a
-    compiled graph (both found by their `ops` handles)."""
-    return ops.route(group_handle).collective(kind, xs, ops.route(site_handle))
+class EmulatedCall(Call):
+    """A `call.Call` of an `EmulatedGroup` (its ``link``): every virtual rank's tensor at once, its
+    result at once. The virtual ranks make one call, so there is no agreement to check; the exact
+    result of a sampled call and the non-finite flag come from every rank's tensor in hand."""
 
+    __slots__ = ()
 
-@emulated.register_fake
-def _(xs, group_handle, site_handle, kind):
-    described = KINDS[kind]
-    if described.same_bytes:  # this rank's result (all_gather: every rank's tensor, concatenated)
-        return xs.new_empty(described.output_shape(xs.shape[1:], xs.shape[0]))
-    return xs.new_empty(xs.shape[1:])  # every rank's rows of the sum, in rank order
+    def run(self, xs: list[torch.Tensor], residuals: list[torch.Tensor] | None,
+            together: torch.Tensor | None) -> "EmulatedCall":
+        """The transfer of every rank's ``xs`` (``together``: them stacked, if at hand)."""
+        kind, codec, group = self.kind, self.codec, self.link
+        if self._exact_in is not None:
+            self._exact_in.extend(xs)  # never decoded over: no copy needed
+        if not self.compressed:
+            if zeroes_nonfinite(codec, xs[0]):
+                xs = [finite(x) for x in xs]
+            self.out = plain_result(kind, xs)
+            for residual in residuals or ():
+                residual.zero_()  # the plain collective carries every value
+        else:
+            self.out, self.message.sent = group.compressed(kind, xs, propagating_codec(codec), self.piece_bytes,
+                                                           residuals, together)
+        self._transfer = DONE
+        return self
+
+    def _exact(self) -> torch.Tensor:
+        return plain_result(self.kind, [x.double() for x in self._exact_in])
+
+    def _raise_if_nonfinite(self, out: torch.Tensor) -> None:
+        if not bool(torch.isfinite(out).all()):  # every rank's result in hand: no flag to agree on
+            raise nonfinite_error(self.site)
+
+    def _check_agreement(self, shape, dtype: torch.dtype, device) -> None:
+        """Every virtual rank makes this one call: nothing to compare."""

@@ -1,17 +1,20 @@
 """The collectives as PyTorch custom ops, so that torch.compile keeps them in one graph.
 
-    torch.ops.taco.all_reduce(x, route)              # same shape as x
-    torch.ops.taco.all_gather(x, route, world)       # dim 0 times world
-    torch.ops.taco.reduce_scatter(x, route, world)   # dim 0 divided by world
+    torch.ops.taco.all_reduce(x, handle, world)                    # a `site.Site`'s collective, one op
+    torch.ops.taco.reduce_scatter(x, handle, world)                # per whole kind of `kinds.KINDS`
+    torch.ops.taco.all_gather(x, handle, world)                    # (`OPS`, made from the registry)
+    torch.ops.taco.emulated(xs, group_handle, site_handle, kind)   # an `emulated.EmulatedGroup`'s
 
-``route`` is the integer handle of a `site.Site` registered with `register` (it registers
-itself); the op's body calls ``route.run(kind, x) -> Tensor``. Everything the call needs (the
-group, the codec settings, the decision, the statistics) is the site's, in this layer: the op
-calls nothing above it. Inside a compiled graph the op is opaque: its Python body runs at run
-time, eagerly, so the codec settings, the auto decision, the per-site statistics and the error
-sampling all stay outside the traced region and cost no graph break; the fake implementations
-give the tracer the output shapes. Under CUDA graph capture the body runs once, at capture
-(statistics then count the capture only). The ops return new tensors and mutate nothing.
+A ``handle`` is the integer that `register` gives an object (a site, an emulated group) and
+`find` turns back into it: a compiled graph holds integers, not Python objects. The op's body
+calls the object's eager method at run time (``site.run(kind, x)``,
+``group.collective(kind, xs, site)``): everything the call needs (the group, the codec
+settings, the decision, the statistics) is the object's, in this layer. Inside a compiled graph
+the op is opaque, so the codec settings, the auto decision, the per-site statistics and the
+error sampling stay outside the traced region and cost no graph break; the fake
+implementations give the tracer the result's shape (`kinds.Kind.output_shape`). Under CUDA
+graph capture the body runs once, at capture (statistics then count the capture only). The ops
+return new tensors and mutate nothing.
 """
 
 from __future__ import annotations
@@ -21,53 +24,56 @@ import weakref
 
 import torch
 
-_routes: dict[int, weakref.ref] = {}
+from .kinds import KINDS, Kind, kind_of
+
+_registered: dict[int, weakref.ref] = {}
 _handles = itertools.count(1)
 
 
-def register(route) -> int:
-    """A handle for the site ``route`` (kept by weak reference: a dead site's handle raises)."""
+def register(obj) -> int:
+    """A new handle for ``obj`` (kept by weak reference: once ``obj`` is gone, `find` raises)."""
     handle = next(_handles)
-    _routes[handle] = weakref.ref(route, lambda _, h=handle: _routes.pop(h, None))
+    _registered[handle] = weakref.ref(obj, lambda _, h=handle: _registered.pop(h, None))
     return handle
 
 
-def route(handle: int):
-    found = _routes.get(handle)
+def find(handle: int):
+    """The object registered under ``handle``; a RuntimeError once it is gone."""
+    found = _registered.get(handle)
     obj = found() if found is not None else None
     if obj is None:
-        raise RuntimeError(f"taco collective route {handle} is gone (its model was deleted); rebuild the model")
+        raise RuntimeError(f"taco collective handle {handle} is gone (its model was deleted); rebuild the model")
     return obj
 
 
-@torch.library.custom_op("taco::all_reduce", mutates_args=())
-def all_reduce(x: torch.Tensor, route_handle: int) -> torch.Tensor:
-    """Sum over the route's group (`collectives.all_reduce`)."""
-    return route(route_handle).run("all_reduce", x)
+def _site_op(kind: Kind):
+    """The custom op ``taco::<kind>``: the collective of the site registered under ``handle``
+    (`site.Site.run`), its result shaped by `kinds.Kind.output_shape` for the tracer."""
+    name = kind.name
+
+    @torch.library.custom_op(f"taco::{name}", mutates_args=())
+    def op(x: torch.Tensor, handle: int, world: int) -> torch.Tensor:
+        return find(handle).run(name, x)
+
+    @op.register_fake
+    def _(x, handle, world):
+        return x.new_empty(kind.output_shape(x.shape, world))
+
+    return op
 
 
-@all_reduce.register_fake
-def _(x, route_handle):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+OPS = {kind.name: _site_op(kind) for kind in KINDS.values() if not kind.per_rank}  # a compiled graph calls these
 
 
-@torch.library.custom_op("taco::all_gather", mutates_args=())
-def all_gather(x: torch.Tensor, route_handle: int, world: int) -> torch.Tensor:
-    """Every rank's x concatenated along dim 0 (`collectives.all_gather`)."""
-    return route(route_handle).run("all_gather", x)
+@torch.library.custom_op("taco::emulated", mutates_args=())
+def emulated(xs: torch.Tensor, group_handle: int, site_handle: int, kind: str) -> torch.Tensor:
+    """`emulated.EmulatedGroup.collective` of the stacked ``xs`` [P, ...] through a site."""
+    return find(group_handle).collective(kind, xs, find(site_handle))
 
 
-@all_gather.register_fake
-def _(x, route_handle, world):
-    return x.new_empty((x.shape[0] * world, *x.shape[1:]))
-
-
-@torch.library.custom_op("taco::reduce_scatter", mutates_args=())
-def reduce_scatter(x: torch.Tensor, route_handle: int, world: int) -> torch.Tensor:
-    """This rank's rows of the sum (`collectives.reduce_scatter`)."""
-    return route(route_handle).run("reduce_scatter", x)
-
-
-@reduce_scatter.register_fake
-def _(x, route_handle, world):
-    return x.new_empty((x.shape[0] // world, *x.shape[1:]))
+@emulated.register_fake
+def _(xs, group_handle, site_handle, kind):
+    described = kind_of(kind)
+    if described.replicated:  # the one result every rank holds (all_gather: every rank's tensor, concatenated)
+        return xs.new_empty(described.output_shape(xs.shape[1:], xs.shape[0]))
+    return xs.new_empty(xs.shape[1:])  # every rank's rows of the sum, in rank order

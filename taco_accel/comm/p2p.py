@@ -46,7 +46,7 @@ import torch.distributed as dist
 from ..codec import CodecConfig, WireLayout
 from ..codec.api import decode_into, encode_into
 from . import agreement
-from .collectives import nonfinite_error, relative_error
+from .call import finite, nonfinite_error, relative_error
 
 KIND = "send"  # the kind of a point-to-point message, in timings and agreement checks
 
@@ -54,7 +54,7 @@ KIND = "send"  # the kind of a point-to-point message, in timings and agreement 
 def zeroing_codec(codec: CodecConfig) -> CodecConfig:
     """The settings a point-to-point message is encoded with: under ``"raise"`` the non-finite
     values travel as zeros (the flag is the sender's; a collective propagates them instead:
-    `collectives.propagating_codec`)."""
+    `call.propagating_codec`)."""
     return codec if codec.nonfinite != "raise" else codec.replace(nonfinite="zero")
 
 
@@ -120,26 +120,23 @@ class Channel:
 
     def outgoing(self, x: torch.Tensor, slot) -> torch.Tensor:
         """The tensor to send for ``x`` (kept alive here until the slot is used again): x itself,
-        its wire buffer, or (``"zero"`` / ``"raise"``, plain) a copy without non-finite values."""
-        site = self.site
-        codec = site.codec
+        its wire buffer, or (``"zero"`` / ``"raise"``, plain) a copy without non-finite values.
+        Recorded in the site's record: the bytes sent against the message's own size."""
+        record, codec = self.site.record, self.site.codec
         nbytes = x.numel() * x.element_size()
-        if codec is None or not x.is_floating_point():
-            site.entry.add(nbytes, nbytes, False)
-            return x
-        if codec.nonfinite == "raise":
-            self.flags.append(~torch.isfinite(x).all())
-        if not self.compresses(x.shape, x.dtype, x.device):
-            if codec.nonfinite != "propagate":
-                x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
-            site.entry.add(nbytes, nbytes, False)
-            return x
-        wire = self._wires[slot] = encode(x, zeroing_codec(codec), self._wires.get(slot))
-        record = site.entry
-        record.add(wire.numel(), nbytes, True)
-        if record.sample_due():
-            record.errors.append(relative_error(decode(wire, zeroing_codec(codec), torch.empty_like(x)), x.double()))
-        return wire
+        out, compressed = x, False
+        if codec is not None and x.is_floating_point():
+            if codec.nonfinite == "raise":
+                self.flags.append(~torch.isfinite(x).all())
+            compressed = self.compresses(x.shape, x.dtype, x.device)
+            if compressed:
+                out = self._wires[slot] = encode(x, zeroing_codec(codec), self._wires.get(slot))
+            elif codec.nonfinite != "propagate":
+                out = finite(x)
+        record.add(out.numel() if compressed else nbytes, nbytes, compressed)
+        if compressed and record.sample_due():
+            record.errors.append(relative_error(decode(out, zeroing_codec(codec), torch.empty_like(x)), x.double()))
+        return out
 
     def nonfinite(self) -> torch.Tensor | None:
         """A 0-d bool tensor: a message sent since the last call held NaN or Inf (None: nothing
@@ -184,8 +181,8 @@ class Channel:
         site's settings against the other end's: a `CollectiveMismatch` on both ends naming the
         site and what differs. A collective of the two ranks."""
         site = self.site
-        if agreement.due(site.entry):
-            agreement.check(KIND, torch.empty(0, device=device), site.link, site.codec, False, site.name,
+        if agreement.due(site.record):
+            agreement.check(KIND, torch.Size([0]), torch.float32, device, site.link, site.codec, False, site.name,
                             site.piece_bytes, mode=site.mode)
 
     def settle(self) -> None:

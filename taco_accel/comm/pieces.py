@@ -55,7 +55,7 @@ _END = object()  # what `next` returns for a finished piece
 
 
 class Pipeline:
-    """Piece generators advanced once per `tick`, newest first; `finish` runs them to the end.
+    """Piece generators advanced once per `tick`, newest first; `wait` runs them to the end.
 
     Ticks are the points where other work (a weight-gradient matmul) can run while the pieces'
     messages are in flight; the order of collectives depends only on the number of ticks, so
@@ -93,11 +93,12 @@ class Pipeline:
         self._live = [s for s in reversed(self._live) if next(s, _END) is not _END][::-1]
         return step is not None or bool(self._live)
 
-    def finish(self) -> None:
+    def wait(self) -> None:
+        """Run every piece to its end."""
         while self.tick():
             pass
 
 
 def run_pipelined(steps: Iterable[Iterator]) -> None:
     """Run piece generators to completion, each advanced once per tick, newest first."""
-    Pipeline(steps).finish()
+    Pipeline(steps).wait()

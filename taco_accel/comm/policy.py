@@ -214,11 +214,6 @@ class Compression:
         fit = max(32, 1 << (max(1, int(hidden_size)).bit_length() - 1))
         return self.map_configs(lambda c: c.replace(group_size=fit) if c.group_size > fit else c)
 
-    def allows(self, nbytes: int) -> bool:
-        """The size floor: whether a message of ``nbytes`` may be compressed (any but an empty
-        one under the default ``threshold_bytes=0``)."""
-        return nbytes >= self.threshold_bytes and nbytes > 0
-
     def config_for(self, site: str) -> TacoConfig | None:
         """The codec settings of the site called ``site`` (None: plain)."""
         return self.rule_for(site)[0]

@@ -13,12 +13,12 @@ A site is named after what it moves (layer 3 names them after the module and the
   (the auto mode, `autotune.AutoDecider`) compressed where the timing of its first call says so
   (kept as ``decision``; with no group to time, the auto mode's size rule). The decision is
   passed down to the collective explicitly;
-- ``entry``: its `stats.SiteRecord` in a `stats.Ledger` (the model's, or ``stats.DEFAULT``):
+- ``record``: its `stats.SiteRecord` in a `stats.Ledger` (the model's, or ``stats.DEFAULT``):
   its statistics, error sampling and agreement checks;
 - ``samples``: what it sends, kept while a calibration records.
 
-`collective` runs it: eagerly `run`, or inside torch.compile the custom op of `ops`, which
-finds the site by its ``handle`` and calls `run` at run time.
+`collective` runs it: eagerly `run` (a `call.Call`), or inside torch.compile the custom op of
+`ops`, which finds the site by its ``handle`` and calls `run` at run time.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from collections.abc import Callable
 import torch
 
 from ..codec import CodecConfig, TacoConfig
-from ..codec.api import SUPPORTED_DTYPES
 from . import dist_ops, ops
-from .collectives import GatherByRank, Pending, ScatterByRank, check_residual
+from .call import Call, Parts, compresses
+from .collectives import check_residual
 from .copies import SharesGroup
-from .kinds import KINDS, kind_of
+from .kinds import kind_of
 from .pieces import PIECE_BYTES
 from .stats import DEFAULT, Ledger
 
@@ -40,7 +40,7 @@ from .stats import DEFAULT, Ledger
 class Site(SharesGroup):
     """One communication site; see the module docstring."""
 
-    __slots__ = ("name", "group", "world", "handle", "decider", "decision", "entry", "samples", "_max_elements",
+    __slots__ = ("name", "group", "world", "handle", "decider", "decision", "record", "samples", "_max_elements",
                  "_config", "codec", "piece_bytes", "_threshold", "_link", "__weakref__")
 
     def __init__(self, name: str, group, config: TacoConfig | None, decider=None, ledger: Ledger | None = None,
@@ -48,7 +48,7 @@ class Site(SharesGroup):
         self.name, self.group, self.decider, self.decision = name, group, decider, None
         self._threshold, self.piece_bytes = threshold_bytes, piece_bytes
         self.world = dist_ops.group_size(group)
-        self.entry = (ledger or DEFAULT).record(name)
+        self.record = (ledger or DEFAULT).record(name)
         self.handle = ops.register(self)  # how the compiled graph's custom ops find this site
         self.config = config
         self.samples: list[torch.Tensor] | None = None  # a list only while calibrating
@@ -60,7 +60,7 @@ class Site(SharesGroup):
     def _copied(self, original: "Site") -> None:
         """A copied model's site: its own handle, statistics starting at zero."""
         self.handle = ops.register(self)
-        self.entry.pop()
+        self.record.pop()
 
     @property
     def config(self) -> TacoConfig | None:
@@ -85,56 +85,58 @@ class Site(SharesGroup):
         "reduce_scatter") from this site: `run`, or inside torch.compile the custom op that
         calls `run` at run time (`ops`: the collective stays in the graph, out of place)."""
         if torch.compiler.is_compiling():
-            return KINDS[kind].op(x, self.handle, self.world)
+            return ops.OPS[kind](x, self.handle, self.world)
         return self.run(kind, x, inplace=inplace)
 
     def run(self, kind: str, x: torch.Tensor, *, inplace: bool = False, async_op: bool = False,
             residual: torch.Tensor | None = None):
         """The collective, eagerly: calibration sample, decision, statistics. ``inplace``: x is
         the caller's to give away (all_reduce writes the sum into it). ``async_op``: the
-        `collectives.Pending`. ``residual``: error feedback (reduce_scatter, all_gather: see
+        `call.Call` in flight. ``residual``: error feedback (reduce_scatter, all_gather: see
         `collectives`)."""
         if x.requires_grad:
             x = x.detach()
         if self.samples is not None:
             self.observe(x)
         link = self._link or self.link
-        kind_of(kind).check(x, link.world)
+        described = kind_of(kind)
+        described.check(x, link.world)
         if self.decider is None:  # the size floor, inline: this is every plain site's path
-            nbytes = x.numel() * x.element_size()
-            compress = self.codec is not None and nbytes >= self._threshold and nbytes > 0 \
-                and x.dtype in SUPPORTED_DTYPES
+            compress = not self._threshold or x.numel() * x.element_size() >= self._threshold
         else:
             compress = self.compresses(kind, x)
-        pending = Pending(kind, x, link, self.codec, compress, self.piece_bytes, self.entry, self.name, inplace,
-                          check_residual(kind, x, residual))
-        return pending if async_op else pending.wait()
+        call = Call(described, x, link, self.codec, compress, self.piece_bytes, self.record, self.name)
+        call.start(x, inplace, check_residual(described, x, residual))
+        return call if async_op else call.wait()
 
-    def gather_by_rank(self, x: torch.Tensor, out: torch.Tensor | None = None) -> GatherByRank:
+    def gather_by_rank(self, x: torch.Tensor, out: torch.Tensor | None = None) -> Call:
         """The all-gather of every rank's ``x`` into ``out``, one rank's part at a time
         (``.landed()`` yields ``(rank, part)`` as each lands, ``.wait()`` ends the call): the
-        per-rank kind of `collectives.GatherByRank`, on this site's settings and decision (taken
-        for the whole all-gather) and recorded in its ledger."""
-        if x.requires_grad:
-            x = x.detach()
-        return GatherByRank(x, self._link or self.link, self.codec, self.compresses("all_gather", x), self.piece_bytes,
-                            self.entry, self.name, out)
+        kind ``all_gather_by_rank`` (`call.Call.gather`), on this site's settings and decision
+        (taken for the whole all-gather) and recorded in its ledger."""
+        x = x.detach()
+        if not x.is_contiguous():
+            x = x.contiguous()
+        return Call(kind_of("all_gather_by_rank"), x, self._link or self.link, self.codec,
+                    self.compresses("all_gather", x), self.piece_bytes, self.record, self.name).gather(x, out)
 
-    def scatter_by_rank(self, shape, dtype: torch.dtype, device) -> ScatterByRank:
+    def scatter_by_rank(self, shape, dtype: torch.dtype, device) -> Call:
         """A reduce-scatter whose parts (each rank's rows, of ``shape`` and ``dtype``) are
-        submitted one destination rank at a time (``.submit(rank, part)``, ``.wait()``): the
-        per-rank kind of `collectives.ScatterByRank`, on this site's settings and decision (taken
-        for the whole reduce-scatter, P parts) and recorded in its ledger."""
+        submitted one destination rank at a time (``.submit(rank, part)``, ``.wait()``): the kind
+        ``reduce_scatter_by_rank`` (`call.Call.scatter`), on this site's settings and decision
+        (taken for the whole reduce-scatter, P parts) and recorded in its ledger."""
         link = self._link or self.link
-        compress = self.compresses_like("reduce_scatter", (link.world, *shape), dtype, device)
-        return ScatterByRank(shape, dtype, device, link, self.codec, compress, self.piece_bytes, self.entry, self.name)
+        parts = Parts(torch.Size((link.world * shape[0], *shape[1:])), dtype, torch.device(device))
+        compress = self.compresses_like("reduce_scatter", parts.shape, dtype, device)
+        return Call(kind_of("reduce_scatter_by_rank"), parts, link, self.codec, compress, self.piece_bytes,
+                    self.record, self.name).scatter(shape, dtype, device)
 
     # -- the decision ------------------------------------------------------------------------
 
     def floor_allows(self, nbytes: int, dtype: torch.dtype) -> bool:
-        """The floor: a message of ``nbytes`` from ``threshold_bytes`` on may be
-        compressed, if the codec encodes its ``dtype`` (others go plain: exact)."""
-        return self.codec is not None and nbytes >= self._threshold and nbytes > 0 and dtype in SUPPORTED_DTYPES
+        """The floor: a message of ``nbytes`` from ``threshold_bytes`` on may be compressed, if
+        `call.compresses` allows it (codec settings, bytes, a dtype the codec encodes)."""
+        return nbytes >= self._threshold and compresses(self.codec, nbytes, dtype)
 
     def compresses(self, kind: str, x: torch.Tensor) -> bool:
         """Whether sending ``x`` through ``kind`` from this site is compressed.
@@ -198,7 +200,7 @@ class Site(SharesGroup):
             return f"{codec}{floor}, auto: {'undecided' if self.decision is None else self.decision}"
         return codec + floor
 
-    def record(self) -> dict:
+    def to_dict(self) -> dict:
         """JSON-ready: mode, codec settings, and the auto decision (``compressed`` None: not yet)."""
         out = {"mode": self.mode, "config": None if self.config is None else self.config.to_dict()}
         if self.decider is not None:

@@ -14,8 +14,9 @@ to end writes the bytes of the P calls, `codec.api.encode_rows_into`):
   the ranks is every rank's reduced chunk, decoded in one call.
 - all_gather: every rank's buffer encoded in one call is the gathered buffer; decoded once.
 
-Each returns (output, bytes one rank sends). Error feedback (``residual``) and messages of
-several pieces run the per-rank path of `emulated`.
+Each returns (output, bytes one rank sends); `run` picks the one of a `kinds.Kind` (the per-rank
+kinds send the same bytes as their whole counterparts). Error feedback (``residual``) and
+messages of several pieces run the per-rank path of `emulated`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,13 @@ import torch
 from ..codec import CodecConfig, WireLayout
 from ..codec.api import decode_into, encode_rows_into, sum_packed_into
 from .compressed import Workspace
+
+
+def run(kind, xs: torch.Tensor, codec: CodecConfig, tag: int, buffers: Workspace) -> tuple[torch.Tensor, int]:
+    """The stacked road of the collective ``kind`` (a `kinds.Kind`) for the P stacked tensors ``xs``."""
+    if not kind.reduces:
+        return all_gather(xs, codec, tag, buffers)
+    return (reduce_scatter if kind.scatters else all_reduce)(xs, codec, tag, buffers)
 
 
 def all_reduce(xs: torch.Tensor, codec: CodecConfig, tag: int, buffers: Workspace) -> tuple[torch.Tensor, int]:

@@ -8,9 +8,8 @@ site *name* (`all_reduce(x, group, config, site="...")`) record into the process
 ledger.
 
 Every collective records the bytes this rank actually sent and the bytes the plain collective
-in the input dtype would have sent (bandwidth-optimal ring figures, per rank: each kind's
-`kinds.Kind.plain_bytes`). Recording is Python integer arithmetic on shapes: no device work, no
-host sync.
+in the input dtype would have sent (`ring_bytes`: the bandwidth-optimal ring figures, per rank).
+Recording is Python integer arithmetic on shapes: no device work, no host sync.
 
 `pop_comm_stats` returns the figures of every site in this process (the ``DEFAULT`` ledger and
 every live model's, added up where two ledgers hold a site of the same name) and starts them
@@ -31,6 +30,15 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+
+
+def ring_bytes(kind, nbytes: int, world: int) -> int:
+    """The bytes one rank sends in the bandwidth-optimal (ring) plain collective of ``kind`` (a
+    `kinds.Kind`) on an input of ``nbytes``: P-1 blocks of the reduced or gathered tensor, twice
+    for an all-reduce (a reduce-scatter, then an all-gather)."""
+    if not kind.reduces:
+        return (world - 1) * nbytes  # the input is one rank's block of the gathered tensor
+    return (1 if kind.scatters else 2) * (world - 1) * nbytes // world  # the input holds P blocks
 
 
 @dataclass(frozen=True)

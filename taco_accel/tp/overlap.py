@@ -200,7 +200,7 @@ def _scatter_input_grad(x_full, grad_x, grad_ys, weights, conv, site, dtype):
         if site.samples is not None:
             site.observe(part)
         sums.submit(rank, part, owned)
-    return sums  # the `Pending` interface: progress (nothing between parts), wait
+    return sums  # a `comm.Call`: progress (nothing between parts), wait
 
 
 class RowSequenceLinear(torch.autograd.Function):
@@ -222,7 +222,7 @@ class RowSequenceLinear(torch.autograd.Function):
             part = _linear(rows, weight, None, conv1d)  # (b, s/tp, out)
             if site.samples is not None:
                 site.observe(part)
-            sums.submit(rank, part, owned=True)
+            sums.submit(rank, part, inplace=True)
         ctx.save_for_backward(x, weight)
         ctx.conv1d, ctx.site = conv1d, exit_.bwd
         return sums.wait()  # (b, s/tp, out)

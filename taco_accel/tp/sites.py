@@ -70,9 +70,9 @@ class SiteTable(SharesGroup, Mapping[str, Site]):
         return self.ledger.pop()
 
     def decisions(self) -> dict[str, dict]:
-        """``{site: Site.record()}``: JSON-ready, in creation order (``compressed`` True / False,
+        """``{site: Site.to_dict()}``: JSON-ready, in creation order (``compressed`` True / False,
         or None where it depends on the message size or an auto site has not run yet)."""
-        return {name: site.record() for name, site in self._sites.items()}
+        return {name: site.to_dict() for name, site in self._sites.items()}
 
     def summary(self) -> str:
         """What the sites do, in a few words (the `parallelize` log line)."""
