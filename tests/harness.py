@@ -137,6 +137,18 @@ def case(results: list, key: Hashable) -> list:
 UNIT = 2.0**-24  # fp32 unit roundoff
 
 
+def lm_batch(vocab: int, seed: int = 1):
+    """``(input_ids, labels)`` of shape (2, 8): random ids below ``vocab``, the labels the ids with
+    the first two positions of row 0 ignored (-100)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (2, 8), generator=g)
+    labels = ids.clone()
+    labels[0, :2] = -100
+    return ids, labels
+
+
 def fp32_bound(terms: int, magnitude: float) -> float:
     """How far two fp32 evaluations, in any order, of one sum of ``terms`` terms whose
     magnitudes add up to ``magnitude`` can differ: each is within gamma_n * magnitude of the exact

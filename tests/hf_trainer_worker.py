@@ -115,11 +115,13 @@ def run_trainer(args, name: str, compression=None, resume: str | None = None, se
         save = dict(save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2,
                     load_best_model_at_end=True, metric_for_best_model="eval_loss")
     cls = trainer_class(args, Trainer, compression=compression)
+    logits_seen = LogitsSeen()
     trainer = cls(model=tiny(seed), args=TrainingArguments(**common(args, name, **save)),
                   train_dataset=lm_rows(STEPS * BATCH * ACCUM * args.dp, 1), eval_dataset=lm_rows(EVAL, 2),
-                  compute_metrics=metrics, preprocess_logits_for_metrics=top1_and_logsumexp)
+                  compute_metrics=metrics, preprocess_logits_for_metrics=top1_and_logsumexp, callbacks=[logits_seen])
     trainer.train(resume_from_checkpoint=resume)
     out = history(trainer)
+    out["logits_seen"] = sorted(set(logits_seen.seen))
     out["scaler"] = type(trainer.accelerator.scaler).__name__
     if resume is None and compression is None and not precision:
         out["eval"] = trainer.evaluate()
@@ -130,6 +132,43 @@ def run_trainer(args, name: str, compression=None, resume: str | None = None, se
         out["layout"] = {"tp_size": trainer.get_tp_size(), "total_batch": trainer.get_total_train_batch_size(trainer.args),
                          "config": None if pc is None else [pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size]}
     return out
+
+
+def LogitsSeen():
+    """A TrainerCallback that records, per forward of the trained model, (training, has logits)."""
+    from transformers import TrainerCallback
+
+    class Seen(TrainerCallback):
+        def __init__(self):
+            self.seen = []
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            record = lambda m, a, out: self.seen.append((m.training, getattr(out, "logits", None) is not None))  # noqa: E731
+            model.register_forward_hook(record)
+
+    return Seen()
+
+
+def run_checkpointed(args) -> dict:
+    """The Trainer with activation checkpointing (TrainingArguments' own flag, under the name this
+    transformers has: activation_checkpointing from 5.20, gradient_checkpointing before)."""
+    from transformers import TrainingArguments
+
+    names = TrainingArguments.__dataclass_fields__
+    flag = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    return run_trainer(args, "checkpointed", **{flag: True})
+
+
+def run_liger(args) -> dict:
+    """taco_trainer(Trainer) with use_liger_kernel=True: refused when the Trainer is built."""
+    from transformers import Trainer, TrainingArguments
+
+    try:
+        trainer_class(args, Trainer)(model=tiny(), args=TrainingArguments(**common(args, "liger", use_liger_kernel=True)),
+                                     train_dataset=lm_rows(4, 1))
+    except ValueError as e:
+        return {"refused": str(e)}
+    return {"refused": None}
 
 
 def loaded_eval_loss(folder: str) -> float:
@@ -325,6 +364,8 @@ def main() -> None:
         "sft_bf16": lambda: fresh_precision(run_sft, args, "sft_bf16", bf16=True),
         "trainer_fp16": lambda: fresh_precision(run_trainer, args, "trainer_fp16", fp16=True),
         "patched": lambda: run_patched(args),
+        "checkpointed": lambda: run_checkpointed(args),
+        "liger": lambda: run_liger(args),
         "dpo": lambda: run_dpo(args, "dpo", ref="passed"),
         "dpo_path": lambda: run_dpo(args, "dpo_path", ref="path"),
         "dpo_lora": lambda: run_dpo(args, "dpo_lora", ref="lora"),

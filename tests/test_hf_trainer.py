@@ -29,7 +29,7 @@ BATCH, ACCUM = 2, 2  # the worker's per-device batch and accumulation
 LOSS_TOL, NORM_RTOL = 2e-5, 1e-5
 LAUNCHES = {  # name: (dp, how it is started, runs)
     "tp2": (1, "accelerate", "trainer,resume,compressed,sft,lora,plain_checkpoint,trainer_bf16,sft_bf16,trainer_fp16,"
-                             "patched,dpo,dpo_path,dpo_lora,dpo_compressed"),
+                             "patched,dpo,dpo_path,dpo_lora,dpo_compressed,checkpointed,liger"),
     "dp2_tp2": (2, "torchrun", "trainer,sft,pipeline_sizes,dpo"),  # resume of dp replicas: test_accelerator
 }
 
@@ -102,6 +102,26 @@ def test_trainer_trains_like_one_process(results, launch):
     # every log line carries TACO's byte counts: 4 steps, 2 evaluations, the train summary
     assert got["comm_logged"] == 7 and got["eval"]["comm/bytes_sent"] > 0
     assert got["bytes_sent"] > 0 and got["bytes_saved"] == 0.0  # compression off: every byte sent plainly
+
+
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_trainer_trains_with_the_head_and_loss_fused(results, launch):
+    """Training forwards return no logits (logits="none": the fused head and loss, whose loss
+    trained like one process above); evaluation forwards return them (the metrics read them)."""
+    got, _ = run_of(results, launch, "trainer")
+    assert got["logits_seen"] == [[False, True], [True, False]], got["logits_seen"]
+
+
+def test_activation_checkpointing_flag_trains_like_one_process(results):
+    """TrainingArguments' own checkpointing flag (its name in this transformers) through taco_trainer:
+    the replayed layers give the same losses as one process without it (compression off: fp32)."""
+    got, ref = run_of(results, "tp2", "checkpointed")
+    assert_same_training(got, ref)
+
+
+def test_use_liger_kernel_is_refused_at_construction(results):
+    got, _ = run_of(results, "tp2", "liger")
+    assert got["refused"] and "use_liger_kernel=True" in got["refused"] and "\n" not in got["refused"], got
 
 
 @pytest.mark.parametrize("launch", list(LAUNCHES))

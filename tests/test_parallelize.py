@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from harness import case, fp32_bound, per_case, refusals, run_ranks
+from harness import case, fp32_bound, lm_batch, per_case, refusals, run_ranks
 
 import taco_accel
 from taco_accel import comm
@@ -28,14 +28,6 @@ COMPRESSED = taco_accel.TacoConfig()  # tiny tensors compress too
 # compressed parity: every family at tp=4 (the world); on the two-rank groups one family, its
 # subgroup collectives compressed (the codec path does not depend on the family)
 COMPRESSED_TP2 = ("gpt2",)
-
-
-def _batch(vocab: int, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (2, 8), generator=g)
-    labels = ids.clone()
-    labels[0, :2] = -100  # ignored positions
-    return ids, labels
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -67,7 +59,7 @@ def _layer_input_len(model, ids) -> int:
 def _exact(arch: str, sp: bool, group) -> dict:
     ref = tiny_model(arch)
     model = taco_accel.parallelize(copy.deepcopy(ref), compression=None, sequence_parallel=sp, device_mesh=group)
-    ids, labels = _batch(ref.config.vocab_size)
+    ids, labels = lm_batch(ref.config.vocab_size)
     out, expected = model(ids, labels=labels), ref(ids, labels=labels)
     out.loss.backward()
     expected.loss.backward()
@@ -77,6 +69,12 @@ def _exact(arch: str, sp: bool, group) -> dict:
         model.taco.logits = "local"
         local_out = model(ids, labels=labels).logits
         model.taco.logits = "full"
+    grad = _grad_diff(model, ref)
+    model.zero_grad()
+    model.taco.logits, model.taco.fused.chunk = "none", 5  # the fused head and loss, in chunks of 5 tokens
+    fused = model(ids, labels=labels)
+    fused.loss.backward()
+    model.taco.logits = "full"
     model.eval(), ref.eval()
     prompt = ids[:, :3]
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
@@ -86,7 +84,9 @@ def _exact(arch: str, sp: bool, group) -> dict:
         "labels_logits": _max_diff(out.logits, expected.logits),  # transformers' full logits, labels or not
         "local_logits": _max_diff(local_out, local),
         "full_logits": _max_diff(full, expected.logits),
-        "grad": _grad_diff(model, ref),
+        "grad": grad,
+        "fused_loss": abs(fused.loss.item() - expected.loss.item()), "fused_logits": fused.logits,
+        "fused_grad": _grad_diff(model, ref),
         "generate_equal": bool(torch.equal(generated, reference)),
         "local_vocab": local_out.shape[-1],
         "layer_seq_len": _layer_input_len(model.train(), ids),
@@ -97,7 +97,7 @@ def _compressed(arch: str, sp: bool, group, steps: int = 2) -> dict:
     """Losses of a few AdamW steps, compressed TP vs. the single-process model."""
     ref = tiny_model(arch)
     model = taco_accel.parallelize(copy.deepcopy(ref), compression=COMPRESSED, sequence_parallel=sp, device_mesh=group)
-    ids, labels = _batch(ref.config.vocab_size)
+    ids, labels = lm_batch(ref.config.vocab_size)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     comm.pop_comm_stats()
@@ -119,23 +119,27 @@ def _compressed(arch: str, sp: bool, group, steps: int = 2) -> dict:
 
 
 def _checkpointing(arch: str, group) -> dict:
-    """Activation checkpointing re-runs the layers (and their TP hooks) during backward."""
+    """Activation checkpointing (`enable_activation_checkpointing`: each decoder layer's forward
+    under torch.utils.checkpoint) re-runs the layers, and their TP collectives, during backward."""
+    from taco_accel.parallel import enable_activation_checkpointing, is_checkpointed
+
     ref = tiny_model(arch)
     model = taco_accel.parallelize(copy.deepcopy(ref), compression=None, sequence_parallel=True, device_mesh=group)
-    for m in (model, ref):
-        m.gradient_checkpointing_enable()
-        m.train()
-    ids, labels = _batch(ref.config.vocab_size)
+    enable_activation_checkpointing(model)
+    mlp_calls = []
+    model.get_submodule(model.taco.plan.layers)[0].mlp.register_forward_pre_hook(lambda *_: mlp_calls.append(1))
+    ids, labels = lm_batch(ref.config.vocab_size)
     loss, ref_loss = model(ids, labels=labels).loss, ref(ids, labels=labels).loss
     loss.backward()
     ref_loss.backward()
-    return {"loss": abs(loss.item() - ref_loss.item()), "grad": _grad_diff(model, ref)}
+    return {"loss": abs(loss.item() - ref_loss.item()), "grad": _grad_diff(model, ref),
+            "checkpointed": is_checkpointed(model), "mlp_calls": len(mlp_calls)}
 
 
 def _calibration(group) -> dict:
     model = tiny_model("qwen3")
     taco_accel.parallelize(model, compression=COMPRESSED, sequence_parallel=True, device_mesh=group)
-    ids, labels = _batch(128)
+    ids, labels = lm_batch(128)
     before = model.taco.sites.group_sizes()
     with taco_accel.calibrate_group_sizes(model, candidates=(32, 64)):
         for _ in range(2):
@@ -197,6 +201,7 @@ def test_matches_single_process(measured, tp, arch, sp):
         assert r["loss"] < FP32, r
         assert r["labels_logits"] < FP32 and r["local_logits"] < FP32 and r["full_logits"] < FP32, r
         assert r["grad"] < FP32, r
+        assert r["fused_loss"] < FP32 and r["fused_grad"] < FP32 and r["fused_logits"] is None, r  # logits="none"
         assert r["generate_equal"], r
         assert r["local_vocab"] <= -(-tiny_config(arch).vocab_size // tp)  # logits="local": never gathered
         assert r["layer_seq_len"] == (8 // tp if sp else 8), r
@@ -228,6 +233,7 @@ def test_calibration_agrees_across_ranks(measured, tp, tmp_path):
 @pytest.mark.parametrize("tp", TPS)
 def test_activation_checkpointing_with_sequence_parallel(measured, tp):
     for r in case(measured, (tp, "checkpointing")):
+        assert r["checkpointed"] and r["mlp_calls"] == 2, r  # the forward, and its replay in backward
         assert r["loss"] < FP32 and r["grad"] < FP32, r
 
 
@@ -284,7 +290,7 @@ def test_parallelize_twice_and_bad_compression():
 def test_tp1_is_the_model_itself():
     ref = tiny_model("qwen3")
     model = taco_accel.parallelize(copy.deepcopy(ref))
-    ids, labels = _batch(128)
+    ids, labels = lm_batch(128)
     assert torch.equal(model(ids, labels=labels).logits, ref(ids, labels=labels).logits)
     assert "tp=1" in repr(model.lm_head)
 

@@ -27,7 +27,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from harness import case, per_case, refusals, run_ranks
+from harness import case, lm_batch, per_case, refusals, run_ranks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -89,14 +89,6 @@ def _rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def _batch(vocab: int):
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, vocab, (2, 8), generator=g)
-    labels = ids.clone()
-    labels[0, :2] = -100
-    return ids, labels
-
-
 def _step(model, ids, labels, autocast: torch.dtype | None, dtype: torch.dtype) -> dict:
     """One forward and backward; the logits, the loss and the roundings counted on the way."""
     count = _Roundings(dtype)
@@ -105,14 +97,17 @@ def _step(model, ids, labels, autocast: torch.dtype | None, dtype: torch.dtype) 
     forward = count.count
     with count:
         out.loss.backward()
-    return {"logits": out.logits.detach(), "loss": out.loss.detach(), "n_fwd": forward, "n_all": count.count}
+    logits = None if out.logits is None else out.logits.detach()  # logits="none": the fused head and loss
+    return {"logits": logits, "loss": out.loss.detach(), "n_fwd": forward, "n_all": count.count}
 
 
 def _precision_case(arch: str, *, sp: bool = False, overlap: bool = True, autocast=torch.bfloat16,
-                    params=torch.float32, lora: bool = False, emulate: bool = False, compression=None) -> dict:
+                    params=torch.float32, lora: bool = False, emulate: bool = False, compression=None,
+                    logits: str = "full") -> dict:
     ref = tiny_model(arch).to(params)
     kwargs = dict(tp=2, emulate=True) if emulate else {}
-    model = taco_accel.parallelize(copy.deepcopy(ref), compression=compression, sequence_parallel=sp, **kwargs)
+    model = taco_accel.parallelize(copy.deepcopy(ref), compression=compression, sequence_parallel=sp, logits=logits,
+                                   **kwargs)
     if not emulate:
         model.taco.overlap.enabled = overlap
     if lora:
@@ -123,17 +118,19 @@ def _precision_case(arch: str, *, sp: bool = False, overlap: bool = True, autoca
         ref = get_peft_model(ref, LoraConfig(**config))
         torch.manual_seed(7)  # the same draws on every rank and in the reference
         model = taco_accel.get_peft_model(model, LoraConfig(**config))
-    ids, labels = _batch(ref.config.vocab_size)
+    ids, labels = lm_batch(ref.config.vocab_size)
     dtype = autocast or params
     comm.pop_comm_stats()
     got, want = _step(model, ids, labels, autocast, dtype), _step(ref, ids, labels, autocast, dtype)
     stats = comm.pop_comm_stats()
     grad_dtypes = {param.grad.dtype == param.dtype for param in model.parameters() if param.requires_grad}
     return {
-        "logits": _rel_rms(got["logits"], want["logits"]), "loss": abs(got["loss"].item() - want["loss"].item()),
+        "logits": None if got["logits"] is None else _rel_rms(got["logits"], want["logits"]),
+        "loss": abs(got["loss"].item() - want["loss"].item()),
         "loss_value": want["loss"].item(), "grads": _grads_rel_rms(model, ref, emulate),
         "logits_bound": _bound(dtype, got["n_fwd"], want["n_fwd"]), "grads_bound": _bound(dtype, got["n_all"], want["n_all"]),
-        "logits_dtype": (got["logits"].dtype, want["logits"].dtype), "grad_dtypes_match": grad_dtypes == {True},
+        "logits_dtype": (getattr(got["logits"], "dtype", None), want["logits"].dtype),
+        "grad_dtypes_match": grad_dtypes == {True},
         "compressed_calls": sum(s.compressed_calls for s in stats.values()),
         "rounds": (got["n_fwd"], want["n_fwd"], got["n_all"], want["n_all"]),
     }
@@ -153,6 +150,12 @@ for _sp in (False, True):
     CASES["qwen3", _name, "compressed"] = dict(arch="qwen3", sp=_sp, compression=COMPRESSED)
 CASES["gpt2", "tp", "lora"] = dict(arch="gpt2", lora=True)  # Conv1D under LoRA: the row layer's bias
 CASES["llama", "tp", "emulated"] = dict(arch="llama", emulate=True)  # the emulated row layer's bias
+# logits="none": the head and loss fused, in bf16 autocast (tp, sp, emulated) and with bf16 parameters
+FUSED = {("qwen3", "tp", "fused"): dict(arch="qwen3", logits="none"),
+         ("qwen3", "sp", "fused"): dict(arch="qwen3", sp=True, logits="none"),
+         ("gpt2", "tp", "fused bf16 params"): dict(arch="gpt2", autocast=None, params=torch.bfloat16, logits="none"),
+         ("llama", "tp", "fused emulated"): dict(arch="llama", emulate=True, logits="none")}
+CASES.update(FUSED)
 
 
 def _accelerator(mixed_precision: str, **kwargs):
@@ -176,7 +179,7 @@ def _own_loop(sp: bool, bf16_params: bool) -> dict:
     ref = tiny_model("qwen3").to(params)
     model = copy.deepcopy(ref)
     model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    ids, labels = _batch(ref.config.vocab_size)
+    ids, labels = lm_batch(ref.config.vocab_size)
     count = _Roundings(torch.bfloat16)
     with count:
         out = model(ids, labels=labels)  # the prepared forward runs in the accelerator's autocast
@@ -206,7 +209,7 @@ def _fp16_overflow_on_one_rank() -> dict:
     acc = _accelerator("fp16")
     model = tiny_model("qwen3")
     model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    ids, labels = _batch(model.config.vocab_size)
+    ids, labels = lm_batch(model.config.vocab_size)
     shard = model.model.layers[0].mlp.gate_proj.weight  # column parallel: each rank its own rows
     out = {"scaler": type(acc.scaler).__name__, "scale0": acc.scaler.get_scale()}
     for step in range(2):
@@ -273,12 +276,22 @@ def measured():
     return run_ranks(_worker, 2)
 
 
-@pytest.mark.parametrize("key", [k for k in CASES if k[2] != "compressed"], ids=lambda k: "-".join(k))
+@pytest.mark.parametrize("key", [k for k in CASES if k[2] != "compressed" and k not in FUSED], ids=lambda k: "-".join(k))
 def test_parallel_matches_one_process_in_the_same_precision(measured, key):
     for r in case(measured, key):
         assert r["logits_dtype"][0] == r["logits_dtype"][1] and r["grad_dtypes_match"], r
         # relative rms within the rounding bound of the module docstring (u (sqrt N_a + sqrt N_b) / sqrt 3)
         assert r["logits"] < r["logits_bound"], r
+        assert r["grads"] < r["grads_bound"], r
+
+
+@pytest.mark.parametrize("key", list(FUSED), ids=lambda k: "-".join(k))
+def test_fused_head_and_loss_match_one_process_in_the_same_precision(measured, key):
+    for r in case(measured, key):
+        assert r["logits_dtype"][0] is None and r["grad_dtypes_match"], r  # no logits were computed
+        # the loss, a mean over tokens of functions of the logits, within the logits' rounding
+        # bound (module docstring); the gradients within theirs
+        assert r["loss"] / r["loss_value"] < r["logits_bound"], r
         assert r["grads"] < r["grads_bound"], r
 
 

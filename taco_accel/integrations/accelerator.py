@@ -51,7 +51,7 @@ What differs from ``accelerate.Accelerator``, and why:
   Accelerate's. A schedule that ends long before the run does (sized for fewer processes, e.g. by
   ``num_processes // tp``) is warned about once.
 - **Outputs**: ``outputs.logits`` has the full vocabulary, as transformers returns it; the loss
-  is vocab-parallel inside. ``logits="local"`` opts out (`taco_accel.models.loss`).
+  is vocab-parallel inside. ``logits="local"`` / ``"none"`` opt out (`taco_accel.models.loss`).
 """
 
 from __future__ import annotations
@@ -115,7 +115,8 @@ class Accelerator(_AccelerateAccelerator):
         logits: what ``outputs.logits`` holds for the models prepared here (`parallelize`'s
             ``logits``): ``"full"`` (the full vocabulary, transformers' convention) or
             ``"local"`` (this rank's vocabulary slice when ``labels`` are given: no all-gather,
-            no (b, s, V) tensor; only ``outputs.loss`` is whole). Default None: ``"full"`` for
+            no (b, s, V) tensor; only ``outputs.loss`` is whole) or ``"none"`` (no logits when
+            ``labels`` are given: the head and loss fused, in chunks). Default None: ``"full"`` for
             a model ``prepare`` parallelises, the model's own setting for one already parallel.
         **kwargs: everything ``accelerate.Accelerator`` takes, except the DeepSpeed, FSDP,
             Megatron-LM and TP plugins (taco_accel does their job). A collective waits at most

@@ -23,6 +23,9 @@ a subclass of the given class that changes the Trainer through its own extension
   the checkpoint folder, the scheduler where the Trainer keeps it; resuming reads them back with
   ``load_state``, and so does ``load_best_model_at_end``. Same mesh sizes to resume (the
   checkpoint module's rule).
+- the loss: a training step of a class that keeps the Trainer's ``compute_loss`` (which reads
+  ``outputs.loss`` only) runs the head and loss fused (``logits="none"``: no logits);
+  ``use_liger_kernel=True`` is refused (liger's fused loss needs the whole vocabulary's head).
 - ``evaluate``: the model returns the full-vocabulary logits to the metrics
   (``model.taco.logits = "full"`` during ``prediction_step``).
 - ``log``: ``accelerator.compression_stats()`` (bytes sent and saved by TACO since the last log)
@@ -52,6 +55,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..models import context_of, parallelize
+from ..models.loss import logits_mode
 from ..comm.policy import DEFAULT_COMPRESSION
 from ..tp import ColumnParallelLinear, Compression, gather_from_tp_region
 from ..upstream import transformers as upstream_transformers
@@ -82,7 +86,8 @@ def taco_trainer(trainer_cls: type, *, compression=DEFAULT_COMPRESSION, sequence
     if issubclass(trainer_cls, _TacoTrainer):
         raise ValueError(f"{trainer_cls.__name__} already trains with taco_accel; pass the original class")
     upstream_transformers.check_trainer(trainer_cls)  # the private methods overridden below
-    options = {"compression": compression, "sequence_parallel": sequence_parallel}
+    fused_loss = trainer_cls.compute_loss is Trainer.compute_loss  # TRL's and users' own may read the logits
+    options = {"compression": compression, "sequence_parallel": sequence_parallel, "fused_loss": fused_loss}
     return type(f"Taco{trainer_cls.__name__}", (_TacoTrainer, trainer_cls),
                 {"taco_options": options, "__module__": trainer_cls.__module__, "__doc__": trainer_cls.__doc__})
 
@@ -105,8 +110,13 @@ class _TacoTrainer:
 
     # -- the accelerator ---------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
+        if getattr(self.args, "use_liger_kernel", False):
+            raise ValueError("use_liger_kernel=True: liger-kernel's fused loss multiplies the whole vocabulary, which "
+                             "tensor parallelism splits over the ranks; taco_trainer fuses the vocab-parallel head and "
+                             "loss itself (logits='none' in training): leave use_liger_kernel off")
         _processes_on_cpu(self.args)
-        with upstream_transformers.building_accelerator(functools.partial(Accelerator, **self.taco_options)):
+        accelerator_options = {k: self.taco_options[k] for k in ("compression", "sequence_parallel")}
+        with upstream_transformers.building_accelerator(functools.partial(Accelerator, **accelerator_options)):
             super().create_accelerator_and_postprocess()
         if self.accelerator.parallel_dims.pp > 1:
             raise ValueError(
@@ -124,6 +134,15 @@ class _TacoTrainer:
 
     def get_total_train_batch_size(self, args) -> int:
         return self._train_batch_size * args.gradient_accumulation_steps * self.accelerator.num_processes
+
+    # -- the loss -------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+        """The Trainer's own, with the head and loss fused (``logits="none"``) where only the loss
+        is read: training steps of a class that keeps the Trainer's ``compute_loss``."""
+        if return_outputs or not self.taco_options["fused_loss"] or self.args.past_index >= 0:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
+        with logits_mode(self.accelerator.unwrap_model(model), "none"):
+            return super().compute_loss(model, inputs, **kwargs)
 
     # -- evaluation and logs -----------------------------------------------------------------
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):

@@ -22,7 +22,8 @@ class TPContext(SharesGroup):
     ``sites``: the communication sites (print it; ``save`` / ``load`` their group sizes).
     ``logits``: what ``outputs.logits`` holds (`taco_accel.models.loss`): ``"full"``
     (default: the full vocabulary, with or without labels) or ``"local"`` (this rank's
-    vocabulary slice when ``labels`` are given); assignable.
+    vocabulary slice when ``labels`` are given) or ``"none"`` (no logits when ``labels`` are
+    given: the head and loss fused); assignable.
     ``emulator``: the `EmulatedGroup` of an emulated model (``emulate=True``: ``group`` is
     None, ``rank`` 0, the logits full in both modes), None for real TP.
     ``overlap``: whether the layers hide their communication behind compute (`tp.overlap`;
@@ -38,6 +39,7 @@ class TPContext(SharesGroup):
     sequence: SequenceState
     logits: str = "full"
     emulator: object = None
+    fused: object = None  # the models.loss.FusedHead of logits="none"
     grad_sum_params: list[str] = field(default_factory=list)
     overlap: OverlapState = field(default_factory=OverlapState)
     _grad_sum_handles: list = field(default_factory=list, repr=False)

@@ -46,7 +46,7 @@ from ..comm.policy import Compression
 from ..tp.sites import Site, SiteTable
 from .checks import install_input_checks
 from .context import TPContext
-from .loss import CausalLMLoss
+from .loss import CausalLMLoss, install_logits_mode
 from .plan import Colwise, EnterRegion, Rowwise, TPPlan
 from .rewrite import Rewrite, check_tp, install_loss
 
@@ -70,6 +70,7 @@ def emulate_tp(model: nn.Module, plan: TPPlan, tp, compression: Compression, seq
     loss = EmulatedCausalLMLoss(head, context.sites.plain("loss/lse"), getattr(model, "_loss_function", None))
     install_loss(model, loss)
     install_input_checks(model, plan, None, same_batch=False)  # one process: nothing to compare over a group
+    install_logits_mode(model, head, loss, context)
     model.taco = context
     logger.info(
         "emulated tensor parallel %s: tp=%d in one process, sequence_parallel=%s, %s",
@@ -87,6 +88,14 @@ class EmulatedCausalLMLoss(CausalLMLoss):
 
     def token_losses(self, logits, shift_labels, ignore_index: int):
         return emulated_vocab_parallel_cross_entropy(logits, shift_labels, self.lm_head.split, ignore_index)
+
+    def fused_inputs(self, head, hidden):
+        """Every virtual rank's entered input, weight rows, bias and first row; their parts
+        already stacked in rank order."""
+        xs = [x.reshape(-1, x.shape[-1]) for x in head.entry(hidden)]
+        weights = [w.t() if head.conv1d else w for w in head.weight_parts(head.weight)]
+        biases = None if head.bias is None else head.bias_parts(head.bias)
+        return xs, weights, biases, [start for ((start, _),) in head.split.ranges], lambda parts: parts
 
 
 class EmulatedRewrite(Rewrite):

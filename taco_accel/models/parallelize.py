@@ -20,7 +20,7 @@ from ..tp.sites import Site, SiteTable
 from .checks import check_call, install_input_checks, verify_same_model
 from .context import TPContext, context_of
 from .emulate import emulate_tp
-from .loss import CausalLMLoss, LogitsGather, LogitsMode, LogitsModeHook, check_logits_mode
+from .loss import CausalLMLoss, LogitsGather, LogitsMode, check_logits_mode, install_logits_mode
 from .plan import Colwise, EnterRegion, Rowwise, TPPlan
 from .rewrite import Rewrite, check_tp, install_loss
 from .state import bind_save_pretrained
@@ -77,8 +77,9 @@ def parallelize(
             returns it, with or without ``labels``, differentiable (a loss computed from the
             logits trains right); the model's own loss is vocab-parallel either way.
             ``"local"``: with ``labels``, this rank's vocabulary slice (b, s, V/tp), saving the
-            all-gather and the full tensor when only ``outputs.loss`` is used; without labels
-            the full logits.
+            all-gather and the full tensor when only ``outputs.loss`` is used; ``"none"``: with
+            ``labels``, no logits (None): the head's matmul and the loss run fused, in chunks of
+            tokens; without labels the full logits in every mode.
 
     Refused with a ValueError: peft, quantized, DDP/FSDP-wrapped or DTensor-sharded models,
     ``nn.Linear`` / ``nn.Embedding`` subclasses where the plan swaps modules, argument values
@@ -238,9 +239,9 @@ def _apply_plan(model: nn.Module, plan: TPPlan, ctx: TPContext) -> None:
     ctx.install_grad_sums(model)
     gather = LogitsGather(ctx)
     head.register_forward_hook(gather)
-    fallback = getattr(model, "_loss_function", None)
-    install_loss(model, CausalLMLoss(head, ctx.sites.plain("loss/lse"), fallback, gather))
-    model.register_forward_pre_hook(LogitsModeHook(model, gather, ctx), with_kwargs=True)
+    loss = CausalLMLoss(head, ctx.sites.plain("loss/lse"), getattr(model, "_loss_function", None), gather)
+    install_loss(model, loss)
+    install_logits_mode(model, head, loss, ctx, gather)
 
 
 def _partial_grad_params(model: nn.Module, plan: TPPlan, ctx: TPContext) -> list[str]:

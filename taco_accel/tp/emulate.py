@@ -340,10 +340,13 @@ class EmulatedColumnParallelLinear(_EmulatedLinear):
         self.entry, self.region = entry, region
         self.bias_split = self.split.on_dim(0)
         self.bias_parts = RankParts(self.bias_split)
+        self.fused = None  # the lm head's models.loss.FusedHead: the fused loss multiplies its input
         if region is not None:
             region.consumers += 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and self.fused.defers():
+            return self.fused.keep(self, x)  # (b, s, in), handed on to the fused head and loss
         if self.entry is not None:
             xs = self.entry(x)
         elif self.region is not None:

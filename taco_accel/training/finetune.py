@@ -43,6 +43,7 @@ from ..data.supervised import IGNORE, RecordFields, SFTBatches, eval_micro_batch
 from ..models import from_pretrained, save_pretrained
 from ..models.state import tp_replicas
 from ..models.checks import check_labels
+from ..models.loss import logits_mode
 from ..tp import vocab_parallel_cross_entropy
 from ..integrations import Accelerator, export_merged, get_peft_model, save_adapter
 from ..parallel import compile_backend, enable_activation_checkpointing
@@ -197,7 +198,7 @@ class Finetuner(TrainingLoop):
             grad_compression=cfg.grad_compression, sequence_parallel=cfg.sequence_parallel,
             step_scheduler_with_optimizer=False,
             log_with=self.trackers or None, kwargs_handlers=[timeout_handler(cfg.timeout_s)],
-            logits="local",  # only the loss is used whole: no all-gather of the logits
+            logits="none",  # training uses the loss alone: the head and loss fused, no logits
             dynamo_backend=(compile_backend(cfg.compile, device_type(cfg.device)) and cfg.compile_backend) or "no",
         )
         if acc.emulated_tp > 1:
@@ -367,7 +368,8 @@ class Finetuner(TrainingLoop):
             for mb in self.val:
                 tokens.append((mb["labels"][..., 1:] != IGNORE).sum(-1))  # on the host already
                 mb = self._to_device(mb)
-                logits = self.model(**mb).logits  # labels given: this rank's vocabulary slice
+                with logits_mode(self.model, "local"):
+                    logits = self.model(**mb).logits  # labels given: this rank's vocabulary slice
                 nll.append(self._token_nll(logits, mb["labels"]).double().sum(-1))
         if nll:  # one host transfer (a dp rank may hold no validation batch)
             nll, tokens = torch.cat(nll).tolist(), torch.cat(tokens).tolist()

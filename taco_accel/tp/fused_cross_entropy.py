@@ -1,0 +1,175 @@
+"""The vocab-parallel lm head and cross-entropy fused: matmul, loss and gradients in chunks of tokens.
+
+The unfused head computes the logits ``x W^T`` (tokens, V/tp), keeps them (and their fp32 copy)
+for the loss's backward, and multiplies again in backward. Here, per chunk of n tokens and per
+rank r held in this process (one for real TP, every virtual rank of an emulated group)::
+
+    logits = x_c W_r^T (+ b_r)              (n, V/tp) in the matmul dtype (autocast's, as nn.Linear)
+    lse_r, target_r = local_loss_parts       (2, n) fp32
+    lse, target = combine(every rank's parts)    the all-gather of `vocab_parallel_cross_entropy`
+    loss_c = lse - target                    0 on ignored tokens
+    g = exp(logits - lse) - onehot(target)   (n, V/tp), 0 on ignored tokens: d loss_c / d logits
+    grad_x_c = g W_r ;  grad_W_r += g^T x_c (fp32) ;  grad_b_r += sum(g)
+
+so the gradients are computed in the forward, when the logits are at hand, and no tensor of
+(tokens, V/tp) outlives its chunk: at most one chunk's logits in the matmul dtype and their fp32
+arithmetic (`CHUNK_BYTES` of fp32 logits per chunk). The function returns the summed loss; its
+backward multiplies the kept gradients by the incoming one (a scalar). Three matmuls per chunk,
+as the unfused forward and backward. What crosses ranks is what the unfused loss sends: the
+(2, n) parts per chunk at the plain site ``loss/lse`` (exact), and, outside this function, the
+input gradient's all-reduce at the head's ``lm_head/bwd`` site (compressed as before).
+
+Numerics: in fp32 the loss and gradients equal the unfused ones to fp32 rounding (the same
+log-sum-exp per rank, then across ranks; the softmax taken against the global log-sum-exp
+directly instead of through the chain rule of the two; the weight gradient summed over chunks in
+fp32). Under autocast the matmuls run in its dtype as ``nn.Linear``'s do; the weight gradient is
+summed in fp32 (the unfused head rounds it to the autocast dtype once).
+
+The chunk arithmetic (log-sum-exp, softmax gradient) is two pure functions that
+``torch.compile`` fuses into a few kernels when the model is compiled (``compile=`` the backend):
+torch's own compiler, not a kernel of ours. liger-kernel's fused linear cross-entropy does the
+same for one rank but has no vocab-parallel form (its softmax needs the log-sum-exp over the whole
+vocabulary inside its kernel) and does not compile under dynamo.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .autocast import MatmulCast
+from .cross_entropy import combine_loss_parts, local_loss_parts
+
+CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk (every local rank's): the loss's working set
+
+
+def chunk_tokens(tokens: int, local_vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Tokens per chunk: equal chunks whose fp32 logits (``local_vocab`` wide) fit ``chunk_bytes``."""
+    chunks = max(1, math.ceil(tokens * local_vocab * 4 / chunk_bytes))
+    return max(1, math.ceil(tokens / chunks))
+
+
+def softmax_grad(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, vocab_start: int,
+                 ignore_index: int) -> torch.Tensor:
+    """d loss / d logits of one rank's chunk (n, V/tp), in the logits' dtype: the softmax against
+    the global log-sum-exp ``lse`` (n,) minus the one-hot target where this rank holds it; 0 on
+    ignored tokens."""
+    local_vocab = logits.shape[-1]
+    local_target = target - vocab_start
+    scored = target != ignore_index
+    mine = (local_target >= 0) & (local_target < local_vocab) & scored
+    grad = torch.exp(logits.float() - lse.unsqueeze(-1))
+    onehot = torch.arange(local_vocab, device=logits.device) == local_target.unsqueeze(-1)
+    grad = torch.where(onehot & mine.unsqueeze(-1), grad - 1.0, grad)
+    return grad.masked_fill(~scored.unsqueeze(-1), 0.0).to(logits.dtype)
+
+
+class ChunkKernels:
+    """The chunk arithmetic, eager or compiled by ``torch.compile(backend=...)`` (built once)."""
+
+    def __init__(self, backend: str | None = None) -> None:
+        self.backend = backend
+        self.parts, self.grad, self.combine = local_loss_parts, softmax_grad, combine_loss_parts
+        if backend is not None:
+            self.parts = torch.compile(local_loss_parts, backend=backend)
+            self.grad = torch.compile(softmax_grad, backend=backend)
+            self.combine = torch.compile(combine_loss_parts, backend=backend)
+
+
+EAGER = ChunkKernels()
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Forward: the summed loss, and every gradient (see the module doc); backward: the kept
+    gradients times the loss's gradient."""
+
+    @staticmethod
+    def forward(ctx, target, spec, *tensors):
+        ranks = len(spec.vocab_starts)
+        xs, weights, biases = tensors[:ranks], tensors[ranks:2 * ranks], tensors[2 * ranks:]
+        loss, ctx.grads = _chunked(xs, weights, biases, target, spec, ctx.needs_input_grad[2:])
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grads, ctx.grads = ctx.grads, None  # ours alone: scaled in place
+        return (None, None, *[None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads])
+
+
+class FusedSpec:
+    """What `_FusedLinearCrossEntropy` needs besides tensors: each local rank's first vocabulary
+    row, how the ranks' parts meet, the ignore index, the chunk size and the kernels."""
+
+    def __init__(self, vocab_starts: Sequence[int], combine: Callable, ignore_index: int, chunk: int,
+                 kernels: ChunkKernels) -> None:
+        self.vocab_starts, self.combine, self.ignore_index = list(vocab_starts), combine, ignore_index
+        self.chunk, self.kernels = chunk, kernels
+
+
+def _chunked(xs, weights, biases, target, spec: FusedSpec, wanted: Sequence[bool]):
+    """The summed loss and the gradients of ``(*xs, *weights, *biases)``, each None unless
+    ``wanted`` (flags in that order; none wanted: the loss alone)."""
+    ranks, tokens, k = len(xs), target.shape[0], spec.kernels
+    cast = MatmulCast(xs[0].device.type)
+    ws = [cast(w) for w in weights]  # once, as nn.Linear under autocast casts its weight
+    bs = [cast(b) for b in biases] if biases else [None] * ranks
+    want_x, want_w, want_b = wanted[:ranks], wanted[ranks:2 * ranks], list(wanted[2 * ranks:]) or [False] * ranks
+    grad_x = [torch.empty_like(x) if want else None for x, want in zip(xs, want_x)]
+    fp32_zeros = lambda t, want: torch.zeros(t.shape, dtype=torch.float32, device=t.device) if want else None  # noqa: E731
+    grad_w = [fp32_zeros(w, want) for w, want in zip(weights, want_w)]
+    grad_b = [fp32_zeros(b, want) for b, want in zip(bs, want_b)]
+    trains = [x or w or b for x, w, b in zip(want_x, want_w, want_b)]
+    total = torch.zeros((), dtype=torch.float32, device=target.device)
+    for start in range(0, tokens, spec.chunk):
+        rows = slice(start, min(start + spec.chunk, tokens))
+        t = target[rows]
+        x_c = [cast(x[rows]) for x in xs]
+        logits = [F.linear(x, w, b) for x, w, b in zip(x_c, ws, bs)]  # R x (n, V/tp)
+        parts = torch.stack([k.parts(z, t, v0, spec.ignore_index) for z, v0 in zip(logits, spec.vocab_starts)])
+        parts = spec.combine(parts)  # (tp, 2, n): every rank's log-sum-exp and target logit
+        total = total + k.combine(parts, t == spec.ignore_index).sum()
+        if not any(trains):
+            continue
+        lse = torch.logsumexp(parts[:, 0], dim=0)  # (n,)
+        for r in (r for r in range(ranks) if trains[r]):
+            g = k.grad(logits[r], lse, t, spec.vocab_starts[r], spec.ignore_index)  # (n, V/tp)
+            logits[r] = None  # one chunk's logits alive at a time
+            if grad_x[r] is not None:
+                grad_x[r][rows] = g @ ws[r]
+            if grad_w[r] is not None:
+                grad_w[r] += (g.t() @ x_c[r]).float()
+            if grad_b[r] is not None:
+                grad_b[r] += g.float().sum(0)
+    like = lambda grads, tensors: [None if g is None else g.to(t.dtype) for g, t in zip(grads, tensors)]  # noqa: E731
+    return total, like(grad_x, xs) + like(grad_w, weights) + (like(grad_b, biases) if biases else [])
+
+
+def fused_linear_cross_entropy(
+    xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], target: torch.Tensor, vocab_starts: Sequence[int],
+    combine: Callable[[torch.Tensor], torch.Tensor], *, biases: Sequence[torch.Tensor | None] | None = None,
+    ignore_index: int = -100, chunk: int | None = None, kernels: ChunkKernels = EAGER,
+) -> torch.Tensor:
+    """The summed next-token loss of the head ``x W_r^T (+ b_r)`` over the vocabulary slices
+    held here, fp32, 0-d; differentiable in ``xs``, ``weights``, ``biases``.
+
+    ``xs``: per local rank, its (tokens, h) input (the same values; real TP: one); ``weights``:
+    per local rank its (V_r, h) rows, starting at ``vocab_starts[r]`` of the full vocabulary;
+    ``target``: (tokens,) ids in the full vocabulary, ``ignore_index`` not scored;
+    ``combine``: the local ranks' parts stacked (R, 2, n) -> every rank's (tp, 2, n) (real TP:
+    the all-gather over the group; emulated: the identity). ``chunk``: tokens per chunk
+    (default `chunk_tokens`)."""
+    biases = list(biases) if biases is not None and any(b is not None for b in biases) else []
+    if len(xs) != len(weights) or len(xs) != len(vocab_starts):
+        raise ValueError(f"{len(xs)} inputs, {len(weights)} weights and {len(vocab_starts)} vocabulary starts: "
+                         "pass one of each per local rank")
+    if biases and any(b is None for b in biases):
+        raise ValueError("either every local rank's head has a bias or none does")
+    if chunk is None:
+        chunk = chunk_tokens(target.shape[0], sum(w.shape[0] for w in weights))
+    spec = FusedSpec(vocab_starts, combine, ignore_index, chunk, kernels)
+    if not torch.is_grad_enabled():  # evaluation: the loss alone
+        return _chunked(xs, weights, biases, target, spec, [False] * (len(xs) + len(weights) + len(biases)))[0]
+    return _FusedLinearCrossEntropy.apply(target, spec, *xs, *weights, *biases)

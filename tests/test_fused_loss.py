@@ -1,0 +1,180 @@
+"""The fused vocab-parallel head and loss (`tp.fused_cross_entropy`, ``logits="none"``), in one process.
+
+Against the unfused computation it replaces (the head's matmul, then `local_loss_parts` per
+vocabulary slice and their combination, autograd for the gradients): the summed loss and every
+gradient in fp32 over chunks that do not divide the tokens, with a bias, ignored tokens and a
+vocabulary split over 1 to 3 ranks; the largest tensor it allocates (one chunk's logits, never
+the (tokens, V/tp) ones); a model with ``logits="none"`` at tp=1 and emulated tp=2 (compression off
+and on) against the plain transformers model; the chunk arithmetic compiled. Real TP over gloo
+ranks is in tests/test_parallelize.py (fp32, every family, tp 2 and 4) and tests/test_precision.py
+(bf16 autocast and parameters), the recipes' Trainer in tests/test_recipes.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from harness import fp32_bound, lm_batch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import taco_accel
+from taco_accel import comm
+from taco_accel.models.tiny import tiny_model
+from taco_accel.tp.cross_entropy import combine_loss_parts, local_loss_parts
+from taco_accel.tp.fused_cross_entropy import ChunkKernels, chunk_tokens, fused_linear_cross_entropy
+
+TOKENS, HIDDEN, VOCAB = 23, 16, 40
+# fp32, any order: each logit a sum of HIDDEN products; the loss a sum over <= TOKENS tokens of
+# log-sum-exps of O(1) logits over VOCAB entries; a gradient a sum of TOKENS (weight) or VOCAB
+# (input) products: sums of at most 64 terms whose magnitudes add up to less than 100
+FP32 = fp32_bound(64, 100.0)
+
+
+def _problem(ranks: int, bias: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(TOKENS, HIDDEN, generator=g)
+    weight = torch.randn(VOCAB, HIDDEN, generator=g) / HIDDEN**0.5
+    b = torch.randn(VOCAB, generator=g) if bias else None
+    target = torch.randint(0, VOCAB, (TOKENS,), generator=g)
+    target[::4] = -100  # ignored tokens
+    bounds = [round(r * VOCAB / ranks) for r in range(ranks + 1)]  # uneven slices for 3 ranks
+    return x, weight, b, target, list(zip(bounds[:-1], bounds[1:]))
+
+
+def _unfused(x, weight, b, target, slices):
+    """The loss and gradients the fused function replaces: every rank's logits, then the loss parts."""
+    x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    b = None if b is None else b.clone().requires_grad_()
+    logits = torch.nn.functional.linear(x, weight, b)  # (tokens, V)
+    parts = torch.stack([local_loss_parts(logits[:, lo:hi], target, lo) for lo, hi in slices])
+    loss = combine_loss_parts(parts, target == -100).sum()
+    loss.backward()
+    return loss.detach(), [x.grad, weight.grad, None if b is None else b.grad]
+
+
+def _fused(x, weight, b, target, slices, chunk, kernels=None):
+    """The fused function with one input copy per rank (an emulated group's layout)."""
+    xs = [x.clone().requires_grad_() for _ in slices]
+    full_w, full_b = weight.clone().requires_grad_(), None if b is None else b.clone().requires_grad_()
+    weights = [full_w[lo:hi] for lo, hi in slices]
+    biases = None if full_b is None else [full_b[lo:hi] for lo, hi in slices]
+    extra = {} if kernels is None else {"kernels": kernels}
+    loss = fused_linear_cross_entropy(xs, weights, target, [lo for lo, _ in slices], lambda parts: parts,
+                                      biases=biases, chunk=chunk, **extra)
+    (loss * 0.5).backward()  # the incoming gradient scales the kept ones
+    return loss.detach(), [sum(x.grad for x in xs) * 2, full_w.grad * 2, None if full_b is None else full_b.grad * 2]
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("chunk", [1, 5, TOKENS])
+def test_fused_equals_unfused_in_fp32(ranks, bias, chunk):
+    x, weight, b, target, slices = _problem(ranks, bias)
+    want_loss, want = _unfused(x, weight, b, target, slices)
+    loss, got = _fused(x, weight, b, target, slices, chunk)
+    assert abs(loss.item() - want_loss.item()) < FP32
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if w is not None:
+            assert float((g - w).abs().max()) < FP32
+
+
+def test_all_ignored_tokens_give_zero_loss_and_gradients():
+    x, weight, _, target, slices = _problem(2, False)
+    loss, got = _fused(x, weight, None, torch.full_like(target, -100), slices, 4)
+    assert loss.item() == 0.0 and all(float(g.abs().max()) == 0.0 for g in got if g is not None)
+
+
+class _Largest(TorchDispatchMode):
+    """The largest tensor (elements) any op writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        sizes = [t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.largest = max([self.largest, *sizes])
+        return out
+
+
+def test_no_tensor_of_every_token_by_the_vocabulary():
+    """One chunk's logits at most, in forward and backward; the unfused path writes (tokens, V)."""
+    tokens, vocab = 64, 1024  # wider than the weight (V x 16) and the inputs
+    x, weight = torch.randn(tokens, HIDDEN, requires_grad=True), torch.randn(vocab, HIDDEN, requires_grad=True)
+    target = torch.randint(0, vocab, (tokens,))
+    fused, unfused = _Largest(), _Largest()
+    with fused:
+        fused_linear_cross_entropy([x], [weight], target, [0], lambda parts: parts, chunk=8).backward()
+    with unfused:
+        logits = x @ weight.t()
+        combine_loss_parts(local_loss_parts(logits, target, 0)[None], target == -100).sum().backward()
+    assert unfused.largest == tokens * vocab
+    assert fused.largest <= max(8 * vocab, vocab * HIDDEN) < tokens * vocab  # a chunk's logits; the weight gradient
+
+
+def test_chunks_fit_the_byte_budget():
+    assert chunk_tokens(4096, 151_936) * 151_936 * 4 <= 256 * 2**20  # Qwen2.5's vocabulary, tp=1
+    assert chunk_tokens(16, 128) == 16  # one chunk
+    assert chunk_tokens(10, 10, chunk_bytes=4 * 10 * 3) == 3  # 4 equal chunks of at most 3 tokens
+
+
+@pytest.mark.parametrize("arch, kwargs", [("qwen2", {}), ("gpt2", {"tp": 2, "emulate": True}),
+                                          ("llama", {"tp": 2, "emulate": True})],
+                         ids=["tp1-qwen2", "emulated2-gpt2", "emulated2-llama"])
+def test_a_model_with_logits_none_matches_the_plain_model(arch, kwargs):
+    ref = tiny_model(arch)
+    ids, labels = lm_batch(ref.config.vocab_size)
+    model = taco_accel.parallelize(copy.deepcopy(ref), compression=None, logits="none", **kwargs)
+    model.taco.fused.chunk = 5  # several chunks, the last one short
+    out, want = model(ids, labels=labels), ref(ids, labels=labels)
+    out.loss.backward()
+    want.loss.backward()
+    assert out.logits is None and "logits" not in out  # nothing of the vocabulary's size was computed
+    assert abs(out.loss.item() - want.loss.item()) < FP32
+    for name, p in model.named_parameters():
+        assert float((p.grad - ref.get_parameter(name).grad).abs().max()) < FP32, name
+    with torch.no_grad():  # without labels: the full logits
+        assert torch.allclose(model(ids).logits, ref(ids).logits, atol=FP32, rtol=0)
+        assert model(ids, labels=labels, return_dict=False)[0].item() == pytest.approx(want.loss.item(), abs=FP32)
+
+
+def test_compressed_emulated_head_sends_its_input_gradient_through_the_codec():
+    """Compression on (emulated tp=2): the fused loss's input gradient leaves through the head's
+    compressed site, as the unfused head's does; the loss, computed from the same forward messages,
+    equals the unfused one to fp32 rounding."""
+    ref = tiny_model("qwen2")
+    ids, labels = lm_batch(ref.config.vocab_size)
+    losses, calls = {}, {}
+    for mode in ("local", "none"):
+        model = taco_accel.parallelize(copy.deepcopy(ref), tp=2, emulate=True, logits=mode,
+                                       compression=taco_accel.TacoConfig(group_size=32))
+        comm.pop_comm_stats()
+        loss = model(ids, labels=labels).loss
+        loss.backward()
+        losses[mode] = loss.item()
+        calls[mode] = comm.pop_comm_stats()["lm_head/bwd"].compressed_calls
+    assert calls == {"local": 1, "none": 1}
+    assert abs(losses["none"] - losses["local"]) < FP32
+
+
+def test_compiled_chunk_arithmetic_equals_eager():
+    """aot_eager runs the same aten ops: the same loss and gradients, bit for bit."""
+    x, weight, b, target, slices = _problem(2, True)
+    eager = _fused(x, weight, b, target, slices, 5)
+    compiled = _fused(x, weight, b, target, slices, 5, kernels=ChunkKernels("aot_eager"))
+    assert torch.equal(eager[0], compiled[0])
+    assert all(torch.equal(g, c) for g, c in zip(eager[1], compiled[1]))
+
+
+def test_logits_mode_none_is_validated():
+    model = taco_accel.parallelize(tiny_model("qwen2"), compression=None)
+    with pytest.raises(ValueError, match="'none': no logits when labels are given"):
+        taco_accel.parallelize(tiny_model("qwen2"), compression=None, logits="fused")
+    model.taco.logits = "bogus"
+    with pytest.raises(ValueError, match="logits='bogus'"):
+        model(torch.zeros(1, 4, dtype=torch.long))
