@@ -87,14 +87,15 @@ def _compiled_step(arch: str, sp: bool, compression) -> dict:
 
 
 def _checkpointed_compiled(arch: str) -> dict:
-    """tp=2, compression off: transformers' activation checkpointing (its new name) on the
-    parallel model, compiled through `apply_compile` (aot_eager), against the plain model eager."""
+    """tp=2, compression off: activation checkpointing (`enable_activation_checkpointing`) on the
+    parallel model, compiled per block through `apply_compile` (aot_eager), against the plain
+    model eager."""
     from taco_accel.models.state import shard_specs
-    from taco_accel.parallel import apply_compile, is_compiled
+    from taco_accel.parallel import apply_compile, enable_activation_checkpointing, is_checkpointed, is_compiled
 
     ref = tiny_model(arch)
     model = taco_accel.parallelize(copy.deepcopy(ref), compression=None)
-    model.activation_checkpointing_enable()
+    enable_activation_checkpointing(model)
     apply_compile([model], "aot_eager")
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
     loss, ref_loss = model(ids, labels=ids).loss, ref(ids, labels=ids).loss
@@ -106,7 +107,32 @@ def _checkpointed_compiled(arch: str) -> dict:
         expected = specs[name].take(expected, model.taco.rank) if name in specs else expected
         worst = max(worst, float((p.grad - expected).abs().max()))
     return {"loss": abs(loss.item() - ref_loss.item()), "grad": worst, "compiled": is_compiled(model),
-            "checkpointed": model.is_activation_checkpointing}
+            "checkpointed": is_checkpointed(model)}
+
+
+def _per_block(checkpointed: bool) -> dict:
+    """tp=2, every message compressed, logits="none" (the fused loss's chunk arithmetic compiled
+    too): 1 and 4 decoder blocks compiled each on its own (`apply_compile`, aot_eager), 3 training
+    steps each; dynamo's graphs and graph breaks after each step."""
+    from torch._dynamo.utils import counters
+
+    from taco_accel.parallel import apply_compile, enable_activation_checkpointing
+
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for depth in (1, 4):
+        model = taco_accel.parallelize(tiny_model("qwen2", num_hidden_layers=depth), compression=ON, logits="none")
+        if checkpointed:
+            enable_activation_checkpointing(model)
+        torch._dynamo.reset()
+        counters.clear()
+        apply_compile([model], "aot_eager")
+        steps = []
+        for _ in range(3):
+            model(ids, labels=ids).loss.backward()
+            steps.append((counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())))
+        out[depth] = steps
+    return out
 
 
 def _stage_explain() -> dict:
@@ -153,6 +179,8 @@ def _worker(out: str) -> dict:
         cases[arch, sp, "off"] = functools.partial(_compiled_step, arch, sp, None)
     cases["auto"] = _auto_step
     cases["checkpointed"] = functools.partial(_checkpointed_compiled, "llama")
+    for checkpointed in (False, True):
+        cases["per block", checkpointed] = functools.partial(_per_block, checkpointed)
     cases["stage"] = _stage_explain
     cases["pipeline"] = functools.partial(_pipeline_runs, out)
     return per_case(cases)
@@ -245,6 +273,16 @@ def test_activation_checkpointing_on_a_compiled_parallel_model_matches_the_plain
     for r in case(measured, "checkpointed"):
         assert r["compiled"] and r["checkpointed"], r
         assert r["loss"] < FP32 and r["grad"] < FP32, r
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_blocks_compile_once_for_every_layer(measured, checkpointed):
+    """torchtitan's per-block compile: the blocks share one graph (no per-layer constant in it:
+    the sites' handles reach the custom ops as tensors), no graph break, nothing compiled after
+    the first step."""
+    for r in case(measured, ("per block", checkpointed)):
+        assert r[4] == r[1], r  # 4 blocks compile the graphs 1 block does: one graph serves every block
+        assert all(graphs == r[4][0][0] and breaks == 0 for graphs, breaks in r[4]), r  # no recompile, no break
 
 
 def test_a_compressed_pipeline_stage_compiles_without_graph_breaks(measured):

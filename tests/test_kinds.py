@@ -38,9 +38,10 @@ def test_shapes_ring_bytes_emulation_and_ops_answer_from_the_registry():
         shape = out[0].shape if name == "reduce_scatter" else out.shape  # reduce_scatter: one tensor per rank
         assert tuple(shape) == KINDS[name].output_shape(xs[0].shape, world)
         # the custom op's fake result (what a compiled graph's tracer is told): meta tensors run it
-        assert getattr(torch.ops.taco, name)(xs[0].to("meta"), 0, world).shape == shape
+        handle = torch.tensor(0).to("meta")  # a site's handle: a 0-d int64 tensor (ops.handle_tensor)
+        assert getattr(torch.ops.taco, name)(xs[0].to("meta"), handle, world).shape == shape
         every = torch.cat(out) if name == "reduce_scatter" else out  # the emulated op: every rank's rows
-        assert torch.ops.taco.emulated(torch.stack(xs).to("meta"), 0, 0, name).shape == every.shape
+        assert torch.ops.taco.emulated(torch.stack(xs).to("meta"), 0, handle, name).shape == every.shape
         figures = DEFAULT.pop()[f"kinds.{name}"]
         # exact integer ring figures: the plain call sends what ring_bytes says, on both counts
         assert figures.bytes_sent == figures.bytes_uncompressed == ring_bytes(KINDS[name], nbytes, world)

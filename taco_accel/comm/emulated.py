@@ -231,7 +231,7 @@ class EmulatedGroup:
         ``taco::emulated`` (`ops`): opaque to the tracer, so its Python (decision, statistics,
         codec layouts) costs no graph break and runs at run time, as for real groups."""
         if isinstance(xs, torch.Tensor) and residuals is None and torch.compiler.is_compiling():
-            return torch.ops.taco.emulated(xs, self.handle, site.handle, kind)
+            return torch.ops.taco.emulated(xs, self.handle, site.handle_tensor, kind)
         described = kind_of(kind)
         together = xs.detach().contiguous() if isinstance(xs, torch.Tensor) else None
         xs = self._check(described, together if together is not None else xs)

@@ -6,7 +6,10 @@
     torch.ops.taco.emulated(xs, group_handle, site_handle, kind)   # an `emulated.EmulatedGroup`'s
 
 A ``handle`` is the integer that `register` gives an object (a site, an emulated group) and
-`find` turns back into it: a compiled graph holds integers, not Python objects. The op's body
+`find` turns back into it: a compiled graph holds integers, not Python objects. A site's handle
+reaches its op as a 0-d int64 CPU tensor (`handle_tensor`, read on the host: no device sync): a
+graph input, not a constant, so that one compiled graph serves every decoder block, each with
+sites of its own (an int would be baked into the graph and guarded on: one recompile per block). The op's body
 calls the object's eager method at run time (``site.run(kind, x)``,
 ``group.collective(kind, xs, site)``): everything the call needs (the group, the codec
 settings, the decision, the statistics) is the object's, in this layer. Inside a compiled graph
@@ -37,8 +40,14 @@ def register(obj) -> int:
     return handle
 
 
-def find(handle: int):
+def handle_tensor(handle: int) -> torch.Tensor:
+    """``handle`` as a site's op takes it: a 0-d int64 tensor on the CPU."""
+    return torch.tensor(handle, dtype=torch.int64)
+
+
+def find(handle: int | torch.Tensor):
     """The object registered under ``handle``; a RuntimeError once it is gone."""
+    handle = int(handle)
     found = _registered.get(handle)
     obj = found() if found is not None else None
     if obj is None:
@@ -52,7 +61,7 @@ def _site_op(kind: Kind):
     name = kind.name
 
     @torch.library.custom_op(f"taco::{name}", mutates_args=())
-    def op(x: torch.Tensor, handle: int, world: int) -> torch.Tensor:
+    def op(x: torch.Tensor, handle: torch.Tensor, world: int) -> torch.Tensor:
         return find(handle).run(name, x)
 
     @op.register_fake
@@ -66,7 +75,7 @@ OPS = {kind.name: _site_op(kind) for kind in KINDS.values() if not kind.per_rank
 
 
 @torch.library.custom_op("taco::emulated", mutates_args=())
-def emulated(xs: torch.Tensor, group_handle: int, site_handle: int, kind: str) -> torch.Tensor:
+def emulated(xs: torch.Tensor, group_handle: int, site_handle: torch.Tensor, kind: str) -> torch.Tensor:
     """`emulated.EmulatedGroup.collective` of the stacked ``xs`` [P, ...] through a site."""
     return find(group_handle).collective(kind, xs, find(site_handle))
 

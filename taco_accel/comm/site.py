@@ -40,7 +40,7 @@ from .stats import DEFAULT, Ledger
 class Site(SharesGroup):
     """One communication site; see the module docstring."""
 
-    __slots__ = ("name", "group", "world", "handle", "decider", "decision", "record", "samples", "_max_elements",
+    __slots__ = ("name", "group", "world", "handle", "handle_tensor", "decider", "decision", "record", "samples", "_max_elements",
                  "_config", "codec", "piece_bytes", "_threshold", "_link", "__weakref__")
 
     def __init__(self, name: str, group, config: TacoConfig | None, decider=None, ledger: Ledger | None = None,
@@ -50,6 +50,7 @@ class Site(SharesGroup):
         self.world = dist_ops.group_size(group)
         self.record = (ledger or DEFAULT).record(name)
         self.handle = ops.register(self)  # how the compiled graph's custom ops find this site
+        self.handle_tensor = ops.handle_tensor(self.handle)  # ... passed as a graph input (`ops`)
         self.config = config
         self.samples: list[torch.Tensor] | None = None  # a list only while calibrating
         self._max_elements = 0
@@ -60,6 +61,7 @@ class Site(SharesGroup):
     def _copied(self, original: "Site") -> None:
         """A copied model's site: its own handle, statistics starting at zero."""
         self.handle = ops.register(self)
+        self.handle_tensor = ops.handle_tensor(self.handle)
         self.record.pop()
 
     @property
@@ -85,7 +87,7 @@ class Site(SharesGroup):
         "reduce_scatter") from this site: `run`, or inside torch.compile the custom op that
         calls `run` at run time (`ops`: the collective stays in the graph, out of place)."""
         if torch.compiler.is_compiling():
-            return ops.OPS[kind](x, self.handle, self.world)
+            return ops.OPS[kind](x, self.handle_tensor, self.world)
         return self.run(kind, x, inplace=inplace)
 
     def run(self, kind: str, x: torch.Tensor, *, inplace: bool = False, async_op: bool = False,

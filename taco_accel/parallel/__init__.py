@@ -7,7 +7,7 @@ FSDP2 over dp), then `apply_compile`. `distribute` runs them in order and return
 modules, and the gradient reductions and clipping over the whole mesh that end a step.
 """
 
-from .compile import apply_compile, compile_backend, enable_activation_checkpointing, is_compiled
+from .compile import apply_compile, compile_backend, enable_activation_checkpointing, is_checkpointed, is_compiled
 from .boundary import Boundary, BoundaryStage, PipelineBoundaries, boundary_name
 from .data_parallel import DataParallelGradSync, ReplicaGradSum, TiedEmbeddingSync, apply_dp, local_tensor
 from .mesh import MESH_DIMS, ParallelDims, build_mesh, collective_timeout
@@ -46,6 +46,7 @@ __all__ = [
     "distribute",
     "emulate_boundaries",
     "enable_activation_checkpointing",
+    "is_checkpointed",
     "is_compiled",
     "local_tensor",
     "make_pipeline_stages",

@@ -1,28 +1,35 @@
-"""torch.compile of a model laid out on the mesh (torchtitan's ``apply_compile``), and the switch.
+"""Activation checkpointing and torch.compile of a model laid out on the mesh, per decoder block
+(torchtitan's ``apply_ac`` and ``apply_compile``), and the compile switch.
 
-`apply_compile` compiles every module of `ModelParts` in place (``nn.Module.compile``): the
-object, its parameters, its state_dict keys and the hooks of the passes before it stay what they
-were, so checkpoints, clipping and the pipeline schedule see the same module. Each module is
-one region: the whole transformers model, or a whole pipeline stage (embedding, layers, norm,
-head), so the small per-layer host costs (hooks, autograd nodes, the mask and rotary setup)
-fuse into one graph. The TP collectives are custom ops (`comm.ops`): no graph break; their
-codec decision and statistics run at run time inside the graph.
+`enable_activation_checkpointing` wraps the ``forward`` of every decoder layer in
+``torch.utils.checkpoint`` (non-reentrant): the layer's activations are dropped after its forward
+and recomputed in backward, TP collectives included (a compressed forward recomputes the same
+bytes: the codec is deterministic). It needs no transformers method (whose name changed:
+``gradient_checkpointing_enable`` before 5.20, ``activation_checkpointing_enable`` after), keeps
+the module tree and parameter names, and leaves the layer's hooks outside the checkpoint, as
+transformers does. Enable it before `apply_compile`.
 
-Activation checkpointing is transformers' own (``model.activation_checkpointing_enable()``, or
-its older name ``gradient_checkpointing_enable()``): each decoder layer recomputes its forward
-in backward, TP collectives included (a compressed forward recomputes the same bytes: the
-codec is deterministic). It works on a parallelised model, in a pipeline stage, compiled or
-not; enable it before `apply_compile` (`enable_activation_checkpointing` does it for a
-`StageModule` or a peft model too).
+`apply_compile` compiles each decoder block on its own, in place (``nn.Module.compile``): the
+blocks are instances of one class running the same code, so dynamo traces the block once and every
+other block reuses that graph (parameters are graph inputs; nothing per layer is a constant in
+it: the TP sites reach their custom ops as tensors, `comm.ops`; a training forward builds no
+KV cache, whose update takes the layer index). Compile time does not grow with depth
+(tests/test_compile.py counts one graph for every block and no recompile). The module objects, parameters, state_dict keys and hooks stay what they were, so
+checkpoints, clipping and the pipeline schedule see the same modules. What lies outside the blocks
+(embedding, rotary and mask setup, final norm, head and loss) runs eagerly; the fused loss compiles
+its own chunk arithmetic (`tp.fused_cross_entropy`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
+import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from .stage import StageModule
+from .stage import StageModule, decoder_layers, taco_context
 
 logger = logging.getLogger(__name__)
 
@@ -43,27 +50,111 @@ def compile_backend(compile, device_type: str) -> str | None:
 
 
 def apply_compile(modules: list[nn.Module], backend: str, **options) -> None:
-    """``module.compile(backend=backend, **options)`` for each of ``modules`` (in place; the
-    ``options`` are torch.compile's: mode, fullgraph, dynamic)."""
+    """``block.compile(backend=backend, **options)`` for each decoder block of each of ``modules``
+    (a transformers causal LM, a `StageModule`, a peft model; in place; the ``options`` are
+    torch.compile's: mode, fullgraph, dynamic). A ValueError when a module holds no decoder block."""
     options = {k: v for k, v in options.items() if v is not None}
+    blocks = [block for module in modules for block in _blocks(module)]
+    for block in blocks:
+        forward = block.__dict__.get("forward")
+        if isinstance(forward, CheckpointedForward):
+            forward.compile(backend, **options)
+        else:
+            block.compile(backend=backend, **options)
     for module in modules:
-        module.compile(backend=backend, **options)
-    logger.info("torch.compile (%s%s) applied to %d module(s)", backend,
-                "".join(f", {k}={v}" for k, v in options.items()), len(modules))
+        context, _ = taco_context(module)
+        if context is not None and context.fused is not None:  # the fused loss's chunk arithmetic
+            context.fused.compile(backend)
+        if not isinstance(module, StageModule):
+            _causal_lm(module).register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
+    logger.info("torch.compile (%s%s) applied to %d decoder block(s)", backend,
+                "".join(f", {k}={v}" for k, v in options.items()), len(blocks))
+
+
+def _causal_lm(module: nn.Module) -> nn.Module:
+    return module.get_base_model() if hasattr(module, "get_base_model") else module  # peft: the causal LM
+
+
+def _no_cache_in_training(module: nn.Module, args, kwargs):
+    """A training forward with gradients builds no KV cache (``use_cache=False``), as transformers'
+    checkpointed layers do: each layer's cache update takes its layer index, a constant that a
+    graph shared by every block cannot hold (one recompile per layer)."""
+    if module.training and torch.is_grad_enabled() and kwargs.get("use_cache") is not False:
+        return args, {**kwargs, "use_cache": False}
+    return None
+
+
+def _blocks(module: nn.Module) -> list[nn.Module]:
+    """The decoder blocks of ``module``; a ValueError when it holds none."""
+    blocks = decoder_layers(module)
+    if not blocks:
+        raise ValueError(f"{type(module).__name__} holds no decoder block to compile; pass the causal LM or its "
+                         "pipeline stages")
+    return blocks
 
 
 def is_compiled(module: nn.Module) -> bool:
-    """Whether ``module`` runs compiled (``module.compile()`` or a ``torch.compile`` wrapper)."""
-    return getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod")
+    """Whether ``module`` runs compiled: itself (``module.compile()`` or a ``torch.compile``
+    wrapper) or, for a model or stage, each of its decoder blocks (`apply_compile`)."""
+    if getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod"):
+        return True
+    try:
+        blocks = decoder_layers(module)
+    except ValueError:
+        return False
+    compiled = lambda block: (getattr(block, "_compiled_call_impl", None) is not None  # noqa: E731
+                              or getattr(block.__dict__.get("forward"), "compiled", None) is not None)
+    return bool(blocks) and all(compiled(block) for block in blocks)
+
+
+class CheckpointedForward:
+    """A decoder layer's ``forward`` (its class's) run under ``torch.utils.checkpoint``
+    (non-reentrant) when the layer trains with gradients; as it is otherwise (evaluation,
+    ``no_grad``: nothing to replay). `compile` compiles the forward inside the checkpoint: the
+    checkpoint stays out of the graph, so a side effect in a layer's forward (transformers' hub
+    kernels set a context variable) is no graph break, and the replay runs the compiled code."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer = layer
+        self.compiled = None
+
+    def __call__(self, *args, **kwargs):
+        forward = self.compiled or functools.partial(type(self.layer).forward, self.layer)
+        if self.layer.training and torch.is_grad_enabled():
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return forward(*args, **kwargs)
+
+    def compile(self, backend: str, **options) -> None:
+        self.compiled = torch.compile(functools.partial(type(self.layer).forward, self.layer), backend=backend,
+                                      **options)
+
+    def __deepcopy__(self, memo):  # a copied layer checkpoints its own forward
+        return CheckpointedForward(memo[id(self.layer)]) if id(self.layer) in memo else self
 
 
 def enable_activation_checkpointing(module: nn.Module) -> None:
-    """transformers' activation checkpointing (non-reentrant) on the causal LM inside ``module``
-    (the model itself, a `StageModule`, or a peft wrapper)."""
-    model = module.model if isinstance(module, StageModule) else module
-    if hasattr(model, "get_base_model"):  # peft: its own enable also asks for input gradients
-        model = model.get_base_model()
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    """Recompute each decoder layer of ``module`` (a causal LM, a `StageModule`, a peft wrapper)
+    in backward: its ``forward`` wrapped in ``torch.utils.checkpoint`` (see the module doc).
+    Idempotent; a ValueError when ``module`` holds no decoder layer."""
+    layers = decoder_layers(module)
+    if not layers:
+        raise ValueError(f"{type(module).__name__} holds no decoder layer to checkpoint")
+    for layer in layers:
+        if not is_checkpointed(layer):
+            layer.forward = CheckpointedForward(layer)
+    logger.info("activation checkpointing: %d decoder layer(s) recompute their forward in backward", len(layers))
 
 
-__all__ = ["apply_compile", "compile_backend", "enable_activation_checkpointing", "is_compiled"]
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether ``module`` (a decoder layer; a model or stage: every one of its layers) recomputes
+    its forward in backward (`enable_activation_checkpointing`)."""
+    if isinstance(module.__dict__.get("forward"), CheckpointedForward):
+        return True
+    try:
+        layers = decoder_layers(module)
+    except ValueError:
+        return False
+    return bool(layers) and all(isinstance(layer.__dict__.get("forward"), CheckpointedForward) for layer in layers)
+
+
+__all__ = ["apply_compile", "compile_backend", "enable_activation_checkpointing", "is_checkpointed", "is_compiled"]

@@ -83,15 +83,19 @@ def site_tables(module: nn.Module) -> list:
     return tables
 
 
-def _mask_fns():
+def mask_functions() -> tuple:
+    """transformers' ``(create_causal_mask, create_sliding_window_causal_mask or None)``. Called
+    when a stage is built, not in its forward: torch.compile cannot trace the import of a
+    transformers submodule through its lazy module (a graph break, "Bad import result")."""
     from transformers import masking_utils
 
     return masking_utils.create_causal_mask, getattr(masking_utils, "create_sliding_window_causal_mask", None)
 
 
-def causal_masks(config, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict:
-    """The causal mask(s) of a packed batch, keyed by layer type, as the HF model builds them."""
-    full, sliding = _mask_fns()
+def causal_masks(config, hidden: torch.Tensor, position_ids: torch.Tensor, functions: tuple) -> dict:
+    """The causal mask(s) of a packed batch, keyed by layer type, as the HF model builds them
+    (``functions``: `mask_functions`)."""
+    full, sliding = functions
     # the 4th argument is the KV cache, named past_key_values in transformers < 5.20 and cache after
     masks = {"full_attention": full(config, hidden, None, None, position_ids=position_ids)}
     if sliding is not None and "sliding_attention" in (getattr(config, "layer_types", None) or ()):
@@ -121,6 +125,7 @@ class StageModule(nn.Module):
         self.seq_split = seq_split
         # what crosses to other ranks: boundary.Boundary / PipelineBoundaries, set by apply_pp
         self.inbound = self.outbound = self.boundaries = None
+        self.mask_functions = mask_functions()
 
     # -- parts ------------------------------------------------------------------------------
     def _base(self) -> nn.Module:
@@ -159,7 +164,7 @@ class StageModule(nn.Module):
         layer_items = self.layer_items()
         if layer_items:
             full = x if x.shape[1] == seq else x[:, :1].expand(-1, seq, -1)  # (b, s, h) shape, no copy
-            masks = causal_masks(config, full, position_ids)
+            masks = causal_masks(config, full, position_ids, self.mask_functions)
             kwargs = {"position_ids": position_ids}
             if fam.rotary:
                 kwargs["position_embeddings"] = getattr(base, fam.rotary)(full, position_ids)
@@ -171,5 +176,8 @@ class StageModule(nn.Module):
                     x = x[0]
         if self.is_last:
             x = getattr(base, fam.norm)(x)
-            x = self.model.lm_head(x)  # (b, s, V/tp)
+            fused = getattr(self.model.lm_head, "fused", None)
+            if fused is not None:  # the schedule's loss follows: under logits="none" it takes x itself
+                fused.labels = True
+            x = self.model.lm_head(x)  # (b, s, V/tp), or (b, s, h) handed on
         return x

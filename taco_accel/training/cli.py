@@ -219,7 +219,7 @@ def add_speed_args(p: argparse.ArgumentParser) -> None:
     """--compile / --no-compile, --compile-backend, --activation-checkpointing."""
     s = p.add_argument_group("speed and memory")
     s.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the model (default: on with CUDA, off on the CPU)")
+                   help="torch.compile each decoder block (default: on with CUDA, off on the CPU)")
     s.add_argument("--compile-backend", default="inductor", help="torch.compile backend (Accelerate's "
                    "dynamo_backend names: inductor, aot_eager, eager, ...)")
     s.add_argument("--activation-checkpointing", "--gradient-checkpointing", dest="activation_checkpointing",
