@@ -2,7 +2,8 @@
 
 ``vocab_size`` and the maximum sequence length are filled in from the tokenizer and the run
 (`model_config`). "nano" is for the test suite, "tiny" trains in about a minute on 2 CPU
-processes; the others are the usual shapes up to 7B-class for GPUs.
+processes; the others are the usual shapes up to 7B-class for GPUs (qwen2 0.5b, 1.5b and 3b: Qwen2.5's, whose
+vocabulary is 151,936).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ QWEN = {
                  tie_word_embeddings=True),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                  tie_word_embeddings=True),
+    "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+               tie_word_embeddings=True),
     "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4),
 }
 
@@ -37,7 +40,8 @@ def pad_vocab(n: int, multiple: int = 128) -> int:
 
 
 def model_config(family: str, preset: str, *, vocab_size: int, max_positions: int, **overrides):
-    """A transformers config of ``family`` ("qwen2" or "gpt2") at size ``preset``."""
+    """A transformers config of ``family`` ("qwen2" or "gpt2") at size ``preset``; ``overrides``
+    (any config field, ``vocab_size`` included: e.g. Qwen2.5's 151,936) win."""
     presets = FAMILY_PRESETS.get(family)
     if presets is None:
         raise ValueError(f"model family {family!r} has no presets; use one of {sorted(FAMILY_PRESETS)}")
@@ -48,10 +52,10 @@ def model_config(family: str, preset: str, *, vocab_size: int, max_positions: in
         from transformers import Qwen2Config
 
         values.setdefault("tie_word_embeddings", False)
-        values.update(vocab_size=vocab_size, max_position_embeddings=max(max_positions, 128), **overrides)
-        return Qwen2Config(**values)
+        values.update(vocab_size=vocab_size, max_position_embeddings=max(max_positions, 128))
+        return Qwen2Config(**{**values, **overrides})
     from transformers import GPT2Config
 
     values.update(vocab_size=vocab_size, n_positions=max(max_positions, 128), resid_pdrop=0.0, embd_pdrop=0.0,
-                  attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, **overrides)
-    return GPT2Config(**values)
+                  attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2Config(**{**values, **overrides})

@@ -187,7 +187,7 @@ class Trainer(TrainingLoop):
             grad_compression=cfg.grad_compression, sequence_parallel=cfg.sequence_parallel,
             step_scheduler_with_optimizer=False,
             log_with=self.trackers or None, kwargs_handlers=[timeout_handler(cfg.timeout_s)],
-            logits="local",  # the pipeline's loss is vocab-parallel: no all-gather of the logits
+            logits="none",  # the pipeline's loss: the head and loss fused, no logits
             dynamo_backend=(compile_backend(cfg.compile, device_type(cfg.device)) and cfg.compile_backend) or "no",
         )
         self.dims, self.mesh, self.device = acc.parallel_dims, acc.torch_device_mesh, acc.device
@@ -229,8 +229,8 @@ class Trainer(TrainingLoop):
         from ..parallel.pipeline import is_tied
 
         cfg = self.cfg
-        self.model_config = model_config(cfg.family, cfg.preset, vocab_size=pad_vocab(len(self.tokenizer)),
-                                         max_positions=cfg.seq_len, **cfg.model_overrides)
+        overrides = {"vocab_size": pad_vocab(len(self.tokenizer)), **cfg.model_overrides}  # e.g. a real vocabulary
+        self.model_config = model_config(cfg.family, cfg.preset, max_positions=cfg.seq_len, **overrides)
         torch.manual_seed(cfg.seed)  # every rank builds the same initial model
         self.model = model = AutoModelForCausalLM.from_config(self.model_config)
         num_params = sum(p.numel() for p in model.parameters())  # a tied head counts once
