@@ -24,7 +24,7 @@ import taco_accel
 from taco_accel import comm
 from taco_accel.models.tiny import tiny_model
 from taco_accel.tp.cross_entropy import combine_loss_parts, local_loss_parts
-from taco_accel.tp.fused_cross_entropy import ChunkKernels, chunk_tokens, fused_linear_cross_entropy
+from taco_accel.tp.fused_cross_entropy import CHUNK_BYTES, ChunkKernels, chunk_tokens, fused_linear_cross_entropy
 
 TOKENS, HIDDEN, VOCAB = 23, 16, 40
 # fp32, any order: each logit a sum of HIDDEN products; the loss a sum over <= TOKENS tokens of
@@ -118,7 +118,7 @@ def test_no_tensor_of_every_token_by_the_vocabulary():
 
 
 def test_chunks_fit_the_byte_budget():
-    assert chunk_tokens(4096, 151_936) * 151_936 * 4 <= 256 * 2**20  # Qwen2.5's vocabulary, tp=1
+    assert chunk_tokens(4096, 151_936) * 151_936 * 4 <= CHUNK_BYTES  # Qwen2.5's vocabulary, tp=1
     assert chunk_tokens(16, 128) == 16  # one chunk
     assert chunk_tokens(10, 10, chunk_bytes=4 * 10 * 3) == 3  # 4 equal chunks of at most 3 tokens
 
@@ -178,3 +178,28 @@ def test_logits_mode_none_is_validated():
     model.taco.logits = "bogus"
     with pytest.raises(ValueError, match="logits='bogus'"):
         model(torch.zeros(1, 4, dtype=torch.long))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the bf16 weight-gradient GEMM with an fp32 output is CUDA's")
+def test_fused_equals_unfused_under_bf16_autocast_on_cuda():
+    """bf16 autocast over fp32 weights, as the Trainer runs: 5 chunks of the fused head against the
+    unfused head, loss and gradients.
+
+    Bound: both runs round each logit once to bf16 from fp32 sums of the same products (their
+    order differs: far below a bf16 unit), so a logit moves by at most u = 2**-8 relative, i.e.
+    by u max|z| absolutely; the loss per token (log-sum-exp minus the target logit) moves by at
+    most 2 u max|z|. A softmax entry moves by a relative 2 u max|z| at most; then each run rounds
+    the gradient of the logits once more and the unfused run its products once more (u each):
+    gradients within u (2 max|z| + 3) in relative rms."""
+    x, weight, _, target, slices = _problem(1, False)
+    x, weight, target = x.cuda(), weight.cuda(), target.cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want_loss, want = _unfused(x, weight, None, target, slices)
+        loss, got = _fused(x, weight, None, target, slices, 5)
+        max_logit = float((x @ weight.t()).abs().max())
+    u = 2.0**-8
+    scored = int((target != -100).sum())
+    assert abs(loss.item() - want_loss.item()) <= 2 * u * max_logit * scored
+    for g, w in zip(got[:2], want[:2]):  # input, weight
+        assert g.dtype == w.dtype == torch.float32
+        assert float((g - w).norm() / w.norm()) < u * (2 * max_logit + 3)
