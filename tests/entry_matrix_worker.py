@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import gc
 import json
 import os
 from pathlib import Path
@@ -268,6 +269,7 @@ def run_cell(run: Run, cell: str) -> dict:
     entry, precision = cell.split("/")
     AcceleratorState._reset_state()
     GradientState._reset_state()
+    gc.freeze()  # what the process holds so far: the Trainer's gc.collect at train() scans this cell's objects only
     if run.reference or precision not in LOW_DTYPE:
         return ENTRIES[entry](run, precision)
     count = _Roundings(LOW_DTYPE[precision])
