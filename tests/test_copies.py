@@ -111,10 +111,32 @@ def test_trl_create_reference_model_of_a_parallel_model(copies):
     assert case(copies, "reference") == [{"equal": True, "frozen": True}] * 2
 
 
-def test_a_deepcopy_of_an_emulated_model_has_its_own_sites():
+def test_a_deepcopy_of_an_emulated_model_has_its_own_sites_group_and_statistics():
+    """The copy's sites, emulated group and ledger are its own: the custom op its compiled graphs
+    call (``taco::emulated``, by handle) still finds its group once the original is gone, and
+    ``pop_comm_stats`` (every ledger of the process) reports the copy's traffic."""
+    import gc
+
+    from taco_accel import comm
+
     model = taco_accel.parallelize(tiny_model("qwen2"), tp=2, emulate=True, compression="on")
     twin = copy.deepcopy(model)
     ids = _ids()
     with torch.no_grad():
         assert torch.equal(model(ids).logits, twin(ids).logits)
     assert not {s.handle for s in model.taco.sites.values()} & {s.handle for s in twin.taco.sites.values()}
+    comm.pop_comm_stats()
+    with torch.no_grad():
+        model(ids)
+    alone = {name: figures.calls for name, figures in model.taco.sites.pop_stats().items()}
+    with torch.no_grad():
+        twin(ids)
+    # the same forward on the copy: the same calls per site, found by the process-wide pop
+    assert {name: figures.calls for name, figures in comm.pop_comm_stats().items()} == alone != {}
+    group, site = twin.taco.emulator, next(iter(twin.taco.sites.values()))
+    assert group is not model.taco.emulator and group.handle != model.taco.emulator.handle
+    del model
+    gc.collect()
+    xs = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(torch.ops.taco.emulated(xs, group.handle, site.handle, "all_reduce"),
+                       group.collective("all_reduce", xs, site))  # what the compiled graph runs: the eager call

@@ -44,6 +44,7 @@ from . import ops, stacked
 from .call import Call, finite, nonfinite_error, propagating_codec, zeroes_nonfinite
 from .collectives import check_residual
 from .compressed import Message, Workspace
+from .copies import SharesGroup
 from .dist_ops import DONE
 from .kinds import Kind, kind_of
 from .pieces import PIECE_BYTES, Pipeline
@@ -173,18 +174,29 @@ def plain_result(kind: Kind, xs: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-class EmulatedGroup:
+class EmulatedGroup(SharesGroup):
     """P virtual ranks in one process; every collective takes one tensor per rank (a list).
 
     ``reducer`` computes the compressed all-reduce (default: TACO's two-shot,
-    `two_shot_all_reduce`); reduce_scatter and all_gather always use the TACO path.
+    `two_shot_all_reduce`); reduce_scatter and all_gather always use the TACO path. A copy
+    (``copy.deepcopy`` of an emulated model) is a group of its own: its own handle, which its
+    compiled graphs' ``taco::emulated`` op finds, and its own workspaces.
     """
+
+    _fresh = ("handle", "_workspaces")
 
     def __init__(self, size: int, reducer: Reducer | None = None) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"EmulatedGroup(size={size!r}): use an int >= 1 (the tp degree)")
         self.size = size
         self.reducer = reducer or two_shot_all_reduce
+        self._renew()
+
+    def _copied(self, original: "EmulatedGroup") -> None:
+        self._renew()
+
+    def _renew(self) -> None:
+        """This group's own workspaces and handle (a new group, or a copy)."""
         self._workspaces: dict[torch.device, list[Workspace]] = {}  # one per virtual rank: all are in flight
         self.handle = ops.register(self)  # how the compiled graph's op `taco::emulated` finds this group
 

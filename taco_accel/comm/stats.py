@@ -25,6 +25,7 @@ trainer that pops on rank 0 only keeps the ranks in step).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import weakref
 from dataclasses import dataclass
@@ -118,11 +119,19 @@ class SiteRecord:
 
 
 class Ledger:
-    """The `SiteRecord` of every site of one model (or of the process: ``DEFAULT``), by name."""
+    """The `SiteRecord` of every site of one model (or of the process: ``DEFAULT``), by name.
+
+    Every ledger is registered for `pop_comm_stats`, a copy too (``copy.deepcopy`` of a model:
+    its sites keep recording in the copied records)."""
 
     def __init__(self) -> None:
         self._records: dict[str, SiteRecord] = {}
         _ledgers.add(self)
+
+    def __deepcopy__(self, memo: dict) -> "Ledger":
+        copied = memo[id(self)] = Ledger()
+        copied._records = copy.deepcopy(self._records, memo)
+        return copied
 
     def record(self, site: str) -> SiteRecord:
         """The record of ``site``, created on first use (a site keeps it for its lifetime)."""
