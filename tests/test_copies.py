@@ -138,5 +138,5 @@ def test_a_deepcopy_of_an_emulated_model_has_its_own_sites_group_and_statistics(
     del model
     gc.collect()
     xs = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(1))
-    assert torch.equal(torch.ops.taco.emulated(xs, group.handle, site.handle, "all_reduce"),
+    assert torch.equal(torch.ops.taco.emulated(xs, group.handle, site.handle_tensor, "all_reduce"),
                        group.collective("all_reduce", xs, site))  # what the compiled graph runs: the eager call
