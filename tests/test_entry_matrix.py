@@ -219,6 +219,21 @@ def test_trls_fused_head_is_found_under_accelerates_mixed_precision_wrappers():
     assert upstream_trl.has_fused_head(forward)
 
 
+def test_trls_fused_head_is_found_inside_torch_compile():
+    """A reference model Accelerate prepared under torch_compile is an OptimizedModule around the
+    model TRL patched: the head is gathered on the model inside (its forward is what the compiled
+    module calls)."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from taco_accel.integrations.hf_trainer import GATHERS_HEAD, _gather_fused_head
+    from taco_accel.models.tiny import tiny_model
+
+    model = tiny_model("qwen2")
+    add_fused_lm_head(model)
+    _gather_fused_head(torch.compile(model))  # compiles nothing until called
+    assert getattr(model.__dict__["forward"], GATHERS_HEAD, False)
+
+
 def test_a_fused_head_hidden_from_taco_accel_is_refused_on_every_rank(matrix):
     """A forward wrapped without functools.wraps hides TRL's fused head: called with
     fused_lm_head=True at tp=2, every rank raises instead of scoring over its vocabulary slice."""

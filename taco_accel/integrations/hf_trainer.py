@@ -246,7 +246,9 @@ def _gather_fused_head(model: nn.Module) -> None:
 
     A model whose forward shows no fused head gets `_refuse_hidden_fused_head` instead: called with
     ``fused_lm_head=True`` while tensor parallel, it raises rather than score tokens over this
-    rank's vocabulary slice."""
+    rank's vocabulary slice. A model that torch.compile wrapped (Accelerate compiles what it
+    prepares under ``torch_compile``) is looked at inside (``_orig_mod``), where TRL patched it."""
+    model = getattr(model, "_orig_mod", model)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     forward = base.__dict__.get("forward")
     if getattr(forward, GATHERS_HEAD, False):
