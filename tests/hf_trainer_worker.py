@@ -76,6 +76,7 @@ def history(trainer) -> dict:
         "lrs": [h["learning_rate"] for h in steps], "steps": [h["step"] for h in steps],
         "token_accuracy": [h.get("mean_token_accuracy") for h in steps],
         "num_tokens": [h.get("num_tokens") for h in steps],
+        "input_tokens": [h.get("num_input_tokens_seen") for h in steps],
         "bytes_sent": sum(h["comm/bytes_sent"] for h in comm), "bytes_saved": sum(h["comm/bytes_saved"] for h in comm),
         "comm_logged": len(comm), "evals": [h["eval_loss"] for h in logs if "eval_loss" in h],
         "best": os.path.basename(trainer.state.best_model_checkpoint or ""),
@@ -116,7 +117,8 @@ def run_trainer(args, name: str, compression=None, resume: str | None = None, se
                     load_best_model_at_end=True, metric_for_best_model="eval_loss")
     cls = trainer_class(args, Trainer, compression=compression)
     logits_seen = LogitsSeen()
-    trainer = cls(model=tiny(seed), args=TrainingArguments(**common(args, name, **save)),
+    settings = common(args, name, include_num_input_tokens_seen="all", **save)
+    trainer = cls(model=tiny(seed), args=TrainingArguments(**settings),
                   train_dataset=lm_rows(STEPS * BATCH * ACCUM * args.dp, 1), eval_dataset=lm_rows(EVAL, 2),
                   compute_metrics=metrics, preprocess_logits_for_metrics=top1_and_logsumexp, callbacks=[logits_seen])
     trainer.train(resume_from_checkpoint=resume)
@@ -130,7 +132,8 @@ def run_trainer(args, name: str, compression=None, resume: str | None = None, se
         out["loaded_eval_loss"] = loaded_eval_loss(final) if int(os.environ.get("RANK", "0")) == 0 else None
         pc = trainer.accelerator.parallelism_config
         out["layout"] = {"tp_size": trainer.get_tp_size(), "total_batch": trainer.get_total_train_batch_size(trainer.args),
-                         "config": None if pc is None else [pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size]}
+                         "config": None if pc is None else [pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size],
+                         "num_processes": trainer.accelerator.num_processes}
     return out
 
 
@@ -233,7 +236,8 @@ def run_pipeline_sizes(args) -> dict:
     from transformers import TrainingArguments, Trainer
 
     def refusal(**env) -> str | None:
-        config = TrainingArguments(**{**common(args, "pipeline"), "parallelism_config": ParallelismConfig(tp_size=2)})
+        sizes = ParallelismConfig(tp_size=2, dp_replicate_size=1, dp_shard_size=1, cp_size=1, sp_size=1)  # not the launch's
+        config = TrainingArguments(**{**common(args, "pipeline"), "parallelism_config": sizes})
         os.environ.update(env)
         try:
             trainer_class(args, Trainer)(model=tiny(), args=config, train_dataset=lm_rows(8, 1))
@@ -261,7 +265,8 @@ def run_sft(args, name: str, lora: bool = False, bf16: bool = False) -> dict:
                                          target_modules=["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"])
     # TRL's evaluation loss and entropy are each batch's own token means, averaged over batches: the
     # reference evaluates the batches of one replica (BATCH rows), the sharded run's batches
-    settings = common(args, name, max_length=48, per_device_eval_batch_size=BATCH)
+    settings = common(args, name, max_length=48, per_device_eval_batch_size=BATCH,
+                      include_num_input_tokens_seen="non_padding")
     if bf16:
         del settings["bf16"]
         settings["use_cpu"] = True

@@ -52,9 +52,10 @@ def _free_port() -> int:
 
 def launch_env(**extra: str) -> dict:
     """This environment without a parent launch's rank variables, one thread per process, this
-    checkout first on the path; plus ``extra``."""
+    checkout first on the path (then the caller's PYTHONPATH); plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=path, **extra)
     return env
 
 

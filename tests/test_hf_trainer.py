@@ -1,24 +1,26 @@
 """transformers' ``Trainer`` and TRL's ``SFTTrainer`` through `taco_accel.taco_trainer`, started as
 a user starts them, against the plain classes on one process on the same global batches.
 
-Two launches of tests/hf_trainer_worker.py: ``accelerate launch`` with a tp=2 config (2 gloo
-processes, the sizes from the launch config), and ``torchrun`` on 4 processes with
-``TrainingArguments(parallelism_config=ParallelismConfig(tp_size=2, dp_replicate_size=2))``;
-one plain process runs the reference for dp=1 and dp=2 meanwhile. Each launch runs several
-trainings; the worker records each one's figures or its traceback, and each test reads its own.
+Two launches of tests/hf_trainer_worker.py: ``torchrun`` on 2 gloo processes with
+``TrainingArguments(parallelism_config=ParallelismConfig(tp_size=2))``, and ``accelerate launch``
+with a dp=2 x tp=2 config (4 processes, the sizes from the launch config: Accelerate 1.15's
+``ParallelismConfig`` refuses tp with replicated dp when built in Python); one plain process runs
+the reference for dp=1 and dp=2 meanwhile. Each launch runs several trainings; the worker
+records each one's figures or its traceback, and each test reads its own. Every training is
+compared step by step: losses, gradient norms, learning rates and the logged token counts
+(the Trainer's ``num_input_tokens_seen``, TRL's ``num_tokens``).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from test_accelerator import _free_port, launch_config
+from test_accelerator import _free_port, launch_config, launch_env
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("hf_trainer_worker.py")
@@ -28,17 +30,15 @@ BATCH, ACCUM = 2, 2  # the worker's per-device batch and accumulation
 # (lr <= 3e-3) keep that at the 1e-6 level: bounds of 2e-5 absolute on losses, 1e-5 relative on norms.
 LOSS_TOL, NORM_RTOL = 2e-5, 1e-5
 LAUNCHES = {  # name: (dp, how it is started, runs)
-    "tp2": (1, "accelerate", "trainer,resume,compressed,sft,lora,plain_checkpoint,trainer_bf16,sft_bf16,trainer_fp16,"
-                             "patched,dpo,dpo_path,dpo_lora,dpo_compressed,checkpointed,liger"),
-    "dp2_tp2": (2, "torchrun", "trainer,sft,pipeline_sizes,dpo"),  # resume of dp replicas: test_accelerator
+    "tp2": (1, "torchrun", "trainer,resume,compressed,sft,lora,plain_checkpoint,trainer_bf16,sft_bf16,trainer_fp16,"
+                           "patched,dpo,dpo_path,dpo_lora,dpo_compressed,checkpointed,liger"),
+    # resume of dp replicas: test_accelerator; bf16 at dp=2 x tp=2: test_entry_matrix
+    "dp2_tp2": (2, "accelerate", "trainer,sft,pipeline_sizes,dpo"),
 }
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TACO_TIMEOUT_S="120", HF_DATASETS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
-    return env
+    return launch_env(TACO_TIMEOUT_S="120", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
 
 
 def _launch(name: str, tmp: Path) -> dict:
@@ -46,7 +46,8 @@ def _launch(name: str, tmp: Path) -> dict:
     out, folder = tmp / f"{name}.json", tmp / name
     args = [str(WORKER), "--out", str(out), "--dir", str(folder), "--runs", runs]
     if how == "accelerate":
-        config = launch_config(tmp / f"{name}.yaml", 2 * dp, {"parallelism_config_tp_size": 2})
+        sizes = {"parallelism_config_tp_size": 2, "parallelism_config_dp_replicate_size": dp}
+        config = launch_config(tmp / f"{name}.yaml", 2 * dp, sizes)
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(2 * dp), "--master_port",
@@ -96,9 +97,11 @@ def test_trainer_trains_like_one_process(results, launch):
     got, ref = run_of(results, launch, "trainer")
     assert_same_training(got, ref)
     dp = LAUNCHES[launch][0]
-    # accelerator.parallelism_config says tp=2 and the dp replicas; the Trainer's batch arithmetic
-    # sees tp 1 (num_processes and gather already span the replicas) and the global batch
-    assert got["layout"] == {"tp_size": 1, "total_batch": BATCH * ACCUM * dp, "config": [dp, 1, 2]}
+    # the Trainer's accelerator reports Accelerate's counts (every process) and the mesh (tp=2, the dp
+    # replicas); from them the Trainer's own arithmetic gives the global batch of dp replicas
+    assert got["layout"] == {"tp_size": 2, "total_batch": BATCH * ACCUM * dp, "config": [dp, 1, 2],
+                             "num_processes": 2 * dp}
+    assert got["input_tokens"] == ref["input_tokens"] == [BATCH * ACCUM * dp * 16 * k for k in (1, 2, 3, 4)]
     # every log line carries TACO's byte counts: 4 steps, 2 evaluations, the train summary
     assert got["comm_logged"] == 7 and got["eval"]["comm/bytes_sent"] > 0
     assert got["bytes_sent"] > 0 and got["bytes_saved"] == 0.0  # compression off: every byte sent plainly
@@ -182,6 +185,7 @@ def test_sft_trainer_trains_like_one_process(results, launch):
     assert_same_training(got, ref)
     assert got["bytes_sent"] > 0 and got["bytes_saved"] == 0.0
     assert got["num_tokens"] == ref["num_tokens"]  # TRL's token count: each token once
+    assert got["input_tokens"] == ref["input_tokens"] and got["input_tokens"][0] > 0  # the Trainer's, non-padding
     # TRL's fused LM head on the gathered head weight: top-1 decisions on the full vocabulary
     assert got["token_accuracy"] == pytest.approx(ref["token_accuracy"], abs=1e-12)
     for key in ("eval_loss", "eval_entropy"):
@@ -234,6 +238,7 @@ BF16_LOSS, BF16_NORM = 2 * 2.0**-8 * (100 / 3) ** 0.5, 2 * 2.0**-8 * (200 / 3) *
 def test_bf16_flags_train_like_one_process(results, run):
     got, ref = run_of(results, "tp2", run)
     assert got["steps"] == ref["steps"] == [1, 2, 3, 4] and got["lrs"] == ref["lrs"]
+    assert got["input_tokens"] == ref["input_tokens"]
     assert max(abs(a - b) / b for a, b in zip(got["losses"], ref["losses"])) < BF16_LOSS, (got, ref)
     assert max(abs(a - b) / b for a, b in zip(got["grad_norms"], ref["grad_norms"])) < BF16_NORM, (got, ref)
 
@@ -263,6 +268,7 @@ def test_dpo_trainer_trains_like_one_process(results, launch, run):
     assert got["losses"][0] == pytest.approx(0.6931472, abs=LOSS_TOL)  # ln 2: the policy is its reference
     assert got["losses"] == pytest.approx(ref["losses"], abs=LOSS_TOL)
     assert got["grad_norms"] == pytest.approx(ref["grad_norms"], rel=NORM_RTOL)
+    assert got["num_tokens"] == ref["num_tokens"]  # TRL's token count: each token once
     for mine, theirs in zip(got["rewards"], ref["rewards"]):
         assert mine == pytest.approx(theirs, abs=REWARD_TOL)
 

@@ -12,8 +12,8 @@ import taco_accel
 PACKAGE = Path(taco_accel.__file__).parent
 # lower number = lower layer; errors.py is the leaf every layer raises from; data/ is a leaf used by the trainer;
 # training/ (the application: the loop, Trainer, Finetuner, command lines) is the top; bench/ is a tool over all;
-# upstream/ (the adapters of upstream libraries' private names) is used by integrations/ only
-LAYERS = {"errors": 0, "codec": 1, "comm": 2, "tp": 3, "models": 4, "data": 4, "parallel": 5, "upstream": 5.5,
+# upstream/ (the adapters of upstream libraries' private names) is a leaf above errors, for any layer
+LAYERS = {"errors": 0, "upstream": 0.5, "codec": 1, "comm": 2, "tp": 3, "models": 4, "data": 4, "parallel": 5,
           "integrations": 6, "training": 7}
 
 

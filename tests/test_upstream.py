@@ -1,6 +1,8 @@
-"""The contract of each upstream private name taco_accel relies on (`taco_accel.upstream`): it
-exists in the installed version, with the shape or signature the adapter uses. A new upstream
-version that breaks one fails here, by name, instead of somewhere in a training run."""
+"""The contract of each upstream name taco_accel relies on (`taco_accel.upstream`): in the installed
+version it behaves as the adapter uses it (not only exists with that signature); the entry
+points refuse versions outside the supported ranges, naming them, while ``import taco_accel``
+and the codec work with any version. A new upstream version that breaks one fails here, by
+name, instead of somewhere in a training run."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ import inspect
 import pytest
 import torch
 
+import taco_accel
 from taco_accel.errors import ConfigError
+from taco_accel.models.tiny import tiny_model
 from taco_accel.upstream import accelerate as up_accelerate
 from taco_accel.upstream import peft as up_peft
 from taco_accel.upstream import transformers as up_transformers
@@ -17,14 +21,65 @@ from taco_accel.upstream import trl as up_trl
 from taco_accel.upstream.versions import check_range
 
 
+# -- versions ---------------------------------------------------------------------------------
+
 def test_an_unsupported_version_names_the_supported_range():
     with pytest.raises(ConfigError, match=r"torch .* is installed; .* checked against >=0.1,<0.2: install a "
                                           r"version in that range \(pip install 'torch>=0.1,<0.2'\)"):
         check_range("torch", "0.1", "0.2")
     assert check_range("no-such-package-taco", "0.1", "0.2") is None  # optional and absent: nothing to check
-    for module in (up_accelerate, up_transformers):
-        assert module.VERSION is not None  # checked at import: the installed one is supported
-    assert up_peft.check_version() and up_trl.check_version()
+    for module in (up_accelerate, up_transformers, up_peft, up_trl):  # the installed stack is supported
+        assert module.check_version() is not None, module.__name__
+
+
+def _installed(folder, monkeypatch, **versions: str) -> None:
+    """Distribution metadata claiming ``versions`` (package -> version), found before the real
+    packages' (what pip leaves behind; the imported modules stay the real ones)."""
+    for package, version in versions.items():
+        info = folder / f"{package}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: {version}\n")
+    monkeypatch.syspath_prepend(str(folder))
+
+
+def _refusal(call) -> str:
+    with pytest.raises(ConfigError) as caught:
+        call()
+    return str(caught.value)
+
+
+# package: (a version outside the range, the range as the error names it)
+OUTSIDE = {"transformers": ("5.9.0", ">=5.10,<5.26"), "accelerate": ("1.14.0", ">=1.15,<1.17"),
+           "trl": ("1.17.0", ">=1.16,<1.17"), "peft": ("0.16.0", f">={up_peft.SUPPORTED[0]},<0.22")}
+
+
+@pytest.mark.parametrize("package", list(OUTSIDE))
+def test_entry_points_refuse_a_version_outside_the_range_and_the_codec_still_works(package, tmp_path, monkeypatch):
+    from transformers import Trainer
+    from trl import SFTTrainer
+
+    version, supported = OUTSIDE[package]
+    _installed(tmp_path, monkeypatch, **{package: version})
+    x = torch.randn(4, 256)
+    assert (taco_accel.decompress(taco_accel.compress(x)) - x).norm() < 0.1 * x.norm()  # codec-only use
+    needs = {  # every entry point that needs the package, called as a user calls it
+        "transformers": [lambda: taco_accel.taco_trainer(Trainer),
+                         lambda: taco_accel.parallelize(tiny_model("qwen2"), tp=2, emulate=True)],
+        "accelerate": [lambda: taco_accel.Accelerator(), lambda: taco_accel.taco_trainer(Trainer)],
+        "trl": [lambda: taco_accel.taco_trainer(SFTTrainer)],
+        "peft": [lambda: up_peft.register_custom_modules(_lora_config(), {})],  # the first use on every LoRA path
+    }[package]
+    for call in needs:
+        message = _refusal(call)
+        assert f"{package} {version} is installed" in message and f"'{package}{supported}'" in message, message
+    if package == "trl":  # a Trainer that is not TRL's does not need it
+        assert taco_accel.taco_trainer(Trainer).__name__ == "TacoTrainer"
+
+
+def _lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=2, target_modules=["q_proj"])
 
 
 # -- accelerate -------------------------------------------------------------------------------
@@ -61,6 +116,49 @@ def test_accelerate_keeps_the_state_hooks_in_order():
     assert up_accelerate.load_state_pre_hooks(acc) == [loading]
 
 
+def test_a_mesh_description_has_accelerates_sizes_on_every_supported_version():
+    from accelerate import ParallelismConfig
+
+    for dp_replicate, dp_shard in ((2, 1), (1, 2), (1, 1)):
+        config = up_accelerate.describe_mesh(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=2)
+        assert isinstance(config, ParallelismConfig)
+        assert (config.dp_replicate_size, config.dp_shard_size, config.tp_size) == (dp_replicate, dp_shard, 2)
+        # what the Trainer and TRL read from it
+        assert (config.non_data_parallel_size, config.data_parallel_size) == (2, dp_replicate * dp_shard)
+        assert (config.total_size, config.cp_enabled, config.sp_enabled) == (2 * dp_replicate * dp_shard, False, False)
+        assert config.dp_replicate_enabled == (dp_replicate > 1)
+    try:  # what a user who builds it gets: 1.15 refuses tp with replicated dp (README), 1.16 allows it
+        direct = ParallelismConfig(dp_replicate_size=2, dp_shard_size=1, tp_size=2)
+    except ValueError as e:
+        assert up_accelerate.check_version().startswith("1.15") and "pure data parallelism" in str(e)
+    else:
+        described = up_accelerate.describe_mesh(dp_replicate=2, dp_shard=1, tp=2)
+        assert direct._sizes == described._sizes and direct.active_mesh_dims == described.active_mesh_dims
+
+
+def test_the_replica_scheduler_steps_as_accelerates_does_once_per_replica():
+    from accelerate import Accelerator
+    from accelerate.scheduler import AcceleratedScheduler
+
+    acc = Accelerator(cpu=True)  # one process: Accelerate's own wrapper steps once per optimizer step
+    runs = {}
+    for name, replicas in (("accelerate", None), ("replicas=1", 1), ("replicas=3", 3)):
+        opt = acc.prepare_optimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0))
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt.optimizer, lambda s: 1.0 / (1 + s))
+        wrapped = (AcceleratedScheduler(schedule, opt) if replicas is None
+                   else up_accelerate.ReplicaScheduler(schedule, opt, replicas=replicas))
+        counts = []
+        for sync in (True, False, True):  # an accumulation micro-step between two optimizer steps
+            acc.gradient_state._set_sync_gradients(sync)
+            opt.step()
+            wrapped.step()
+            counts.append((schedule.last_epoch, schedule._step_count))
+        acc.gradient_state._set_sync_gradients(True)
+        runs[name] = counts
+    assert runs["replicas=1"] == runs["accelerate"] == [(1, 2), (1, 2), (2, 3)]
+    assert runs["replicas=3"] == [(3, 4), (3, 4), (6, 7)]
+
+
 # -- transformers -----------------------------------------------------------------------------
 
 def test_the_trainer_methods_a_taco_trainer_overrides():
@@ -72,25 +170,49 @@ def test_the_trainer_methods_a_taco_trainer_overrides():
         up_transformers.check_trainer(bad)
 
 
-def test_the_trainer_builds_its_accelerator_from_its_modules_name():
-    import transformers.trainer as trainer_module
-    from transformers import Trainer
+def test_the_trainer_builds_its_accelerator_from_its_modules_name_and_counts_tokens_through_it(tmp_path):
+    from accelerate import Accelerator
+    from transformers import Trainer, TrainingArguments
 
-    builder = getattr(Trainer, up_transformers.BUILDER)
-    assert "Accelerator(**args)" in inspect.getsource(builder)  # the module-level name, looked up per call
-    original, seen = trainer_module.Accelerator, []
-    with up_transformers.building_accelerator(lambda **kw: seen.append(up_transformers.trainer_building_accelerator())):
-        assert trainer_module.Accelerator is not original
-    assert trainer_module.Accelerator is original
-    assert up_transformers.trainer_building_accelerator() is None  # no Trainer building here
+    original, built = up_transformers.trainer_builds_with(), []
+
+    def factory(**kwargs):
+        built.append(Accelerator(**kwargs))
+        return built[-1]
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], include_num_input_tokens_seen="all")
+    with up_transformers.building_accelerator(factory):
+        assert up_transformers.trainer_builds_with() is factory
+        trainer = Trainer(model=tiny_model("qwen2"), args=args)
+    assert up_transformers.trainer_builds_with() is original
+    assert built and trainer.accelerator is built[0]
+    ids = torch.zeros(3, 5, dtype=torch.long)
+    trainer._track_num_input_tokens({"input_ids": ids})  # adds accelerator.gather(count).sum(): one process
+    assert trainer.state.num_input_tokens_seen == 15
 
 
-def test_training_arguments_set_devices_up_in_a_cached_property():
-    from functools import cached_property
-
+def test_training_arguments_set_devices_up_in_a_cached_property(tmp_path):
+    from accelerate.state import PartialState
     from transformers import TrainingArguments
 
-    assert isinstance(inspect.getattr_static(TrainingArguments, "_setup_devices"), cached_property)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[])
+    args.use_cpu = True
+    up_transformers.setup_devices_again(args)
+    assert args.device.type == "cpu" and PartialState().device.type == "cpu"
+    assert "_setup_devices" in args.__dict__  # computed once more, then cached as before
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_the_causal_mask_of_packed_sequences(sliding):
+    config = tiny_model("qwen2", use_sliding_window=sliding, sliding_window=2, max_window_layers=0).config
+    hidden = torch.zeros(1, 5, config.hidden_size)
+    positions = torch.tensor([[0, 1, 2, 0, 1]])  # two packed sequences: 3 tokens, then 2
+    mask = up_transformers.mask_builders()["sliding_attention" if sliding else "full_attention"](config, hidden, positions)
+    allowed = (mask if mask.dtype == torch.bool else mask == 0)[0, 0].int()  # sdpa's booleans, eager's 0 / -inf
+    segment = torch.tensor([0, 0, 0, 1, 1])
+    q, k = torch.arange(5)[:, None], torch.arange(5)[None, :]
+    expected = (segment[:, None] == segment[None, :]) & (k <= q) & ((q - k < 2) if sliding else True)
+    assert allowed.tolist() == expected.int().tolist()
 
 
 # -- peft -------------------------------------------------------------------------------------
@@ -108,17 +230,34 @@ def test_peft_registers_custom_modules_and_casts_inputs():
 
 # -- trl --------------------------------------------------------------------------------------
 
-def test_trl_trainers_divide_token_counts_by_tp_size():
-    from trl import DPOTrainer, SFTTrainer
+def test_trl_divides_its_token_count_by_tp_size(tmp_path):
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
 
-    for cls in (SFTTrainer, DPOTrainer):
-        assert "self._tp_size = " in inspect.getsource(cls.__init__), cls.__name__
+    from taco_accel.data.tokenizer import build_tokenizer
+
+    texts = Dataset.from_list([{"text": "tensor parallel " * (1 + i)} for i in range(4)])
+    trainer = SFTTrainer(model=tiny_model("qwen2", vocab_size=257), processing_class=build_tokenizer("byte"),
+                         train_dataset=texts, args=SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False,
+                                                             report_to=[], per_device_train_batch_size=4,
+                                                             dataset_num_proc=None))
+    assert trainer._tp_size == 1  # no parallelism_config: one process
+    batch = next(iter(trainer.get_train_dataloader()))
+    tokens = int(batch["attention_mask"].sum())
+    counted = []
+    for tp_size in (2, None):  # TRL's division by a tp size; then taco_accel's setting
+        if tp_size is None:
+            up_trl.count_tokens_once(trainer)
+        else:
+            trainer._tp_size = tp_size
+        trainer._total_train_tokens = 0
+        trainer.compute_loss(trainer.model, dict(batch))
+        counted.append(trainer._total_train_tokens)
+    assert counted == [tokens // 2, tokens]
 
 
 def test_trl_fused_head_takes_the_keyword():
     from trl.trainer.utils import add_fused_lm_head
-
-    from taco_accel.models.tiny import tiny_model
 
     model = tiny_model("qwen2")
     assert not up_trl.has_fused_head(model.__dict__.get("forward"))

@@ -29,9 +29,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from harness import run_ranks
+from packaging.version import Version
 
 import taco_accel
 from taco_accel.models.tiny import tiny_model
+from taco_accel.upstream import accelerate as up_accelerate
 
 ARCH, VOCAB = "qwen2", 128
 
@@ -41,10 +43,11 @@ def _batch(seed: int, rows: int = 2, seq: int = 8) -> torch.Tensor:
 
 
 def _accelerator(**kwargs):
-    from accelerate import ParallelismConfig
-
-    config = kwargs.pop("parallelism_config", ParallelismConfig(tp_size=2, dp_replicate_size=2))
-    return taco_accel.Accelerator(parallelism_config=config, compression=None, **kwargs)
+    """dp=2 x tp=2 (DDP replicas) unless other sizes are given; taco_accel's own sizes: Accelerate
+    1.15's ParallelismConfig refuses tp with replicated dp (`_coverage` checks that route)."""
+    if "parallelism_config" not in kwargs:
+        kwargs["parallel_dims"] = taco_accel.ParallelDims(dp=2, tp=2)
+    return taco_accel.Accelerator(compression=None, **kwargs)
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -185,7 +188,7 @@ def _conventions() -> dict:
     scheduler = get_scheduler("linear", opt, num_warmup_steps=0, num_training_steps=6 * acc.num_processes // 2)
     model, opt, scheduler = acc.prepare(model, opt, scheduler)
     warnings = _Collect()
-    logging.getLogger("taco_accel.integrations.accelerator").addHandler(warnings)
+    logging.getLogger("taco_accel").addHandler(warnings)
     counts = []
     for step in range(6):
         ids = _batch(40 + step)
@@ -219,6 +222,12 @@ def _coverage() -> dict:
         out["tp2_of_4"] = str(e)
     acc = _accelerator(parallelism_config=ParallelismConfig())
     out["all_ones"] = str(acc.parallel_dims)
+    try:  # Accelerate's own check at construction: 1.15 refuses tp with replicated dp, 1.16 allows it
+        replicated = ParallelismConfig(tp_size=2, dp_replicate_size=2)
+    except ValueError as e:
+        out["replicated_tp"] = f"refused by accelerate: {e}"
+    else:
+        out["replicated_tp"] = str(_accelerator(parallelism_config=replicated).parallel_dims)
     return out
 
 
@@ -312,6 +321,11 @@ def test_sizes_that_do_not_cover_the_processes_raise_as_accelerate_does(measured
         assert r["tp2_of_4"] is not None and "total_size (2) does not match num_processes (4)" in r["tp2_of_4"], r
         assert "pp_size" in r["tp2_of_4"]
         assert r["all_ones"] == "pp=1 x dp=4 (ddp) x tp=1", r  # Accelerate: replicas over every process
+        # tp with replicated dp given in Python: the mesh where Accelerate builds the config (1.16); 1.15
+        # refuses it at construction, in Accelerate (the README names the launch config instead)
+        expected = ("refused by accelerate: Tensor/Context parallelism" if Version(up_accelerate.check_version()) < Version("1.16")
+                    else "pp=1 x dp=2 (ddp) x tp=2")
+        assert r["replicated_tp"].startswith(expected), r
 
 
 def test_evaluation_mode_lays_out_without_data_parallelism(measured):

@@ -38,17 +38,32 @@ What differs from ``accelerate.Accelerator``, and why:
   ``load_state`` write and read taco_accel's checkpoint (every rank's shards, atomic,
   checksummed, resumable on another mesh; the folder's other files untouched); ``save_model`` / ``get_state_dict`` gather the full model: a plain
   transformers checkpoint. ``compression_stats()`` gives the TACO byte counts for ``log``.
-- **num_processes** is the number of data-parallel replicas and ``process_index`` this
-  process's replica (the tensor- and pipeline-parallel ranks of a replica count once):
-  Accelerate's arithmetic on them means "how many batches one optimizer step consumes". So a
-  script that sizes warm-up and length by ``num_processes`` (transformers'
-  ``run_clm_no_trainer.py`` with ``--max_train_steps``), sizes them from ``len(dataloader)``
-  before ``prepare`` (its other path), reports ``per_device_batch * num_processes *
-  accumulation`` as the total batch or shards data by ``process_index`` gets what one process
-  on the same global batch gets: a prepared scheduler steps ``num_processes`` times per
-  optimizer step, ``gather`` returns ``num_processes`` parts. The processes started:
-  ``accelerator.state.num_processes``; ``is_main_process`` and ``local_process_index`` stay
-  Accelerate's. A schedule that ends long before the run does (sized for fewer processes, e.g. by
+- **num_processes** has two meanings, one per kind of caller, because each caller's own arithmetic
+  is right under one of them only:
+
+  * ``Accelerator`` (a user's own loop, TP-unaware): the number of data-parallel replicas, and
+    ``process_index`` this process's replica (the tensor- and pipeline-parallel ranks of a replica
+    count once). Accelerate's arithmetic on them means "how many batches one optimizer step
+    consumes", and scripts written for Accelerate compute with it: transformers'
+    ``run_clm_no_trainer.py`` sizes warm-up as ``num_warmup_steps * num_processes`` on both of
+    its paths, the schedule as ``max_train_steps * num_processes`` (one path) or from
+    ``len(dataloader)`` before ``prepare`` (the other), and reports ``per_device_batch *
+    num_processes * accumulation`` as the total batch; only the replica count makes all of them
+    what one process on the same global batch gets (with the world size, no scheduler rule
+    makes both paths right). ``gather`` / ``reduce`` run over the replicas. The processes
+    started: ``accelerator.state.num_processes``; ``is_main_process`` and
+    ``local_process_index`` stay Accelerate's.
+  * `TrainerAccelerator` (what `taco_trainer` builds for transformers' Trainer and TRL, which
+    know tensor parallelism): Accelerate's own meaning, every process, with
+    ``parallelism_config`` describing the mesh. transformers >= 5.10 scales the loss by
+    ``num_processes // tp`` and divides the token count it ``gather`` s over every process by tp,
+    which is right only with these counts (`taco_accel.upstream.transformers.TrainerCounts` fixes
+    the two counts it still gets wrong).
+
+  In both, a prepared scheduler steps once per data-parallel replica per optimizer step (not
+  once per process as Accelerate's: the tp ranks of a replica read one batch;
+  `taco_accel.upstream.accelerate.ReplicaScheduler`), ``gather_for_metrics`` gives each sample
+  once, and a schedule that ends long before the run does (sized for fewer processes, e.g. by
   ``num_processes // tp``) is warned about once.
 - **Outputs**: ``outputs.logits`` has the full vocabulary, as transformers returns it; the loss
   is vocab-parallel inside. ``logits="local"`` / ``"none"`` opt out (`taco_accel.models.loss`).
@@ -65,7 +80,6 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator as _AccelerateAccelerator
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType
 from accelerate.utils.operations import recursively_apply
 from torch import nn
@@ -77,9 +91,9 @@ from ..parallel.mesh import PP_ENV
 from ..parallel.stage import site_tables
 from ..comm.policy import DEFAULT_COMPRESSION, Compression
 from ..upstream import accelerate as upstream
-from ..upstream.transformers import trainer_building_accelerator
+from ..upstream.transformers import trainer_builds_with
 from . import checkpoint as ckpt
-from .launch import launch_notes, without_parallelism_config
+from .launch import launch_notes, launch_sizes, without_parallelism_config
 
 logger = logging.getLogger(__name__)
 
@@ -127,14 +141,8 @@ class Accelerator(_AccelerateAccelerator):
     def __init__(self, *args, parallelism_config=None, parallel_dims: ParallelDims | None = None,
                  pp_size: int | None = None, compression=DEFAULT_COMPRESSION, grad_compression="off",
                  sequence_parallel: bool = False, logits: LogitsMode | None = None, **kwargs):
-        trainer = trainer_building_accelerator()
-        if trainer is not None and not hasattr(type(trainer), "taco_options"):
-            raise ValueError(
-                f"transformers' {type(trainer).__name__} is building taco_accel.Accelerator directly (through a "
-                "replaced transformers.trainer.Accelerator): its batch arithmetic would divide the loss by the tp "
-                "size and train on zeros. Use taco_accel.taco_trainer: taco_trainer("
-                f"{type(trainer).__name__})(model=..., args=...), which builds this Accelerator itself"
-            )
+        upstream.check_version()
+        self._refuse_a_plain_trainer()
         compression = Compression.resolve(compression)  # before any process group starts
         grad_compression = Compression.resolve(grad_compression)
         for name, what in _REFUSED_PLUGINS.items():
@@ -145,10 +153,8 @@ class Accelerator(_AccelerateAccelerator):
                 )
         if logits is not None:
             check_logits_mode(logits)
-        if parallelism_config is None and parallel_dims is None and _launch_asks_for_parallelism():
-            from accelerate import ParallelismConfig
-
-            parallelism_config = ParallelismConfig()  # reads PARALLELISM_CONFIG_* from the launch
+        if parallelism_config is None and parallel_dims is None:
+            parallelism_config = launch_sizes()  # the launch config's parallelism_config block, if any
         if not torch.cuda.is_available():
             kwargs["cpu"] = True  # else Accelerate treats N CPU processes as N separate single-process runs
         timeout = _with_timeout(kwargs)
@@ -180,7 +186,7 @@ class Accelerator(_AccelerateAccelerator):
                            "TACO-compressed TP, not its speed); launch %d processes for real TP",
                            self.emulated_tp, self.emulated_tp)
         self.parallel_dims = requested
-        self._accelerate_sizes = _parallelism_config_of(requested)
+        self._accelerate_sizes = _describe(requested)
         self._taco_mesh = build_mesh(requested, self.device.type, timeout)
         self.compression, self.sequence_parallel, self.logits = compression, sequence_parallel, logits
         self.grad_compression = grad_compression
@@ -193,6 +199,22 @@ class Accelerator(_AccelerateAccelerator):
                 logger.info("taco_accel: accelerator.num_processes is %d, the data-parallel replicas of %d processes "
                             "(the world size: accelerator.state.num_processes)", self.num_processes, world)
         logger.info("taco_accel: %s on %d process(es)", self.parallel_layout, world)
+
+    def _refuse_a_plain_trainer(self) -> None:
+        """A ValueError when transformers' Trainer is set to build this class (a replaced
+        ``transformers.trainer.Accelerator``): its loss scale ``num_processes // tp`` would divide
+        the replica count by tp."""
+        builder = trainer_builds_with()
+        if not (isinstance(builder, type) and issubclass(builder, Accelerator) and isinstance(self, builder)
+                and not issubclass(builder, TrainerAccelerator)):
+            return
+        raise ValueError(
+            f"transformers.trainer.Accelerator is {builder.__module__}.{builder.__name__}, the accelerator of a user's "
+            "own loop: its num_processes counts data-parallel replicas, and the Trainer's loss scale num_processes // "
+            "tp_size would be wrong (0 when tp > dp: it would train on zeros). Leave transformers.trainer.Accelerator "
+            "as it is and use taco_accel.taco_trainer: taco_trainer(Trainer)(model=..., args=...), which builds the "
+            "Trainer's accelerator itself"
+        )
 
     def _mesh_scaler(self) -> None:
         """fp16: autocast and a `MeshGradScaler` on every device type. Accelerate leaves fp16 off
@@ -250,7 +272,8 @@ class Accelerator(_AccelerateAccelerator):
     @property
     def num_processes(self) -> int:
         """The data-parallel replicas: how many batches one optimizer step consumes (the tp and pp
-        ranks of a replica count once; the world size is ``state.num_processes``)."""
+        ranks of a replica count once; the world size is ``state.num_processes``; the module doc
+        says why, and why `TrainerAccelerator` counts every process)."""
         dims = getattr(self, "parallel_dims", None)  # None while Accelerate's __init__ runs
         return self.state.num_processes if dims is None else dims.dp
 
@@ -372,14 +395,14 @@ class Accelerator(_AccelerateAccelerator):
         return prepared
 
     def prepare_scheduler(self, scheduler):
-        """Accelerate's scheduler wrapper, stepping `num_processes` (dp replica) times per
-        optimizer step."""
+        """Accelerate's scheduler wrapper, stepping once per dp replica per optimizer step
+        (`upstream.accelerate.ReplicaScheduler`)."""
         if upstream.is_prepared(scheduler):
             return super().prepare_scheduler(scheduler)
         optimizers = upstream.prepared(self, "optimizer")
         optimizer = next((o for o in optimizers if getattr(scheduler, "optimizer", None) is o.optimizer), optimizers)
-        prepared = _ReplicaScheduler(scheduler, optimizer, step_with_optimizer=self.step_scheduler_with_optimizer,
-                                     split_batches=self.split_batches, replicas=self.num_processes)
+        prepared = upstream.ReplicaScheduler(scheduler, optimizer, step_with_optimizer=self.step_scheduler_with_optimizer,
+                                             split_batches=self.split_batches, replicas=self.parallel_dims.dp)
         upstream.add_prepared(self, "scheduler", prepared)
         return prepared
 
@@ -467,6 +490,9 @@ class Accelerator(_AccelerateAccelerator):
     # -- evaluation -------------------------------------------------------------------------
     def gather(self, tensor):
         """Concatenate ``tensor`` (or a nested structure of tensors) over the dp ranks along dim 0."""
+        return self._gather_replicas(tensor)
+
+    def _gather_replicas(self, tensor):
         dp = self._taco_mesh["dp"]
         if dp.size() == 1:
             return tensor
@@ -494,7 +520,7 @@ class Accelerator(_AccelerateAccelerator):
             dist.all_gather_object(parts, input_data, group=self._taco_mesh["dp"].get_group())
             data = [x for part in parts for x in part]
         else:
-            data = self.gather(input_data)
+            data = self._gather_replicas(input_data)
         remainder = self.gradient_state.remainder
         if not self.gradient_state.end_of_dataloader or remainder <= 0:
             return data
@@ -666,6 +692,29 @@ class Accelerator(_AccelerateAccelerator):
         return folder
 
 
+class TrainerAccelerator(Accelerator):
+    """The `Accelerator` that `taco_trainer` builds for transformers' Trainer and TRL: Accelerate's
+    own process counts (``num_processes`` and ``process_index`` over every process, ``gather`` and
+    ``reduce`` too), which those libraries divide by ``parallelism_config``'s tp size themselves
+    (see the module doc). Everything else is `Accelerator`'s."""
+
+    @property
+    def num_processes(self) -> int:
+        return self.state.num_processes
+
+    @property
+    def process_index(self) -> int:
+        return self.state.process_index
+
+    def gather(self, tensor):
+        """Accelerate's: concatenated over every process, each tp rank's copy included."""
+        return _AccelerateAccelerator.gather(self, tensor)
+
+    def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
+        """Accelerate's: reduced over every process, each tp rank's copy included."""
+        return _AccelerateAccelerator.reduce(self, tensor, reduction, scale)
+
+
 class _StepOptimizer(AcceleratedOptimizer):
     """Accelerate's optimizer wrapper whose real steps first reduce the step's gradients (if
     clipping has not) and then open the next step (``done``)."""
@@ -690,65 +739,6 @@ class _StepOptimizer(AcceleratedOptimizer):
         if self.gradient_state.sync_gradients:
             self._done()
         return super().zero_grad(set_to_none)
-
-
-class _ReplicaScheduler(AcceleratedScheduler):
-    """Accelerate's scheduler wrapper, stepping ``replicas`` (``accelerator.num_processes``, the
-    dp replicas) times per optimizer step, as Accelerate steps it once per process.
-
-    Warns once (main process) when a schedule of known length (``OneCycleLR``'s ``total_steps``,
-    the ``num_training_steps`` of transformers' ``get_scheduler``) is already more than
-    ``max(replicas, length // 10)`` scheduler steps past its end: sizing from ``len(dataloader)``
-    rounds each epoch up by less than ``replicas`` steps, while a schedule sized for the wrong
-    number of processes ends a whole fraction of the run early.
-    """
-
-    def __init__(self, *args, replicas: int, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.replicas, self._warned = replicas, False
-
-    def step(self, *args, **kwargs):
-        if not self.step_with_optimizer or self.split_batches:
-            return super().step(*args, **kwargs)
-        if not self.gradient_state.sync_gradients:
-            if self.gradient_state.adjust_scheduler:
-                self.scheduler._step_count += 1
-            return
-        if any(opt.step_was_skipped for opt in self.optimizers):
-            return
-        for _ in range(self.replicas):
-            if getattr(self.scheduler, "total_steps", None) is not None and \
-                    self.scheduler._step_count > self.scheduler.total_steps:
-                break
-            self.scheduler.step(*args, **kwargs)
-        self._check_length()
-
-    def _check_length(self) -> None:
-        length = _schedule_length(self.scheduler)
-        if self._warned or length is None or self.scheduler.last_epoch - length <= max(self.replicas, length // 10):
-            return
-        self._warned = True
-        if dist.get_rank() == 0:
-            logger.warning(
-                "the learning-rate schedule is %d scheduler steps past its end (%d steps) and the optimizer still "
-                "steps: it was sized for fewer steps than this run takes. A prepared scheduler steps "
-                "accelerator.num_processes = %d times per optimizer step (the data-parallel replicas; the tensor- and "
-                "pipeline-parallel ranks of a replica count once): size warm-up and length by "
-                "accelerator.num_processes (not num_processes // tp_size)",
-                self.scheduler.last_epoch - length, length, self.replicas)
-
-
-def _schedule_length(scheduler) -> int | None:
-    """The number of scheduler steps a schedule is built for, where it says: ``OneCycleLR``'s
-    ``total_steps``, the ``num_training_steps`` of transformers' ``get_scheduler`` lambdas."""
-    total = getattr(scheduler, "total_steps", None)
-    if total is not None:
-        return int(total)
-    for fn in getattr(scheduler, "lr_lambdas", ()):
-        steps = getattr(fn, "keywords", {}).get("num_training_steps")
-        if isinstance(steps, int):
-            return steps
-    return None
 
 
 class _FsdpNoSync:
@@ -786,24 +776,15 @@ def _with_timeout(kwargs: dict):
     return timeout
 
 
-def _launch_asks_for_parallelism() -> bool:
-    from ..parallel.mesh import check_size_env
-
-    check_size_env()  # Accelerate's ParallelismConfig reads them with a bare int()
-    return os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true"
-
-
-def _parallelism_config_of(dims: ParallelDims):
-    """The ``accelerate.ParallelismConfig`` of ``dims`` (every size explicit: no environment read)."""
-    from accelerate import ParallelismConfig
-
+def _describe(dims: ParallelDims):
+    """Accelerate's ``ParallelismConfig`` of ``dims`` (tp, and dp as FSDP2 shards or replicas)."""
     fsdp = dims.dp_mode == "fsdp"
-    return ParallelismConfig(dp_replicate_size=1 if fsdp else dims.dp, dp_shard_size=dims.dp if fsdp else 1,
-                             tp_size=dims.tp, cp_size=1, cp_backend="torch", sp_size=1, sp_backend="deepspeed")
+    return upstream.describe_mesh(dp_replicate=1 if fsdp else dims.dp, dp_shard=dims.dp if fsdp else 1, tp=dims.tp)
 
 
 def _dims_from_config(config, pp: int | None, world: int) -> ParallelDims:
-    """Mesh sizes from Accelerate's ``ParallelismConfig`` (or none: data parallelism over all).
+    """Mesh sizes from Accelerate's ``ParallelismConfig`` or a launch's `LaunchSizes` (or none:
+    data parallelism over all).
 
     As Accelerate's ``ParallelismConfig._validate_accelerator``: all sizes 1 means data
     parallelism over every process; otherwise the sizes must multiply to the number of

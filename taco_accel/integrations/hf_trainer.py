@@ -10,15 +10,18 @@ or ``--multi_gpu`` with ``TrainingArguments(parallelism_config=ParallelismConfig
 the sizes are Accelerate's, tp innermost, dp over the processes tp leaves. `taco_trainer` returns
 a subclass of the given class that changes the Trainer through its own extension points only:
 
-- ``create_accelerator_and_postprocess``: the Trainer builds `taco_accel.Accelerator` from every
+- ``create_accelerator_and_postprocess``: the Trainer builds a `TrainerAccelerator` from every
   argument it derives from ``TrainingArguments`` (it reads the class from its module's
-  ``Accelerator`` name, which is swapped for that one call). The accelerator's
-  ``parallelism_config`` gives the Trainer its tp and dp sizes (loss scale, total batch size);
-  ``prepare`` makes the model tensor parallel, the DataLoaders are sharded over dp only.
-- the token count that normalises the loss: the Trainer gathers it over all processes and divides
-  by tp; our ``gather`` spans the dp replicas (each token once), so that division is skipped.
+  ``Accelerator`` name, which is swapped for that one call). It reports Accelerate's own counts
+  (``num_processes`` and ``gather`` over every process) and the mesh as ``parallelism_config``,
+  from which the Trainer's own arithmetic is right: the loss scale ``num_processes // tp``, the
+  token count gathered over every process divided by tp, the total batch of ``world // tp``
+  replicas (`upstream.transformers.TrainerCounts` fixes the tp size 5.10-5.18 read and the
+  input-token count; `upstream.trl.count_tokens_once` TRL's token count). ``prepare`` makes the
+  model tensor parallel, the DataLoaders are sharded over dp only.
 - checkpoints (``save_steps``, ``resume_from_checkpoint``): the model goes through ``save_model``
-  (the gathered, plain transformers checkpoint that ``from_pretrained`` loads on one process);
+  on every rank (the gathered, plain transformers checkpoint that ``from_pretrained`` loads on one
+  process; transformers < 5.23 would call ``_save`` on the main process only);
   every rank's optimizer shard goes through ``Accelerator.save_state`` into ``taco_state/`` of
   the checkpoint folder, the scheduler where the Trainer keeps it; resuming reads them back with
   ``load_state``, and so does ``load_best_model_at_end``. Same mesh sizes to resume (the
@@ -58,9 +61,10 @@ from ..models import context_of, parallelize
 from ..models.loss import logits_mode
 from ..comm.policy import DEFAULT_COMPRESSION
 from ..tp import ColumnParallelLinear, Compression, gather_from_tp_region
+from ..upstream import accelerate as upstream_accelerate
 from ..upstream import transformers as upstream_transformers
 from ..upstream import trl as upstream_trl
-from .accelerator import Accelerator
+from .accelerator import Accelerator, TrainerAccelerator
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +82,8 @@ def taco_trainer(trainer_cls: type, *, compression=DEFAULT_COMPRESSION, sequence
             its dict or JSON file), resolved here.
         sequence_parallel: Megatron sequence parallelism inside TP.
     """
+    upstream_transformers.check_version()
+    upstream_accelerate.check_version()
     compression = Compression.resolve(compression)
     from transformers import Trainer
 
@@ -85,6 +91,7 @@ def taco_trainer(trainer_cls: type, *, compression=DEFAULT_COMPRESSION, sequence
         raise TypeError(f"taco_trainer takes transformers.Trainer or a subclass, got {trainer_cls!r}")
     if issubclass(trainer_cls, _TacoTrainer):
         raise ValueError(f"{trainer_cls.__name__} already trains with taco_accel; pass the original class")
+    upstream_trl.check_trainer(trainer_cls)
     upstream_transformers.check_trainer(trainer_cls)  # the private methods overridden below
     fused_loss = trainer_cls.compute_loss is Trainer.compute_loss  # TRL's and users' own may read the logits
     options = {"compression": compression, "sequence_parallel": sequence_parallel, "fused_loss": fused_loss}
@@ -92,7 +99,7 @@ def taco_trainer(trainer_cls: type, *, compression=DEFAULT_COMPRESSION, sequence
                 {"taco_options": options, "__module__": trainer_cls.__module__, "__doc__": trainer_cls.__doc__})
 
 
-class _TacoTrainer:
+class _TacoTrainer(upstream_transformers.TrainerCounts):
     """The methods `taco_trainer` puts in front of a Trainer class (see the module doc)."""
 
     taco_options: dict = {}
@@ -116,7 +123,7 @@ class _TacoTrainer:
                              "loss itself (logits='none' in training): leave use_liger_kernel off")
         _processes_on_cpu(self.args)
         accelerator_options = {k: self.taco_options[k] for k in ("compression", "sequence_parallel")}
-        with upstream_transformers.building_accelerator(functools.partial(Accelerator, **accelerator_options)):
+        with upstream_transformers.building_accelerator(functools.partial(TrainerAccelerator, **accelerator_options)):
             super().create_accelerator_and_postprocess()
         if self.accelerator.parallel_dims.pp > 1:
             raise ValueError(
@@ -124,16 +131,6 @@ class _TacoTrainer:
                 "every process with tp and dp (parallelism_config tp_size x dp_replicate_size or dp_shard_size), "
                 "or train pipelines with taco_accel's own Trainer (recipes/)"
             )
-
-    # The Trainer's batch arithmetic divides process counts and all-process gathers by the tp size.
-    # Our accelerator's num_processes and gather already span the dp replicas only (the tp ranks of
-    # a replica count once), so for that arithmetic the tp size is 1: the loss scale
-    # num_processes // tp is the dp size, a gathered token count is each token once.
-    def get_tp_size(self) -> int:
-        return 1
-
-    def get_total_train_batch_size(self, args) -> int:
-        return self._train_batch_size * args.gradient_accumulation_steps * self.accelerator.num_processes
 
     # -- the loss -------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
@@ -164,6 +161,13 @@ class _TacoTrainer:
         """Whether ``model`` (default: the Trainer's) is laid out over several processes."""
         context = getattr(self.accelerator.unwrap_model(model or self.model), "taco", None)
         return context is not None and not context.emulated and self.accelerator.parallel_dims.world_size > 1
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not self._sharded():
+            return super().save_model(output_dir, _internal_call)
+        self._save(output_dir)  # on every rank: transformers < 5.23 calls _save on the main process only
+        if self.args.push_to_hub and not _internal_call:  # the rest of the Trainer's save_model
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         if not self._sharded():

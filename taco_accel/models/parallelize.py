@@ -17,6 +17,7 @@ from ..tp.overlap import ColumnRegion
 from ..tp.regions import EnterRegionHook, RegionEntry, RegionExit, SequenceGather, SequenceSplit, SequenceState
 from ..comm.policy import DEFAULT_COMPRESSION, Compression
 from ..tp.sites import Site, SiteTable
+from ..upstream import transformers as upstream_transformers
 from .checks import check_call, install_input_checks, verify_same_model
 from .context import TPContext, context_of
 from .emulate import emulate_tp
@@ -91,6 +92,7 @@ def parallelize(
             f"this model is already parallelised (tp={model.taco.tp}); call parallelize on a "
             "fresh transformers model, or use it as it is"
         )
+    upstream_transformers.check_model(model)
     compression = Compression.resolve(compression)
     plan = check_call(model, tp, sequence_parallel, device_mesh, emulate, verify)  # before any collective
     check_logits_mode(logits)

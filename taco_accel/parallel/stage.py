@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..upstream.transformers import mask_builders
+
 
 @dataclass(frozen=True)
 class Family:
@@ -83,23 +85,12 @@ def site_tables(module: nn.Module) -> list:
     return tables
 
 
-def mask_functions() -> tuple:
-    """transformers' ``(create_causal_mask, create_sliding_window_causal_mask or None)``. Called
-    when a stage is built, not in its forward: torch.compile cannot trace the import of a
-    transformers submodule through its lazy module (a graph break, "Bad import result")."""
-    from transformers import masking_utils
-
-    return masking_utils.create_causal_mask, getattr(masking_utils, "create_sliding_window_causal_mask", None)
-
-
-def causal_masks(config, hidden: torch.Tensor, position_ids: torch.Tensor, functions: tuple) -> dict:
+def causal_masks(config, hidden: torch.Tensor, position_ids: torch.Tensor, builders: dict) -> dict:
     """The causal mask(s) of a packed batch, keyed by layer type, as the HF model builds them
-    (``functions``: `mask_functions`)."""
-    full, sliding = functions
-    # the 4th argument is the KV cache, named past_key_values in transformers < 5.20 and cache after
-    masks = {"full_attention": full(config, hidden, None, None, position_ids=position_ids)}
-    if sliding is not None and "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        masks["sliding_attention"] = sliding(config, hidden, None, None, position_ids=position_ids)
+    (``builders``: `mask_builders`, resolved when the stage is built)."""
+    masks = {"full_attention": builders["full_attention"](config, hidden, position_ids)}
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        masks["sliding_attention"] = builders["sliding_attention"](config, hidden, position_ids)
     return masks
 
 
@@ -125,7 +116,7 @@ class StageModule(nn.Module):
         self.seq_split = seq_split
         # what crosses to other ranks: boundary.Boundary / PipelineBoundaries, set by apply_pp
         self.inbound = self.outbound = self.boundaries = None
-        self.mask_functions = mask_functions()
+        self.mask_builders = mask_builders()
 
     # -- parts ------------------------------------------------------------------------------
     def _base(self) -> nn.Module:
@@ -164,7 +155,7 @@ class StageModule(nn.Module):
         layer_items = self.layer_items()
         if layer_items:
             full = x if x.shape[1] == seq else x[:, :1].expand(-1, seq, -1)  # (b, s, h) shape, no copy
-            masks = causal_masks(config, full, position_ids, self.mask_functions)
+            masks = causal_masks(config, full, position_ids, self.mask_builders)
             kwargs = {"position_ids": position_ids}
             if fam.rotary:
                 kwargs["position_embeddings"] = getattr(base, fam.rotary)(full, position_ids)

@@ -1,33 +1,55 @@
-"""transformers' private names that `taco_accel.taco_trainer` relies on.
+"""transformers' private names that taco_accel relies on, and its Trainer's counts under TP.
 
-- the ``Trainer`` methods a taco trainer overrides to save and restore sharded state
-  (`TRAINER_METHODS`: name -> the parameters it is called with);
+- the ``Trainer`` methods a taco trainer overrides to save and restore sharded state and to count
+  input tokens (`TRAINER_METHODS`: name -> the parameters it is called with); ``save_model``
+  among them, with its private ``_internal_call``: before 5.23 it calls ``_save`` on the main
+  process only, and gathering a sharded model takes every process;
 - the ``Accelerator`` name of ``transformers.trainer``, which ``create_accelerator_and_postprocess``
-  calls to build the Trainer's accelerator (`building_accelerator` swaps it for that one call);
-- which Trainer is building an accelerator (`trainer_building_accelerator`), so that a plain
-  Trainer that builds `taco_accel.Accelerator` is refused;
+  calls to build the Trainer's accelerator (`building_accelerator` swaps it for that one call;
+  `trainer_builds_with` reads it);
 - ``TrainingArguments._setup_devices`` (a cached property that sets Accelerate's process state
-  up), computed again for CPU processes (`setup_devices_again`).
+  up), computed again for CPU processes (`setup_devices_again`);
+- ``masking_utils.create_causal_mask`` / ``create_sliding_window_causal_mask``, whose cache
+  parameter was renamed (``past_key_values`` -> ``cache`` in 5.24): `mask_builders`;
+- `TrainerCounts`: the two counts of the Trainer that are wrong under tensor parallelism even
+  when its accelerator reports Accelerate's own process counts.
+
+``SUPPORTED`` starts at 5.10: 5.0-5.9 multiply the loss by ``accelerator.num_processes`` with no
+tensor-parallel division, so under any TP they train on tp times the gradient by their own
+arithmetic.
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
+import inspect
 
 from .versions import check_range
 
-SUPPORTED = ("5.0", "5.26")
-VERSION = check_range("transformers", *SUPPORTED)  # at import: every Accelerator and Trainer path needs it
+SUPPORTED = ("5.10", "5.26")
 
 TRAINER_METHODS = {
+    "save_model": ("self", "output_dir", "_internal_call"),  # before 5.23 it calls _save on the main process only
     "_save": ("self", "output_dir", "state_dict"),
     "_save_optimizer_and_scheduler": ("self", "output_dir"),
     "_load_from_checkpoint": ("self", "resume_from_checkpoint", "model"),
     "_load_best_model": ("self",),
     "_load_optimizer_and_scheduler": ("self", "checkpoint"),
+    "_track_num_input_tokens": ("self", "inputs"),
 }
 BUILDER = "create_accelerator_and_postprocess"  # the Trainer method that builds its accelerator
+
+
+def check_version() -> str | None:
+    """The installed transformers version; a ConfigError outside `SUPPORTED`."""
+    return check_range("transformers", *SUPPORTED)
+
+
+def check_model(model) -> None:
+    """The installed transformers checked against `SUPPORTED` when ``model`` is one of its models
+    (`parallelize` rewrites their modules, masks and loss)."""
+    if type(model).__module__.split(".")[0] == "transformers":
+        check_version()
 
 
 @contextlib.contextmanager
@@ -44,36 +66,25 @@ def building_accelerator(factory):
         trainer_module.Accelerator = built
 
 
-def trainer_building_accelerator(depth: int = 8):
-    """The transformers ``Trainer`` whose ``create_accelerator_and_postprocess`` is building an
-    accelerator in the calling frames (within ``depth`` frames), or None."""
-    if "transformers.trainer" not in sys.modules:
-        return None
-    from transformers import Trainer
+def trainer_builds_with():
+    """What a Trainer's ``create_accelerator_and_postprocess`` would build its accelerator with
+    now (``transformers.trainer.Accelerator``); None while transformers' Trainer is not imported."""
+    import sys
 
-    frame = sys._getframe(1)
-    for _ in range(depth):
-        if frame is None:
-            return None
-        if frame.f_code.co_name == BUILDER and isinstance(frame.f_locals.get("self"), Trainer):
-            return frame.f_locals["self"]
-        frame = frame.f_back
-    return None
+    module = sys.modules.get("transformers.trainer")
+    return None if module is None else getattr(module, "Accelerator", None)
 
 
 def check_trainer(trainer_cls: type) -> None:
     """A TypeError unless ``trainer_cls`` has every method of `TRAINER_METHODS` with those
     parameters (a transformers version that renamed one would silently skip our override)."""
-    import inspect
-
     for name, params in TRAINER_METHODS.items():
         method = getattr(trainer_cls, name, None)
         found = tuple(inspect.signature(method).parameters) if callable(method) else None
         if found != params:
             shown = "missing" if found is None else "(" + ", ".join(found) + ")"
-            raise TypeError(f"{trainer_cls.__name__}.{name} is {shown}, taco_trainer "
-                            f"overrides it as ({', '.join(params)}): transformers {VERSION} is outside what taco_accel "
-                            f"supports (>={SUPPORTED[0]},<{SUPPORTED[1]})")
+            raise TypeError(f"{trainer_cls.__name__}.{name} is {shown}, taco_trainer overrides it as "
+                            f"({', '.join(params)}): install transformers>={SUPPORTED[0]},<{SUPPORTED[1]}")
 
 
 def setup_devices_again(args) -> None:
@@ -81,3 +92,56 @@ def setup_devices_again(args) -> None:
     for the arguments as they are now)."""
     args.__dict__.pop("_setup_devices", None)  # a cached_property: computed again below
     args._setup_devices  # noqa: B018
+
+
+def mask_builders() -> dict:
+    """transformers' attention-mask builders by the layer type they serve (``"full_attention"``,
+    ``"sliding_attention"``), each called as ``build(config, inputs_embeds, position_ids)`` for a
+    batch without a padding mask or KV cache (``position_ids`` marking where packed sequences
+    restart). Resolved once, outside any forward: torch.compile traces neither the import of a
+    transformers submodule through its lazy module (a graph break, "Bad import result") nor the
+    signature read that names the cache parameter."""
+    from transformers import masking_utils
+
+    builders = {"full_attention": masking_utils.create_causal_mask,
+                "sliding_attention": masking_utils.create_sliding_window_causal_mask}
+    return {layer_type: _without_cache(build) for layer_type, build in builders.items()}
+
+
+def _without_cache(build):
+    cache = "cache" if "cache" in inspect.signature(build).parameters else "past_key_values"  # renamed in 5.24
+
+    def mask(config, inputs_embeds, position_ids):
+        return build(config=config, inputs_embeds=inputs_embeds, attention_mask=None, position_ids=position_ids,
+                     **{cache: None})  # no default in either version
+
+    return mask
+
+
+class TrainerCounts:
+    """The Trainer's counts under tensor parallelism, put in front of a Trainer class.
+
+    The taco trainer's accelerator reports Accelerate's own counts (``num_processes`` = every
+    process, ``parallelism_config`` = the mesh, ``gather`` over every process), from which
+    transformers >= 5.10 scales the loss (``num_processes // tp``) and normalises it by the
+    gathered token count (divided by tp) right by itself. Two counts are still wrong there:
+
+    - ``get_tp_size``: 5.10-5.18 read it from transformers' own TP only (the model's
+      ``config.distributed_config`` or ``_tp_size``), never from the accelerator's
+      ``parallelism_config`` (5.19 on fall back to it): their total train batch size (the log line,
+      ``train_samples_per_second``) counted each tp rank as a replica, and TRL's SFT loss scale
+      (``num_processes // get_tp_size()``) trained on tp times the gradient. Here it is the
+      accelerator's tp size on every version.
+    - ``num_input_tokens_seen`` adds ``accelerator.gather(tokens).sum()`` over every process (every
+      version): each batch counted once per tp rank that reads it. Here each batch counts once.
+    """
+
+    def get_tp_size(self) -> int:
+        config = getattr(getattr(self, "accelerator", None), "parallelism_config", None)
+        return super().get_tp_size() if config is None else config.tp_size
+
+    def _track_num_input_tokens(self, inputs) -> None:
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        copies = self.accelerator.parallelism_config.non_data_parallel_size  # processes sharing a batch
+        self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // copies

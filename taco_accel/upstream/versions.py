@@ -1,4 +1,4 @@
-"""The supported range check every adapter module runs at import."""
+"""The supported-range check each adapter module runs at the entry points that need its library."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from ..errors import ConfigError
 
 
 def check_range(package: str, low: str, high: str) -> str | None:
-    """The installed version of ``package``; a ConfigError outside [low, high); None if absent."""
+    """The installed version of ``package`` (as its distribution metadata says); a ConfigError
+    outside [low, high); None if absent."""
     try:
         found = version(package)
     except PackageNotFoundError:
