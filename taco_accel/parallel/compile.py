@@ -107,12 +107,17 @@ def is_compiled(module: nn.Module) -> bool:
     return bool(blocks) and all(compiled(block) for block in blocks)
 
 
+CACHE_ARGUMENTS = ("past_key_values", "cache", "layer_past")  # a decoder layer's KV cache, by transformers release
+
+
 class CheckpointedForward:
     """A decoder layer's ``forward`` (its class's) run under ``torch.utils.checkpoint``
-    (non-reentrant) when the layer trains with gradients; as it is otherwise (evaluation,
-    ``no_grad``: nothing to replay). `compile` compiles the forward inside the checkpoint: the
-    checkpoint stays out of the graph, so a side effect in a layer's forward (transformers' hub
-    kernels set a context variable) is no graph break, and the replay runs the compiled code."""
+    (non-reentrant) when the layer trains with gradients, without a KV cache (the replay would
+    append to it a second time: transformers' checkpointed layers drop it too); as it is otherwise
+    (evaluation, ``no_grad``: nothing to replay). `compile` compiles the forward inside the
+    checkpoint: the checkpoint stays out of the graph, so a side effect in a layer's forward
+    (transformers' hub kernels set a context variable) is no graph break, and the replay runs the
+    compiled code."""
 
     def __init__(self, layer: nn.Module) -> None:
         self.layer = layer
@@ -121,6 +126,9 @@ class CheckpointedForward:
     def __call__(self, *args, **kwargs):
         forward = self.compiled or functools.partial(type(self.layer).forward, self.layer)
         if self.layer.training and torch.is_grad_enabled():
+            kwargs = {k: None if k in CACHE_ARGUMENTS else v for k, v in kwargs.items()}
+            if "use_cache" in kwargs:
+                kwargs["use_cache"] = False
             return checkpoint(forward, *args, use_reentrant=False, **kwargs)
         return forward(*args, **kwargs)
 

@@ -150,9 +150,9 @@ def _chunked(xs, weights, biases, target, spec: FusedSpec, wanted: Sequence[bool
 
 
 def _add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``out`` (fp32) += ``a @ b``, the product in ``a``'s dtype: on CUDA one GEMM with an fp32
-    output accumulating into ``out`` for bf16 / fp16 operands, else the product then the sum."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+    """``out`` (fp32) += ``a @ b``, the product in ``a``'s dtype: on CUDA (sm80 on) one GEMM with an
+    fp32 output accumulating into ``out`` for bf16 / fp16 operands, else the product then the sum."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(a.device)[0] >= 8:
         torch.addmm(out, a, b, torch.float32, out=out)
     else:
         out += (a @ b).float()
