@@ -26,6 +26,8 @@ import dataclasses
 import os
 import pickle
 import queue
+import signal
+import subprocess
 import tempfile
 import time
 import traceback
@@ -202,3 +204,43 @@ def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S, en
         report = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
         raise AssertionError(f"{len(errors)} rank(s) failed:\n{report}")
     return [pickle.loads(outputs[r]) for r in range(world_size)]
+
+
+def run_command(cmd: list[str], *, env: dict | None = None, cwd=None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` in a session of its own: a launch
+    that outlives ``timeout`` is killed with every process it started (``accelerate launch`` and
+    ``torchrun`` ranks survive their launcher's kill otherwise, and keep the machine's cores
+    busy for the rest of the suite), then the test fails with what it printed."""
+    with subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_session(proc)
+            out, err = proc.communicate()
+            raise AssertionError(f"{' '.join(map(str, cmd[:6]))} ... timed out after {timeout}s:\n"
+                                 f"{out[-3000:]}{err[-6000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def start_command(cmd: list[str], *, env: dict | None = None, cwd=None) -> subprocess.Popen:
+    """A background ``Popen`` (stdout and stderr together) in a session of its own; end it with
+    `finish_command`, which kills its whole session if it outlives the timeout."""
+    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def finish_command(proc: subprocess.Popen, timeout: float = 600) -> str:
+    """What a `start_command` process printed once it ended; killed with its session after ``timeout``."""
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        kill_session(proc)
+        out = proc.communicate()[0]
+        raise AssertionError(f"{' '.join(map(str, proc.args[:6]))} ... timed out after {timeout}s:\n{out[-6000:]}") from None
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL every process of ``proc``'s session (it was started with ``start_new_session``)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)

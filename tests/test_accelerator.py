@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("accelerate_loop_worker.py")
@@ -61,7 +62,7 @@ def launch_env(**extra: str) -> dict:
 
 def accelerate_launch(config: Path, script: Path, *args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(script), *args]
-    return subprocess.run(cmd, env=launch_env(**(env or {})), cwd=cwd, capture_output=True, text=True, timeout=600)
+    return run_command(cmd, env=launch_env(**(env or {})), cwd=cwd)
 
 
 @pytest.fixture(scope="module")

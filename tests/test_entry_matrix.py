@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from harness import finish_command, run_command, start_command
 
 from test_accelerator import launch_config
 from test_hf_trainer import LOSS_TOL, NORM_RTOL, _env
@@ -115,19 +115,18 @@ def _referenced() -> list[str]:
 def matrix(tmp_path_factory) -> dict:
     """``{layout: {cell: figures}, "reference": {cell: figures, "roundings": ...}}``."""
     tmp = tmp_path_factory.mktemp("entry_matrix")
-    reference = subprocess.Popen(
+    reference = start_command(
         [sys.executable, str(WORKER), "--reference", "--out", str(tmp / "reference.json"), "--dir",
-         str(tmp / "reference"), "--cells", ",".join(_referenced())],
-        env=_env(), cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         str(tmp / "reference"), "--cells", ",".join(_referenced())], env=_env(), cwd=tmp)
     out = {}
     for layout, (processes, sizes) in LAYOUTS.items():
         config = launch_config(tmp / f"{layout}.yaml", processes, sizes)
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(WORKER),
                "--out", str(tmp / f"{layout}.json"), "--dir", str(tmp / layout), "--cells", ",".join(_launched(layout))]
-        done = subprocess.run(cmd, env=_env(), cwd=tmp, capture_output=True, text=True, timeout=600)
+        done = run_command(cmd, env=_env(), cwd=tmp)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
         out[layout] = json.loads((tmp / f"{layout}.json").read_text())
-    log, _ = reference.communicate(timeout=600)
+    log = finish_command(reference)
     assert reference.returncode == 0, log[-6000:]
     out["reference"] = json.loads((tmp / "reference.json").read_text())
     return out

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import run_command, run_ranks
 
 from taco_accel.data import build_tokenizer
 from taco_accel.data.supervised import IGNORE, CHATML, RecordFields, SFTBatches, collate, tokenize_records
@@ -170,7 +170,7 @@ def _launch(recipe: str, tmp_path: Path, *args: str) -> subprocess.CompletedProc
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, str(ROOT / "recipes" / recipe),
            "--steps", "3", "--eval-every", "3", "--max-len", "96", "--micro-batch-size", "2",
            "--max-eval-examples", "8", "--no-progress", "--device", "cpu", *args]
-    done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    done = run_command(cmd, env=env, cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return done
 

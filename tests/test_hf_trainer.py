@@ -14,11 +14,11 @@ compared step by step: losses, gradient norms, learning rates and the logged tok
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from harness import finish_command, run_command, start_command
 
 from test_accelerator import _free_port, launch_config, launch_env
 
@@ -52,7 +52,7 @@ def _launch(name: str, tmp: Path) -> dict:
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(2 * dp), "--master_port",
                str(_free_port()), *args, "--sizes", f"tp=2,dp_replicate={dp}"]
-    done = subprocess.run(cmd, env=_env(), cwd=tmp, capture_output=True, text=True, timeout=600)
+    done = run_command(cmd, env=_env(), cwd=tmp)
     if done.returncode != 0 or not out.exists():
         return {"launch_error": done.stdout[-3000:] + done.stderr[-6000:]}
     return {**json.loads(out.read_text()), "dir": str(folder)}
@@ -61,11 +61,11 @@ def _launch(name: str, tmp: Path) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hf_trainer")
-    reference = subprocess.Popen(
+    reference = start_command(
         [sys.executable, str(WORKER), "--out", str(tmp / "reference.json"), "--dir", str(tmp / "reference"),
-         "--reference", "1,2"], env=_env(), cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         "--reference", "1,2"], env=_env(), cwd=tmp)
     launched = {name: _launch(name, tmp) for name in LAUNCHES}
-    log, _ = reference.communicate(timeout=600)
+    log = finish_command(reference)
     assert reference.returncode == 0, log[-6000:]
     ref = json.loads((tmp / "reference.json").read_text())
     return launched, ref, tmp / "reference"

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from harness import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,7 +125,7 @@ def test_tiny_recipe_through_accelerate_launch(tmp_path, token_cache):
         "--eval-batches", "1", "--seq-len", "32", "--output-dir", str(tmp_path / "run"), "--cache-dir", token_cache,
         "--no-progress", "--device", "cpu",
     ]
-    done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    done = run_command(cmd, env=env, cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     assert "tp=2" in done.stderr
     run = tmp_path / "run"

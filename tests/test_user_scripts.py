@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness import run_command
 from test_accelerator import ROOT, accelerate_launch, launch_config, launch_env
 
 SCRIPTS = Path(__file__).with_name("user_scripts")
@@ -88,8 +89,7 @@ def references(workdir):
     argv = ["--reference"]
     for name, (_, _, _, ref_args) in RUNS.items():
         argv += (["--next"] if len(argv) > 1 else []) + [f"ref_{name}", *ref_args]
-    done = subprocess.run([sys.executable, str(OBSERVE), *argv], cwd=workdir, capture_output=True, text=True,
-                          timeout=600, env=launch_env())
+    done = run_command([sys.executable, str(OBSERVE), *argv], cwd=workdir, env=launch_env())
     return {name: _read(workdir / f"ref_{name}.rank0.json", done) for name in RUNS}
 
 
