@@ -65,8 +65,7 @@ def apply_compile(modules: list[nn.Module], backend: str, **options) -> None:
         context, _ = taco_context(module)
         if context is not None and context.fused is not None:  # the fused loss's chunk arithmetic
             context.fused.compile(backend)
-        if not isinstance(module, StageModule):
-            _causal_lm(module).register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
+        _train_without_cache(module)
     logger.info("torch.compile (%s%s) applied to %d decoder block(s)", backend,
                 "".join(f", {k}={v}" for k, v in options.items()), len(blocks))
 
@@ -75,10 +74,22 @@ def _causal_lm(module: nn.Module) -> nn.Module:
     return module.get_base_model() if hasattr(module, "get_base_model") else module  # peft: the causal LM
 
 
+def _train_without_cache(module: nn.Module) -> None:
+    """Make a training forward with gradients of ``module`` (a causal LM or its peft wrapper; a
+    pipeline stage builds none) build no KV cache, as transformers' checkpointed layers do: a
+    checkpointed layer's replay would append its keys and values to the cache a second time, and
+    each layer's cache update takes its layer index, a constant that a graph shared by every block
+    cannot hold (one recompile per layer). Idempotent."""
+    if isinstance(module, StageModule):
+        return
+    model = _causal_lm(module)
+    if not getattr(model, "_taco_trains_without_cache", False):
+        model.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
+        model._taco_trains_without_cache = True
+
+
 def _no_cache_in_training(module: nn.Module, args, kwargs):
-    """A training forward with gradients builds no KV cache (``use_cache=False``), as transformers'
-    checkpointed layers do: each layer's cache update takes its layer index, a constant that a
-    graph shared by every block cannot hold (one recompile per layer)."""
+    """``use_cache=False`` in a training forward with gradients (`_train_without_cache`)."""
     if module.training and torch.is_grad_enabled() and kwargs.get("use_cache") is not False:
         return args, {**kwargs, "use_cache": False}
     return None
@@ -107,13 +118,10 @@ def is_compiled(module: nn.Module) -> bool:
     return bool(blocks) and all(compiled(block) for block in blocks)
 
 
-CACHE_ARGUMENTS = ("past_key_values", "cache", "layer_past")  # a decoder layer's KV cache, by transformers release
-
-
 class CheckpointedForward:
     """A decoder layer's ``forward`` (its class's) run under ``torch.utils.checkpoint``
-    (non-reentrant) when the layer trains with gradients, without a KV cache (the replay would
-    append to it a second time: transformers' checkpointed layers drop it too); as it is otherwise
+    (non-reentrant) when the layer trains with gradients (the model then builds no KV cache:
+    `_train_without_cache`); as it is otherwise
     (evaluation, ``no_grad``: nothing to replay). `compile` compiles the forward inside the
     checkpoint: the checkpoint stays out of the graph, so a side effect in a layer's forward
     (transformers' hub kernels set a context variable) is no graph break, and the replay runs the
@@ -126,9 +134,6 @@ class CheckpointedForward:
     def __call__(self, *args, **kwargs):
         forward = self.compiled or functools.partial(type(self.layer).forward, self.layer)
         if self.layer.training and torch.is_grad_enabled():
-            kwargs = {k: None if k in CACHE_ARGUMENTS else v for k, v in kwargs.items()}
-            if "use_cache" in kwargs:
-                kwargs["use_cache"] = False
             return checkpoint(forward, *args, use_reentrant=False, **kwargs)
         return forward(*args, **kwargs)
 
@@ -150,6 +155,7 @@ def enable_activation_checkpointing(module: nn.Module) -> None:
     for layer in layers:
         if not is_checkpointed(layer):
             layer.forward = CheckpointedForward(layer)
+    _train_without_cache(module)
     logger.info("activation checkpointing: %d decoder layer(s) recompute their forward in backward", len(layers))
 
 
