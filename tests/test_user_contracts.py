@@ -10,9 +10,9 @@
   between clipping and the step raises.
 - Accelerate's conventions: ``num_processes`` / ``process_index`` are the data-parallel ones and
   a prepared scheduler steps ``num_processes`` times per optimizer step; a schedule that ends
-  long before the run is warned about; a ``ParallelismConfig`` that does not cover the
-  processes raises as Accelerate's does; ``prepare_model(..., evaluation_mode=True)`` lays the
-  model out without data-parallel machinery.
+  long before the run is warned about; ``prepare_model(..., evaluation_mode=True)`` lays the
+  model out without data-parallel machinery. (The sizes read from a ``ParallelismConfig``, by
+  Accelerate's rules: tests/test_accelerator_sizes.py, in one process.)
 
 One `run_ranks` launch runs every case; each case returns its figures or its error, and each
 test asserts on its own case.
@@ -29,11 +29,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from harness import run_ranks
-from packaging.version import Version
 
 import taco_accel
 from taco_accel.models.tiny import tiny_model
-from taco_accel.upstream import accelerate as up_accelerate
 
 ARCH, VOCAB = "qwen2", 128
 
@@ -44,7 +42,7 @@ def _batch(seed: int, rows: int = 2, seq: int = 8) -> torch.Tensor:
 
 def _accelerator(**kwargs):
     """dp=2 x tp=2 (DDP replicas) unless other sizes are given; taco_accel's own sizes: Accelerate
-    1.15's ParallelismConfig refuses tp with replicated dp (`_coverage` checks that route)."""
+    1.15's ParallelismConfig refuses tp with replicated dp (test_accelerator_sizes checks that route)."""
     if "parallelism_config" not in kwargs:
         kwargs["parallel_dims"] = taco_accel.ParallelDims(dp=2, tp=2)
     return taco_accel.Accelerator(compression=None, **kwargs)
@@ -211,26 +209,6 @@ class _Collect(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def _coverage() -> dict:
-    from accelerate import ParallelismConfig
-
-    out = {}
-    try:
-        _accelerator(parallelism_config=ParallelismConfig(tp_size=2))
-        out["tp2_of_4"] = None
-    except ValueError as e:
-        out["tp2_of_4"] = str(e)
-    acc = _accelerator(parallelism_config=ParallelismConfig())
-    out["all_ones"] = str(acc.parallel_dims)
-    try:  # Accelerate's own check at construction: 1.15 refuses tp with replicated dp, 1.16 allows it
-        replicated = ParallelismConfig(tp_size=2, dp_replicate_size=2)
-    except ValueError as e:
-        out["replicated_tp"] = f"refused by accelerate: {e}"
-    else:
-        out["replicated_tp"] = str(_accelerator(parallelism_config=replicated).parallel_dims)
-    return out
-
-
 def _evaluation_mode() -> dict:
     """FSDP2 over dp: a model prepared for training is sharded over dp, one for evaluation not."""
     from accelerate import ParallelismConfig
@@ -249,7 +227,7 @@ def _evaluation_mode() -> dict:
 
 CASES = {
     "outputs": _outputs, "pipeline_loss_fn": _pipeline_loss_fn, "backward_paths": _backward_paths,
-    "backward_after_clip": _backward_after_clip, "conventions": _conventions, "coverage": _coverage,
+    "backward_after_clip": _backward_after_clip, "conventions": _conventions,
     "evaluation_mode": _evaluation_mode,
 }
 
@@ -314,18 +292,6 @@ def test_num_processes_is_the_data_parallel_view(measured):
         assert r["scheduler_steps"] == [2, 4, 6, 8, 10, 12], r  # num_processes scheduler steps per optimizer step
     assert len(results[0]["warnings"]) == 1 and "num_processes // tp_size" in results[0]["warnings"][0], results[0]
     assert all(r["warnings"] == [] for r in results[1:])  # once, on the main process
-
-
-def test_sizes_that_do_not_cover_the_processes_raise_as_accelerate_does(measured):
-    for r in _case(measured, "coverage"):
-        assert r["tp2_of_4"] is not None and "total_size (2) does not match num_processes (4)" in r["tp2_of_4"], r
-        assert "pp_size" in r["tp2_of_4"]
-        assert r["all_ones"] == "pp=1 x dp=4 (ddp) x tp=1", r  # Accelerate: replicas over every process
-        # tp with replicated dp given in Python: the mesh where Accelerate builds the config (1.16); 1.15
-        # refuses it at construction, in Accelerate (the README names the launch config instead)
-        expected = ("refused by accelerate: Tensor/Context parallelism" if Version(up_accelerate.check_version()) < Version("1.16")
-                    else "pp=1 x dp=2 (ddp) x tp=2")
-        assert r["replicated_tp"].startswith(expected), r
 
 
 def test_evaluation_mode_lays_out_without_data_parallelism(measured):

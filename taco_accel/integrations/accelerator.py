@@ -85,14 +85,14 @@ from accelerate.utils.operations import recursively_apply
 from torch import nn
 
 from ..models.loss import LogitsMode, check_logits_mode
-from ..parallel import ModelParts, ParallelDims, build_mesh, clip_grad_norm_, collective_timeout, distribute
+from ..parallel import ModelParts, ParallelDims, build_mesh, clip_grad_norm_, distribute
 from ..parallel.grad_scaler import MeshGradScaler
-from ..parallel.mesh import PP_ENV
 from ..parallel.stage import site_tables
 from ..comm.policy import DEFAULT_COMPRESSION, Compression
 from ..upstream import accelerate as upstream
 from ..upstream.transformers import trainer_builds_with
 from . import checkpoint as ckpt
+from . import sizes
 from .launch import launch_notes, launch_sizes, without_parallelism_config
 
 logger = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ class Accelerator(_AccelerateAccelerator):
             parallelism_config = launch_sizes()  # the launch config's parallelism_config block, if any
         if not torch.cuda.is_available():
             kwargs["cpu"] = True  # else Accelerate treats N CPU processes as N separate single-process runs
-        timeout = _with_timeout(kwargs)
+        timeout = sizes.with_timeout(kwargs)
         # this Accelerator's own compile switch: Accelerate keeps the first one of the process in its state
         self._dynamo_plugin = kwargs.get("dynamo_plugin")
         if self._dynamo_plugin is None and kwargs.get("dynamo_backend") is not None:
@@ -178,16 +178,9 @@ class Accelerator(_AccelerateAccelerator):
             raise RuntimeError(f"torch.distributed has {world} processes but Accelerate sees "
                                f"{self.state.num_processes} ({self.distributed_type.value}); launch with accelerate "
                                "launch or torchrun")
-        requested = parallel_dims or _dims_from_config(parallelism_config, pp_size, world)
-        self.emulated_tp = 1
-        if requested.world_size > 1 and world == 1 and requested.pp == requested.dp == 1:
-            self.emulated_tp, requested = requested.tp, ParallelDims(dp_mode=requested.dp_mode)
-            logger.warning("one process: tensor parallelism tp=%d is emulated in this process (the numerics of "
-                           "TACO-compressed TP, not its speed); launch %d processes for real TP",
-                           self.emulated_tp, self.emulated_tp)
-        self.parallel_dims = requested
-        self._accelerate_sizes = _describe(requested)
-        self._taco_mesh = build_mesh(requested, self.device.type, timeout)
+        self.parallel_dims, self.emulated_tp = sizes.mesh_sizes(parallel_dims, parallelism_config, pp_size, world)
+        self._accelerate_sizes = sizes.describe(self.parallel_dims)
+        self._taco_mesh = build_mesh(self.parallel_dims, self.device.type, timeout)
         self.compression, self.sequence_parallel, self.logits = compression, sequence_parallel, logits
         self.grad_compression = grad_compression
         self._parts: list[tuple[nn.Module, ModelParts]] = []
@@ -756,67 +749,3 @@ class _FsdpNoSync:
         for m in self.modules:
             m.set_requires_gradient_sync(True, recurse=False)
 
-
-def _with_timeout(kwargs: dict):
-    """The collective timeout: an ``InitProcessGroupKwargs(timeout=...)`` handler's, else
-    `collective_timeout` (``TACO_TIMEOUT_S``, 10 minutes), added as such a handler so that the
-    world group Accelerate creates waits no longer than the mesh's groups."""
-    from accelerate.utils import InitProcessGroupKwargs
-
-    handlers = list(kwargs.get("kwargs_handlers") or [])
-    given = next((h for h in handlers if isinstance(h, InitProcessGroupKwargs)), None)
-    if given is not None and given.timeout is not None:
-        return given.timeout
-    timeout = collective_timeout()
-    if given is None:
-        handlers.append(InitProcessGroupKwargs(timeout=timeout))
-    else:
-        given.timeout = timeout
-    kwargs["kwargs_handlers"] = handlers
-    return timeout
-
-
-def _describe(dims: ParallelDims):
-    """Accelerate's ``ParallelismConfig`` of ``dims`` (tp, and dp as FSDP2 shards or replicas)."""
-    fsdp = dims.dp_mode == "fsdp"
-    return upstream.describe_mesh(dp_replicate=1 if fsdp else dims.dp, dp_shard=dims.dp if fsdp else 1, tp=dims.tp)
-
-
-def _dims_from_config(config, pp: int | None, world: int) -> ParallelDims:
-    """Mesh sizes from Accelerate's ``ParallelismConfig`` or a launch's `LaunchSizes` (or none:
-    data parallelism over all).
-
-    As Accelerate's ``ParallelismConfig._validate_accelerator``: all sizes 1 means data
-    parallelism over every process; otherwise the sizes must multiply to the number of
-    processes (a ValueError naming them), unless pipeline stages are asked for (``pp`` or
-    ``TACO_PP_SIZE``), which then take the remaining factor. One process with ``tp_size > 1``
-    is left to emulation.
-    """
-    if config is None:
-        return ParallelDims.from_env(world, pp=pp, tp=1)
-    if config.cp_size > 1 or config.sp_size > 1:
-        raise ValueError(
-            f"parallelism_config cp_size={config.cp_size} / sp_size={config.sp_size}: context and Ulysses sequence "
-            "parallelism are not supported with TACO TP; set them to 1 (Megatron sequence parallelism inside TP is "
-            "Accelerator(sequence_parallel=True))"
-        )
-    shard, replicate = config.dp_shard_size, config.dp_replicate_size
-    if shard > 1 and replicate > 1:
-        raise ValueError(f"dp_shard_size={shard} with dp_replicate_size={replicate} (HSDP) is not supported; set "
-                         "one of them to 1")
-    dp, mode = shard * replicate, "fsdp" if shard > 1 else "ddp"
-    if world == 1:
-        return ParallelDims(pp=pp or 1, dp=dp, tp=config.tp_size, dp_mode=mode)
-    total = dp * config.tp_size
-    if total == 1:  # Accelerate: replicas over every process (over those of a stage with pipelining)
-        stages = pp or int(os.environ.get(PP_ENV, "1"))
-        return ParallelDims.from_env(world, pp=stages, dp=max(world // stages, 1), tp=1, dp_mode=mode)
-    if pp is None and PP_ENV not in os.environ:
-        if total != world:
-            raise ValueError(
-                f"ParallelismConfig total_size ({total}) does not match num_processes ({world}) (dp_replicate_size="
-                f"{replicate} x dp_shard_size={shard} x tp_size={config.tp_size}). Please adjust dp_replicate_size/"
-                f"dp_shard_size/tp_size to multiply to {world}, or ask for pipeline stages with "
-                f"Accelerator(pp_size=...) or {PP_ENV}"
-            )
-    return ParallelDims.from_env(world, pp=pp, dp=dp, tp=config.tp_size, dp_mode=mode)
