@@ -15,9 +15,10 @@ import torch.distributed as dist
 
 from harness import case, per_case, run_ranks
 from taco_accel import comm
-from taco_accel.codec import NonFiniteError, TacoConfig, WireLayout
+from taco_accel.codec import NonFiniteError, TacoConfig, WireFormatError, WireLayout
 from taco_accel.comm import EmulatedGroup, dist_ops
 from taco_accel.comm.pieces import piece_bounds, piece_length, run_pipelined
+from torch.overrides import TorchFunctionMode
 
 CFG = TacoConfig()  # compress even tiny messages
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -365,12 +366,25 @@ def _in_flight() -> dict:
     return {"same": torch.equal(second.wait(), expect_b) and torch.equal(first.wait(), expect_a)}
 
 
+class TorchCalls(TorchFunctionMode):
+    """The names of the torch functions called inside it (``names``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+HOST_READS = ("__bool__", "item", "tolist", "__float__", "__int__", "nonzero")  # what makes the host wait for a GPU
+
+
 def _run_state() -> dict:
     """Run-time state per ledger (a model's site table), the debug switch agreed on by the ranks,
     and what a steady plain / compressed call does on the host."""
     import os
-
-    from torch.overrides import TorchFunctionMode
 
     from taco_accel.bench.collectives import own_costs
     from taco_accel.comm import agreement
@@ -398,17 +412,8 @@ def _run_state() -> dict:
         agreement.debug.cache_clear()
     out["after"] = _digest(comm.all_reduce(torch.ones(4), site="debug/after"))  # the group still works
 
-    class Ops(TorchFunctionMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.names = []
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            self.names.append(getattr(func, "__name__", str(func)))
-            return func(*args, **(kwargs or {}))
-
     x = torch.ones(64)
-    with Ops() as ops:
+    with TorchCalls() as ops:
         comm.all_reduce(x, None, TacoConfig(), compress=False, inplace=True)  # config given, plain
     out["plain_ops"] = ops.names
     out["own"] = own_costs(1024, 2, 1, torch.device("cpu"))  # transfers and codec kernels stubbed
@@ -458,13 +463,71 @@ def _checks() -> dict:
     return out
 
 
+def _call(site, kind: str, cols: int, world: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One call of ``kind`` at ``site`` with ``cols`` values a rank (a row of ``cols`` per rank for
+    the reductions): its result, and that result as parts (the gathers: one per rank)."""
+    if kind == "gather_by_rank":
+        call = site.gather_by_rank(torch.ones(cols))
+        for _ in call.landed():  # as the SP overlap takes them
+            pass
+        out = call.wait()
+        return out, list(out.view(world, cols))
+    if kind == "scatter_by_rank":
+        call = site.scatter_by_rank((cols,), torch.float32, "cpu")
+        for r in range(world):
+            call.submit(r, torch.ones(cols))
+        out = call.wait()
+        return out, [out]
+    rows = (world,) if kind == "reduce_scatter" else ()
+    out = site.run(kind, torch.ones(*rows, cols))
+    return out, list(out.view(world, cols)) if kind == "all_gather" else [out]
+
+
+def _headers_on_device() -> dict:
+    """A GPU's header agreement, run on CPU tensors (`codec.api.READ_AT_ONCE` emptied: the flags
+    compared on the device, read at the next host sync): ranks whose later call at a site differs
+    in length (wire buffers of one size: the transfer cannot tell), per kind and nonfinite policy;
+    and the host reads of a matching call."""
+    from taco_accel.codec import api
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    saved, api.READ_AT_ONCE = api.READ_AT_ONCE, ()
+    out = {}
+    try:
+        for nonfinite in ("propagate", "raise"):
+            for kind in ("all_reduce", "all_gather", "reduce_scatter", "gather_by_rank", "scatter_by_rank"):
+                ledger = comm.Ledger()
+                site = comm.Site(f"device/{kind}", None, CFG.replace(nonfinite=nonfinite), ledger=ledger)
+                cols = 2000 if "scatter" in kind else 4000  # against 2045 / 4090: as many whole groups of 128
+                _call(site, kind, cols, world)  # the first call: the same on every rank (and checked)
+                with TorchCalls() as calls:
+                    _call(site, kind, cols, world)  # a steady matching call
+                got = dict(host_reads=[n for n in calls.names if n in HOST_READS], at_call=None, at_pop=None)
+                try:
+                    _, parts = _call(site, kind, cols if rank == 0 else cols + cols * 90 // 4000, world)
+                    got["nan_parts"] = [bool(p.isnan().all()) for p in parts]
+                    got["finite_parts"] = [bool(p.isfinite().all()) for p in parts]
+                except WireFormatError as error:
+                    got["at_call"] = str(error)
+                try:
+                    ledger.pop()
+                except WireFormatError as error:
+                    got["at_pop"] = str(error)
+                _call(site, kind, cols, world)  # the group and the site still work
+                got["pop_after"] = sorted(ledger.pop())
+                out[f"{kind}/{nonfinite}"] = got
+    finally:
+        api.READ_AT_ONCE = saved
+    return out
+
+
 def _battery() -> dict:
     world = dist.get_world_size()
     cases = dict(
         accuracy=functools.partial(_accuracy, None, list(range(world))), formats=_formats, plain=_plain,
         threshold=_threshold, pieces=_pieces, drift=_drift, nonfinite=_nonfinite,
         stats=_stats, misc=_misc, autotune=_autotune, chunked=_chunked, in_flight=_in_flight,
-        run_state=_run_state, checks=_checks,
+        run_state=_run_state, checks=_checks, headers_on_device=_headers_on_device,
     )
     if world == 4:
         cases["subgroups"] = _subgroups
@@ -730,6 +793,35 @@ def test_later_calls_of_another_length_fail_on_every_rank(ranks):
             assert got[kind].startswith(f"later/{kind}: "), got[kind]
             assert "message of another length" in got[kind] and "pad the batch" in got[kind], got[kind]
         assert got["after"] == ranks[0]["checks"]["after"]
+
+
+def test_header_disagreement_on_the_device_is_nan_then_an_error_on_every_rank(ranks):
+    """Where reading a header costs a host sync (a GPU), every received chunk's header is compared
+    on the device: ranks whose later call differs in length get NaN for every value that came from
+    (or was summed with) a chunk of the other length, never numbers, and a `WireFormatError`
+    naming the site on every rank at the next host sync: the call's own under nonfinite="raise",
+    else the statistics' pop (the training loops pop every step, taco_trainer at each log). A
+    matching call reads nothing back."""
+    ranks = _view(ranks, "headers_on_device")
+    world = len(ranks)
+    for rank, per_rank in enumerate(ranks):
+        for name, got in per_rank["headers_on_device"].items():
+            kind, nonfinite = name.split("/")
+            site = f"device/{kind}: "
+            if nonfinite == "raise":
+                assert got["at_call"] is not None and got["at_call"].startswith(site), (rank, name, got)
+                assert "message of another length" in got["at_call"] and "pad the batch" in got["at_call"], got
+                assert got["at_pop"] is None, (rank, name, got)
+            else:
+                assert got["host_reads"] == [], (rank, name, got)
+                assert got["at_call"] is None and got["at_pop"] is not None, (rank, name, got)
+                assert got["at_pop"].startswith(site) and "message of another length" in got["at_pop"], got
+                if kind.startswith(("all_gather", "gather")):  # the parts of ranks of the other length
+                    odd = [r != rank and (r == 0 or rank == 0) for r in range(world)]
+                    assert got["nan_parts"] == odd and got["finite_parts"] == [not o for o in odd], (rank, name, got)
+                else:  # every sum met a chunk of the other length
+                    assert got["nan_parts"] == [True], (rank, name, got)
+            assert got["pop_after"] == [f"device/{kind}"], (rank, name, got)
 
 
 def test_subgroups(ranks):

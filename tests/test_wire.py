@@ -2,8 +2,8 @@
 
 Each chunk ends its payload and scales with a 4-byte header (`codec.layout`: version, G, format,
 scale layout, Hadamard, random signs and a hash of their seed). `decompress` and `sum_packed`,
-where a buffer meets a config, check it; so do the collectives' receive side, which go through
-them. The mismatches here have buffers of the same size, which decoded to numbers before.
+where a buffer meets a config, check it; so do the collectives' receive side
+(`codec.api.compare_headers`: on the CPU at once; tests/test_comm.py runs its GPU path). The mismatches here have buffers of the same size, which decoded to numbers before.
 """
 
 from __future__ import annotations
@@ -147,6 +147,14 @@ def test_a_chunk_of_another_message_length_raises():
             read()
     with pytest.raises(WireFormatError, match="format="):  # untagged reads of a tagged chunk: a plain mismatch
         decompress(Packed(wire, torch.Size([4096]), torch.float32, BASE, layout))
+    with pytest.raises(WireFormatError, match="another length \\(bytes") as length_only:
+        decode_into(wire, layout, BASE, out, tag=length_tag(4090))
+    assert "sign_seed" not in str(length_only.value)  # no random signs: only a length can differ there
+    signed = BASE.replace(random_signs=True)  # bytes 2-3 hold the seed's hash XOR the tag: one cannot tell which
+    encode_into(torch.ones(4096), wire, layout, signed, tag=length_tag(4000))
+    for reader, tag in ((signed.replace(sign_seed=1), 4000), (signed, 4090)):
+        with pytest.raises(WireFormatError, match="another length or another sign_seed"):
+            decode_into(wire, layout, reader, out, tag=length_tag(tag))
 
 
 def test_compress_of_a_meta_tensor_says_so():

@@ -12,10 +12,13 @@ device) is checked and later ones are not: a config that differs between ranks o
 differs from the first call on. `check_wire` checks any buffer on demand.
 
 A caller may tag the chunks it encodes (``tag=``, 16 bits in the header: `layout.length_tag`):
-the collectives of `comm` tag them with the whole message's length, so a peer that sent a
-message of another length fails the same check. The set of (header, layout, device) already
-checked on a GPU is the caller's (``seen=``: `comm` keeps one per call site, so each site of
-each model checks its own first call of each length); without one, a process-wide set.
+the collectives of `comm` tag them with the whole message's length, so that a peer that sent a
+message of another length fails the same check. They check every chunk they receive on the
+device instead (`compare_headers`, then ``check=False`` on the read): no host sync, on every
+call and every device; a chunk whose header differs has its scales set to NaN (its values
+decode and sum to NaN, never to plausible numbers) and is counted in the caller's mismatches,
+which the caller reads at its next host sync (`raise_mismatches`); on the CPU, where reading
+costs nothing, at once (`READ_AT_ONCE`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 from ..errors import ConfigTypeError, GroupOverflowError, NonFiniteError, WireFormatError
 from . import dispatch
 from .config import CodecConfig
-from .layout import WireLayout, describe_header, signed_header
+from .layout import WireLayout, describe_header, signed_header, tag_difference
 from .tuning import DEFAULT_TUNING, Tuning
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -136,12 +139,10 @@ def check_wire(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig, ta
         where = wrong.nonzero()[0].tolist()
         word = int(words[tuple(where)])
         place = f"input {where[0]}, chunk {where[1]}" if len(where) == 2 else f"chunk {where[0]}"
-        if (word ^ expected) & 0xFFFF == 0 and tag:  # the settings agree, the message tag does not
+        if (word ^ expected) & 0xFFFF == 0 and tag:  # the settings agree; the tag, or the sign seed, does not
             raise WireFormatError(
-                f"{place} of the buffer belongs to a message of another length than this one (length tag "
-                f"{(word >> 16 ^ expected >> 16) & 0xFFFF ^ tag:#06x}, expected {tag:#06x}): the ranks of a "
-                "collective sent messages of different sizes; every rank must send the same shape at each call "
-                "(pad the batch to one length on every rank of the group)"
+                f"{place} of the buffer belongs to {tag_difference(config)} (bytes 2-3 of its header "
+                f"{(word >> 16) & 0xFFFF:#06x}, expected {(expected >> 16) & 0xFFFF:#06x}): {_SIZES_DIFFER}"
             )
         raise WireFormatError(
             f"{place} of the buffer was written with {describe_header(word)}, but is read with "
@@ -150,18 +151,80 @@ def check_wire(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig, ta
         )
 
 
-def _check_wire_where_cheap(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig, tag: int = 0,
-                            seen: set | None = None) -> None:
+_SIZES_DIFFER = ("the ranks of a collective sent messages of different sizes (or settings); every rank must send "
+                 "the same shape at each call (pad the batch to one length on every rank of the group)")
+READ_AT_ONCE = ("cpu",)  # devices whose mismatch flags `compare_headers` reads at once (no host sync to pay)
+
+
+def compare_headers(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig, tag: int, mismatches: dict,
+                    views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Compare every chunk header of ``buffer`` (one buffer of ``layout`` or a stack of them) with
+    ``config``'s and ``tag``'s on the buffer's device, without a host sync: the scales of a chunk
+    that differs become NaN, so that its values decode and sum to NaN, and the comparison is
+    or-ed into ``mismatches`` (the caller's dict, one bool tensor per shape) for
+    `raise_mismatches` to read at the caller's next host sync. On a device of `READ_AT_ONCE` a
+    mismatch raises `WireFormatError` here, naming the chunk and what it was written with.
+    ``views``: the buffer's `WireLayout.headers_and_scales` and a bool tensor of the headers'
+    shape to compare into, cached by the caller (no allocation from call to call)."""
+    if not layout.used_bytes:
+        return
+    if views is None:
+        headers, scales = layout.headers_and_scales(buffer)
+        differs = torch.empty(headers.shape, dtype=torch.bool, device=buffer.device)
+    else:
+        headers, scales, differs = views
+    torch.ne(headers, _header_tensor(signed_header(config, tag)), out=differs)  # [..., chunks, 1]
+    if differs.device.type in READ_AT_ONCE:
+        if bool(differs.any()):
+            check_wire(buffer, layout, config, tag)  # raises, naming the chunk and its settings
+        return
+    scales.masked_fill_(differs, _NAN)
+    seen = mismatches.get(differs.shape)
+    if seen is None:
+        mismatches[differs.shape] = differs.clone()
+    else:
+        seen.logical_or_(differs)
+
+
+_NAN = torch.tensor(float("nan"))  # 0-d CPU tensors as operands: a third of a Python scalar's host time
+_HEADER_TENSORS: dict[int, torch.Tensor] = {}
+
+
+def _header_tensor(header: int) -> torch.Tensor:
+    found = _HEADER_TENSORS.get(header)
+    if found is None:
+        if len(_HEADER_TENSORS) >= 4096:  # many lengths: start over rather than grow
+            _HEADER_TENSORS.clear()
+        found = _HEADER_TENSORS[header] = torch.tensor(header, dtype=torch.int32)
+    return found
+
+
+def raise_mismatches(mismatches: dict, where: str) -> None:
+    """Raise `WireFormatError` (naming ``where``) if a chunk compared by `compare_headers` into
+    ``mismatches`` since the last raise differed, and start afresh. Reads the flags: a host sync
+    on a GPU (flags that are all False stay, to be or-ed into: no allocation from call to call)."""
+    if not mismatches:
+        return
+    if next(iter(mismatches.values())).is_cuda and torch.cuda.is_current_stream_capturing():
+        return  # no reading while a CUDA graph is captured
+    if any(bool(seen.any()) for seen in mismatches.values()):
+        mismatches.clear()
+        raise WireFormatError(
+            f"{where}: a chunk received since the last check did not carry this rank's header (another TacoConfig, "
+            f"or a message of another length or sign_seed; its values were read as NaN): {_SIZES_DIFFER}"
+        )
+
+
+def _check_wire_where_cheap(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig, tag: int = 0) -> None:
     """`check_wire` on every CPU buffer; elsewhere once per (config and tag, layout, device) in
-    ``seen`` (the caller's set, or the process's), and never while a CUDA graph is captured
-    (module docstring)."""
+    the process, and never while a CUDA graph is captured (module docstring)."""
     device = buffer.device
     if device.type == "cpu":
         check_wire(buffer, layout, config, tag)
         return
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return
-    verified = _verified_on_device if seen is None else seen
+    verified = _verified_on_device
     key = (signed_header(config, tag), layout, device)
     if key not in verified:
         check_wire(buffer, layout, config, tag)
@@ -267,21 +330,25 @@ def encode_rows_into(rows: torch.Tensor, out: torch.Tensor, layout: WireLayout, 
 
 
 def decode_into(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig, out: torch.Tensor,
-                tuning: Tuning | None = None, tag: int = 0, seen: set | None = None) -> None:
-    """`decompress` of ``buffer`` (one buffer of ``layout``, tagged ``tag``) into the contiguous ``out``."""
+                tuning: Tuning | None = None, tag: int = 0, check: bool = True) -> None:
+    """`decompress` of ``buffer`` (one buffer of ``layout``, tagged ``tag``) into the contiguous
+    ``out``. ``check=False``: the caller compared the headers (`compare_headers`), or wrote them."""
     if layout.numel:
-        _check_wire_where_cheap(buffer, layout, config, tag, seen)
+        if check:
+            _check_wire_where_cheap(buffer, layout, config, tag)
         dispatch.decompress_into(buffer, layout, config, out if out.dim() == 1 else out.view(-1),
                                  tuning or DEFAULT_TUNING)
 
 
 def sum_packed_into(stacked: torch.Tensor, layout: WireLayout, config: CodecConfig, out: torch.Tensor,
-                    tuning: Tuning | None = None, tag: int = 0, seen: set | None = None,
+                    tuning: Tuning | None = None, tag: int = 0, check: bool = True,
                     headers: torch.Tensor | None = None) -> None:
     """`sum_packed` of ``stacked`` [P, layout.total_bytes] (tagged ``tag``) into ``out`` (the
-    layout's uint8 buffer, tagged alike; ``headers``: as in `encode_into`)."""
+    layout's uint8 buffer, tagged alike; ``headers``: as in `encode_into`; ``check``: as in
+    `decode_into`)."""
     if layout.numel:
-        _check_wire_where_cheap(stacked, layout, config, tag, seen)
+        if check:
+            _check_wire_where_cheap(stacked, layout, config, tag)
         dispatch.sum_into(stacked, layout, config, out, tuning or DEFAULT_TUNING)
         if tag:
             (layout.headers(out) if headers is None else headers).fill_(signed_header(config, tag))

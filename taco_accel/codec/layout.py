@@ -27,7 +27,9 @@ e5m2 1, int8 2), dual scales (bit 5), the Hadamard step (bit 6) and random signs
 2-3 a 16-bit hash of ``sign_seed`` (0 without random signs) XOR a 16-bit message tag (0 unless the
 caller gives one: the collectives of `comm` tag every chunk with the length of the whole message,
 `length_tag`, so that ranks whose messages differ in length fail the header check instead of
-decoding each other's bytes as numbers). Settings that do not change how bytes are read
+decoding each other's bytes as numbers). Bytes 2-3 alone cannot tell a seed from a length: a
+chunk that differs only there belongs to a message of another length, or (with random signs) to
+another ``sign_seed`` (`tag_difference`). Settings that do not change how bytes are read
 (``adaptive_scale``, ``nonfinite``, ``backend``, the size settings) are not in it.
 
 Each chunk ends with up to 12 zero bytes of padding to a multiple of 16 bytes, so that every
@@ -85,6 +87,14 @@ def signed_header(config: CodecConfig, tag: int = 0) -> int:
     """`header_word` as a signed int32: the kernels' HEADER and the values of `WireLayout.headers`."""
     word = header_word(config, tag)
     return word - (1 << 32) if word >= 1 << 31 else word
+
+
+def tag_difference(config: CodecConfig) -> str:
+    """What a chunk belongs to whose header differs from ``config``'s only in bytes 2-3 (the seed
+    hash XOR the message tag): with random signs, the two cannot be told apart."""
+    if config.random_signs:
+        return "a message of another length or another sign_seed"
+    return "a message of another length"
 
 
 def describe_header(word: int) -> str:
@@ -166,6 +176,14 @@ class WireLayout:
         ``buffer`` is one buffer of this layout or a stack of them (``[..., total_bytes]``)."""
         rows = buffer.view(*buffer.shape[:-1], self.chunks, self.chunk_bytes)
         return rows[..., self.data_bytes : self.used_bytes].view(torch.int32).squeeze(-1)
+
+    def headers_and_scales(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of every chunk's header, ``[..., chunks, 1]`` int32, and of its scales, ``[...,
+        chunks, num_scales * gpc]`` fp32 (``buffer``: one buffer of this layout or a stack of
+        them): a chunk's header next to the values it describes."""
+        rows = buffer.view(*buffer.shape[:-1], self.chunks, self.chunk_bytes)
+        scales = rows[..., self.payload_bytes_per_chunk : self.data_bytes].view(torch.float32)
+        return rows[..., self.data_bytes : self.used_bytes].view(torch.int32), scales
 
     def padding(self, buffer: torch.Tensor) -> torch.Tensor:
         """View of the padding bytes, ``[chunks, chunk_bytes - used_bytes]`` (may be empty).

@@ -12,10 +12,14 @@ each rank's value.
 When: on each site's first calls (`CHECKED_CALLS`, counted in the site's `stats.SiteRecord`;
 sites are called in the same order on every rank, so every rank checks the same calls) and,
 with ``TACO_CHECK_COLLECTIVES=1``, on every call. A message whose length changes only later on
-one rank: compressed, every chunk's header carries a tag of the message's length, checked
-wherever a chunk is read (`collectives`: on the CPU every call, on a GPU a site's first call of
-each length); plain, gloo aborts the process and NCCL does not notice, so only this debug mode
-catches it there. The variable is read once per process (`debug`), and the setting is
+one rank: compressed, with wire buffers of one size (lengths that round to as many groups),
+every chunk's header carries a tag of the message's length and every received chunk is compared
+on its device (`codec.api.compare_headers`: on the CPU it raises at once; on a GPU the chunk
+reads as NaN and every rank raises at its next host sync); with buffers of different sizes, or
+plain, the data collective itself is mismatched before any header is read: gloo raises or
+aborts the process, NCCL may hang until the group's timeout or truncate, so only this debug mode
+(and the models' input-shape check, `models.checks.InputIdsCheck`, once per new batch shape)
+catches it there (ARCHITECTURE, "What is checked when"). The variable is read once per process (`debug`), and the setting is
 part of the fingerprint: ranks that disagree about it fail at their first check, on every rank,
 instead of one rank waiting in a check the others never make. One check costs one all-gather's
 round trip (`python -m taco_accel.bench.collectives --host` prints it; benchmarks/RESULTS.md has

@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 from ..codec import CodecConfig
-from ..codec.api import SUPPORTED_DTYPES
+from ..codec.api import SUPPORTED_DTYPES, raise_mismatches
 from ..codec.layout import length_tag
 from ..errors import NonFiniteError, WireFormatError
 from . import agreement
@@ -128,7 +128,7 @@ class Call:
         self._exact_in = [] if compressed and record is not None and record.sample_due() else None
         if compressed:
             self.message = Message(codec.nonfinite == "raise", length_tag(shape.numel()),
-                                   None if record is None else record.verified)
+                                   None if record is None else record.mismatches)
 
     # -- the whole kinds: one tensor in, one result out ---------------------------------------
 
@@ -291,7 +291,9 @@ class Call:
                 exact = self._exact()
                 record.errors.append(relative_error(out.view(exact.shape), exact))
         codec = self.codec
-        if codec is not None and codec.nonfinite == "raise" and out.is_floating_point():
+        if codec is not None and codec.nonfinite == "raise" and out.is_floating_point():  # a host sync anyway
+            if record is not None:
+                raise_mismatches(record.mismatches, self.site)
             self._raise_if_nonfinite(out)
         return out
 
@@ -315,6 +317,7 @@ class Call:
             raise nonfinite_error(self.site)
 
     def _check_agreement(self, shape, dtype: torch.dtype, device) -> None:
+        raise_mismatches(self.record.mismatches, self.site)  # a host sync anyway: the earlier calls' headers
         agreement.check(self.kind.name, shape, dtype, device, self.link, self.codec, self.compressed, self.site,
                         self.piece_bytes)
 

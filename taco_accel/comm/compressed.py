@@ -35,21 +35,29 @@ from collections.abc import Iterator
 
 import torch
 
-from ..codec import CodecConfig, WireLayout
+from ..codec import CodecConfig, WireLayout, api
 from ..codec.api import decode_into, encode_into, sum_packed_into
 from .pieces import piece_bounds, piece_length
 
 
 class Message:
     """One compressed message, as its pieces share and report it: the tag of every chunk they encode
-    (``tag``: `codec.layout.length_tag` of the whole message's length, checked on every chunk
-    they decode or sum), the set of wire checks already made on a GPU (``seen``: the site's), and
-    back the bytes sent and (if asked) non-finite flags."""
+    (``tag``: `codec.layout.length_tag` of the whole message's length), where the headers of the
+    chunks they receive are compared on the device (``mismatches``: the site's, for
+    `codec.api.raise_mismatches`; None: not compared, an emulated group's virtual ranks), and back
+    the bytes sent and (if asked) non-finite flags."""
 
-    __slots__ = ("check_nonfinite", "sent", "flags", "tag", "seen")
+    __slots__ = ("check_nonfinite", "sent", "flags", "tag", "mismatches")
 
-    def __init__(self, check_nonfinite: bool = False, tag: int = 0, seen: set | None = None) -> None:
-        self.check_nonfinite, self.sent, self.flags, self.tag, self.seen = check_nonfinite, 0, [], tag, seen
+    def __init__(self, check_nonfinite: bool = False, tag: int = 0, mismatches: dict | None = None) -> None:
+        self.check_nonfinite, self.sent, self.flags, self.tag, self.mismatches = check_nonfinite, 0, [], tag, mismatches
+
+    def check(self, buffer: torch.Tensor, layout: WireLayout, codec: CodecConfig, views) -> None:
+        """Compare the headers of the received ``buffer`` with this message's, on its device
+        (`codec.api.compare_headers`: a chunk of another config or length reads as NaN and is
+        counted); ``views``: the buffer's cached `Workspace.views`."""
+        if self.mismatches is not None:
+            api.compare_headers(buffer, layout, codec, self.tag, self.mismatches, views)
 
     def note(self, layout: WireLayout, buffer: torch.Tensor) -> None:
         """Remember whether the scales of ``buffer`` hold a NaN (a non-finite group) when checking is on."""
@@ -114,6 +122,18 @@ class Workspace:
             found = self._views[key] = layout.headers(buffer)
         return found
 
+    def views(self, role: str, slot: int, layout: WireLayout, buffer: torch.Tensor, row: int = -1):
+        """The `WireLayout.headers_and_scales` views of ``buffer`` (the buffer ``role`` of ``slot``,
+        or its row ``row``) and a bool tensor of the headers' shape, made once per layout: what
+        `codec.api.compare_headers` checks a received chunk through."""
+        key = (role, slot % self.SLOTS, layout, row, "views")
+        found = self._views.get(key)
+        if found is None:
+            headers, scales = layout.headers_and_scales(buffer)
+            found = self._views[key] = (headers, scales, torch.empty(headers.shape, dtype=torch.bool,
+                                                                      device=buffer.device))
+        return found
+
     def rows(self, role: str, slot: int, world: int, nbytes: int, device: torch.device) -> list[torch.Tensor]:
         """The ``world`` rows of ``nbytes`` each of the buffer ``role`` in ``slot``, as a list
         (what a gather writes into), made once per size."""
@@ -167,16 +187,18 @@ def all_reduce_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecCo
     work.wait()
     mine = buffers.buffer("sum", slot, cb, device)  # [cb]
     chunk = layout.chunk_layout()
-    sum_packed_into(buffers.buffer("recv", slot, total, device, (world, cb)), chunk, codec, mine,
-                    tag=message.tag, seen=message.seen, headers=buffers.headers("sum", slot, chunk, mine))
+    received = buffers.buffer("recv", slot, total, device, (world, cb))  # [P, cb]: a chunk from every rank
+    message.check(received, chunk, codec, buffers.views("recv", slot, chunk, received))
+    sum_packed_into(received, chunk, codec, mine, tag=message.tag, check=False,
+                    headers=buffers.headers("sum", slot, chunk, mine))
     full = recv  # [P * cb]: every reduced chunk, rank order (the received chunks are summed by now)
     work = link.all_gather(full, mine)
     yield
     work.wait()
     message.sent += 2 * (world - 1) * layout.chunk_bytes
     message.note(layout, full)
-    if out is not None:
-        decode_into(full, layout, codec, out, tag=message.tag, seen=message.seen)
+    if out is not None:  # every reduced chunk was checked where it was summed, from every rank's chunk
+        decode_into(full, layout, codec, out, check=False)
 
 
 def reduce_scatter_piece(blocks: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, message: Message,
@@ -200,27 +222,30 @@ def reduce_scatter_piece(blocks: torch.Tensor, out: torch.Tensor | None, codec: 
     work = link.all_to_all(recv, send)
     if residual is not None:  # while the chunks travel: what they do not carry of blocks
         sent = buffers.typed("decoded", slot, (world, width), torch.float32, device)
-        decode_into(send, layout, codec, sent, tag=message.tag, seen=message.seen)
+        decode_into(send, layout, codec, sent, check=False)  # this rank's own bytes
         residual.copy_(blocks.reshape(world, width)[:, :cols]).sub_(sent[:, :cols])
     yield
     work.wait()
     message.sent += (world - 1) * layout.chunk_bytes
     if residual is not None:  # exactly the sum of what was sent: every chunk decoded, summed in fp32
         got = buffers.typed("decoded", slot, (world, width), torch.float32, device)  # [P, width], row p: peer p's
-        decode_into(recv, layout, codec, got, tag=message.tag, seen=message.seen)
+        message.check(recv, layout, codec, buffers.views("recv", slot, layout, recv))
+        decode_into(recv, layout, codec, got, check=False)
         message.note(layout, recv)
         if out is not None:
             out.copy_(got.sum(0)[:cols].view(out.shape))
         return
     mine = buffers.buffer("sum", slot, cb, device)  # [cb]
     chunk = layout.chunk_layout()
-    sum_packed_into(buffers.buffer("recv", slot, total, device, (world, cb)), chunk, codec, mine,
-                    tag=message.tag, seen=message.seen, headers=buffers.headers("sum", slot, chunk, mine))
+    received = buffers.buffer("recv", slot, total, device, (world, cb))  # [P, cb]: a chunk from every rank
+    message.check(received, chunk, codec, buffers.views("recv", slot, chunk, received))
+    sum_packed_into(received, chunk, codec, mine, tag=message.tag, check=False,
+                    headers=buffers.headers("sum", slot, chunk, mine))
     own = WireLayout.for_tensor(cols, codec)
     assert own.total_bytes == mine.numel(), (own, mine.numel())
     message.note(own, mine)
     if out is not None:
-        decode_into(mine, own, codec, out, tag=message.tag, seen=message.seen)
+        decode_into(mine, own, codec, out, check=False)
 
 
 def all_gather_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, message: Message,
@@ -236,7 +261,7 @@ def all_gather_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecCo
     work = link.all_gather(full, send)
     if residual is not None:  # while the buffer travels: what it does not carry of src
         sent = buffers.typed("decoded", slot, (cols,), torch.float32, device)
-        decode_into(send, layout, codec, sent, tag=message.tag, seen=message.seen)
+        decode_into(send, layout, codec, sent, check=False)  # this rank's own bytes
         residual.copy_(src.view(-1)).sub_(sent)
     yield
     work.wait()
@@ -244,14 +269,15 @@ def all_gather_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecCo
     whole = WireLayout.for_tensor(world * width, codec, chunks=world)  # chunk p = rank p's buffer
     assert whole.total_bytes == full.numel(), (whole, full.numel())
     message.sent += (world - 1) * layout.total_bytes
+    message.check(full, whole, codec, buffers.views("recv", slot, whole, full))
     message.note(whole, full)
     if out is None:
         return
     if width == cols and out.is_contiguous():
-        decode_into(full, whole, codec, out, tag=message.tag, seen=message.seen)
+        decode_into(full, whole, codec, out, check=False)
     else:
         decoded = buffers.typed("stage", slot, (world, width), out.dtype, device)
-        decode_into(full, whole, codec, decoded, tag=message.tag, seen=message.seen)
+        decode_into(full, whole, codec, decoded, check=False)
         rows = out.view(world, cols) if out.is_contiguous() else out  # [P, c]
         rows.copy_(decoded[:, :cols])
 
@@ -274,8 +300,10 @@ def all_gather_by_rank_piece(src: torch.Tensor, out: torch.Tensor | None, codec:
     for r in (rank, *range(rank), *range(rank + 1, world)):
         if r != rank:  # this rank's own broadcast is waited for last: its part is here already
             works[r].wait()
+        if r != rank:
+            message.check(wires[r], layout, codec, buffers.views("recv", 0, layout, wires[r], r))
         if parts is not None:  # this rank's part too: every rank decodes the same bytes
-            decode_into(wires[r], layout, codec, parts[r], tag=message.tag, seen=message.seen)
+            decode_into(wires[r], layout, codec, parts[r], check=False)
         yield r
     works[rank].wait()
     message.sent += (world - 1) * cb
@@ -306,11 +334,13 @@ def reduce_scatter_by_rank_piece(parts: list, out: torch.Tensor | None, codec: C
     message.sent += (world - 1) * cb
     mine = buffers.buffer("sum", 0, cb, device)
     chunk = layout.chunk_layout()
-    sum_packed_into(buffers.buffer("recv", 0, world * cb, device, (world, cb)), chunk, codec, mine,
-                    tag=message.tag, seen=message.seen, headers=buffers.headers("sum", 0, chunk, mine))
+    stacked = buffers.buffer("recv", 0, world * cb, device, (world, cb))  # row p: rank p's part for this rank
+    message.check(stacked, chunk, codec, buffers.views("recv", 0, chunk, stacked))
+    sum_packed_into(stacked, chunk, codec, mine, tag=message.tag, check=False,
+                    headers=buffers.headers("sum", 0, chunk, mine))
     message.note(layout, mine)
     if out is not None:
-        decode_into(mine, layout, codec, out, tag=message.tag, seen=message.seen)
+        decode_into(mine, layout, codec, out, check=False)
 
 
 # --- one call as pieces: views of the input and output, cut at group boundaries --------------

@@ -131,7 +131,7 @@ class Site(SharesGroup):
         parts = Parts(torch.Size((link.world * shape[0], *shape[1:])), dtype, torch.device(device))
         compress = self.compresses_like("reduce_scatter", parts.shape, dtype, device)
         return Call(kind_of("reduce_scatter_by_rank"), parts, link, self.codec, compress, self.piece_bytes,
-                    self.record, self.name).scatter(shape, dtype, device)
+                    self.record, self.name).scatter(shape, dtype, parts.device)
 
     # -- the decision ------------------------------------------------------------------------
 

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..codec.api import raise_mismatches
+
 
 def ring_bytes(kind, nbytes: int, world: int) -> int:
     """The bytes one rank sends in the bandwidth-optimal (ring) plain collective of ``kind`` (a
@@ -77,16 +79,18 @@ class CommStats:
 
 class SiteRecord:
     """What a `Ledger` keeps about one site: figures since the last pop, the compressed-call
-    counter of the error sampling (``ticks``) and the agreement checks made (``checked``)."""
+    counter of the error sampling (``ticks``), the agreement checks made (``checked``) and the
+    device-side comparisons of the chunk headers it received (``mismatches``:
+    `codec.api.compare_headers`, read when the figures are popped)."""
 
     __slots__ = ("calls", "compressed_calls", "bytes_sent", "bytes_uncompressed", "errors", "ticks", "checked",
-                 "generation", "verified")
+                 "generation", "mismatches")
 
     def __init__(self) -> None:
         self.calls = self.compressed_calls = self.bytes_sent = self.bytes_uncompressed = 0
         self.errors: list[torch.Tensor] = []  # 0-d float tensors, possibly on a device
         self.ticks = self.checked = 0
-        self.verified: set = set()  # the wire checks made on a GPU (`codec.api`: its first call of each length)
+        self.mismatches: dict = {}  # `codec.api.compare_headers`'s flags, read at the next host sync
         self.generation = _sampling.generation
 
     def add(self, sent: int, uncompressed: int, compressed: bool) -> None:
@@ -141,7 +145,11 @@ class Ledger:
         return found
 
     def pop(self) -> dict[str, CommStats]:
-        """The figures of every site that was called since the last pop, by name; then zero them."""
+        """The figures of every site that was called since the last pop, by name; then zero them.
+        A `WireFormatError` naming the site if a chunk it received since had another header (a
+        host sync: the flags are read here)."""
+        for name, record in self._records.items():
+            raise_mismatches(record.mismatches, name)
         return {name: rec.pop() for name, rec in self._records.items() if rec.calls or rec.errors}
 
     def __repr__(self) -> str:
