@@ -297,7 +297,7 @@ def _in_place_and_blocks() -> dict:
     inputs = [torch.randn(2, 6, 12, generator=torch.Generator().manual_seed(r)) for r in range(WORLD)]
     x = inputs[rank].clone().requires_grad_()
     partial = x * 2  # a computed tensor of its own, as a row layer's partial product is
-    y = reduce_from_tp_region(partial, _site("g/fwd"), owned=True)
+    y = reduce_from_tp_region(partial, _site("g/fwd"), inplace=True)
     in_place = y.data_ptr() == partial.data_ptr()
     y.sum().backward()
     with torch.no_grad():  # a layer's partial product is reduced in place, in inference too

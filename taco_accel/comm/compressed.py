@@ -55,7 +55,7 @@ class Message:
     def check(self, buffer: torch.Tensor, layout: WireLayout, codec: CodecConfig, views) -> None:
         """Compare the headers of the received ``buffer`` with this message's, on its device
         (`codec.api.compare_headers`: a chunk of another config or length reads as NaN and is
-        counted); ``views``: the buffer's cached `Workspace.views`."""
+        counted); ``views``: the buffer's cached `Workspace.header_views`."""
         if self.mismatches is not None:
             api.compare_headers(buffer, layout, codec, self.tag, self.mismatches, views)
 
@@ -122,7 +122,7 @@ class Workspace:
             found = self._views[key] = layout.headers(buffer)
         return found
 
-    def views(self, role: str, slot: int, layout: WireLayout, buffer: torch.Tensor, row: int = -1):
+    def header_views(self, role: str, slot: int, layout: WireLayout, buffer: torch.Tensor, row: int = -1):
         """The `WireLayout.headers_and_scales` views of ``buffer`` (the buffer ``role`` of ``slot``,
         or its row ``row``) and a bool tensor of the headers' shape, made once per layout: what
         `codec.api.compare_headers` checks a received chunk through."""
@@ -188,7 +188,7 @@ def all_reduce_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecCo
     mine = buffers.buffer("sum", slot, cb, device)  # [cb]
     chunk = layout.chunk_layout()
     received = buffers.buffer("recv", slot, total, device, (world, cb))  # [P, cb]: a chunk from every rank
-    message.check(received, chunk, codec, buffers.views("recv", slot, chunk, received))
+    message.check(received, chunk, codec, buffers.header_views("recv", slot, chunk, received))
     sum_packed_into(received, chunk, codec, mine, tag=message.tag, check=False,
                     headers=buffers.headers("sum", slot, chunk, mine))
     full = recv  # [P * cb]: every reduced chunk, rank order (the received chunks are summed by now)
@@ -229,7 +229,7 @@ def reduce_scatter_piece(blocks: torch.Tensor, out: torch.Tensor | None, codec: 
     message.sent += (world - 1) * layout.chunk_bytes
     if residual is not None:  # exactly the sum of what was sent: every chunk decoded, summed in fp32
         got = buffers.typed("decoded", slot, (world, width), torch.float32, device)  # [P, width], row p: peer p's
-        message.check(recv, layout, codec, buffers.views("recv", slot, layout, recv))
+        message.check(recv, layout, codec, buffers.header_views("recv", slot, layout, recv))
         decode_into(recv, layout, codec, got, check=False)
         message.note(layout, recv)
         if out is not None:
@@ -238,7 +238,7 @@ def reduce_scatter_piece(blocks: torch.Tensor, out: torch.Tensor | None, codec: 
     mine = buffers.buffer("sum", slot, cb, device)  # [cb]
     chunk = layout.chunk_layout()
     received = buffers.buffer("recv", slot, total, device, (world, cb))  # [P, cb]: a chunk from every rank
-    message.check(received, chunk, codec, buffers.views("recv", slot, chunk, received))
+    message.check(received, chunk, codec, buffers.header_views("recv", slot, chunk, received))
     sum_packed_into(received, chunk, codec, mine, tag=message.tag, check=False,
                     headers=buffers.headers("sum", slot, chunk, mine))
     own = WireLayout.for_tensor(cols, codec)
@@ -269,7 +269,7 @@ def all_gather_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecCo
     whole = WireLayout.for_tensor(world * width, codec, chunks=world)  # chunk p = rank p's buffer
     assert whole.total_bytes == full.numel(), (whole, full.numel())
     message.sent += (world - 1) * layout.total_bytes
-    message.check(full, whole, codec, buffers.views("recv", slot, whole, full))
+    message.check(full, whole, codec, buffers.header_views("recv", slot, whole, full))
     message.note(whole, full)
     if out is None:
         return
@@ -301,7 +301,7 @@ def all_gather_by_rank_piece(src: torch.Tensor, out: torch.Tensor | None, codec:
         if r != rank:  # this rank's own broadcast is waited for last: its part is here already
             works[r].wait()
         if r != rank:
-            message.check(wires[r], layout, codec, buffers.views("recv", 0, layout, wires[r], r))
+            message.check(wires[r], layout, codec, buffers.header_views("recv", 0, layout, wires[r], r))
         if parts is not None:  # this rank's part too: every rank decodes the same bytes
             decode_into(wires[r], layout, codec, parts[r], check=False)
         yield r
@@ -335,7 +335,7 @@ def reduce_scatter_by_rank_piece(parts: list, out: torch.Tensor | None, codec: C
     mine = buffers.buffer("sum", 0, cb, device)
     chunk = layout.chunk_layout()
     stacked = buffers.buffer("recv", 0, world * cb, device, (world, cb))  # row p: rank p's part for this rank
-    message.check(stacked, chunk, codec, buffers.views("recv", 0, chunk, stacked))
+    message.check(stacked, chunk, codec, buffers.header_views("recv", 0, chunk, stacked))
     sum_packed_into(stacked, chunk, codec, mine, tag=message.tag, check=False,
                     headers=buffers.headers("sum", 0, chunk, mine))
     message.note(layout, mine)

@@ -145,7 +145,7 @@ def run_compressed(kind: str, xs: list[torch.Tensor], outs: list[torch.Tensor | 
     return messages[0].sent
 
 
-def _one_piece(kind: Kind, x: torch.Tensor, codec: CodecConfig, piece_bytes: int, world: int) -> bool:
+def _sends_in_one_piece(kind: Kind, x: torch.Tensor, codec: CodecConfig, piece_bytes: int, world: int) -> bool:
     """Whether ``kind`` sends ``x`` in one piece: its piece generator, asked for the pieces of a
     rank without starting them, says so."""
     rank = EmulatedRank(_Exchange(world), 0)
@@ -300,7 +300,7 @@ class EmulatedGroup(SharesGroup):
         else:
             out = torch.empty_like(x)
             outs = list(out.view(world, -1).unbind(0))  # rank r decodes its rows
-        if residuals is None and _one_piece(kind, x, codec, piece_bytes, world):  # the codec once for all ranks
+        if residuals is None and _sends_in_one_piece(kind, x, codec, piece_bytes, world):  # the codec once for all ranks
             together = torch.stack(xs) if together is None else together
             return stacked.run(kind, together, codec, length_tag(x.numel()), self._workspaces_on(x.device)[0])
         return out, run_compressed(kind.name, xs, outs, codec, piece_bytes, self._workspaces_on(x.device), residuals)

@@ -36,9 +36,9 @@ from .shards import ShardSpec
 from .sites import Site
 
 
-def _all_reduce(x: torch.Tensor, site: Site, owned: bool = False) -> torch.Tensor:
-    """The sum over ``site``'s group; ``owned``: x is ours to reduce in place."""
-    return site.collective("all_reduce", x, inplace=owned)
+def _all_reduce(x: torch.Tensor, site: Site, inplace: bool = False) -> torch.Tensor:
+    """The sum over ``site``'s group; ``inplace``: x is ours to reduce in place."""
+    return site.collective("all_reduce", x, inplace=inplace)
 
 
 def _all_gather(x: torch.Tensor, site: Site, dim: int) -> torch.Tensor:
@@ -95,15 +95,15 @@ class _CopyToTPRegion(torch.autograd.Function):
 
 
 class _ReduceFromTPRegion(torch.autograd.Function):
-    """g: forward all-reduce (in place on the partial product when ``owned``), backward identity."""
+    """g: forward all-reduce (in place on the partial product when ``inplace``), backward identity."""
 
     @staticmethod
-    def forward(ctx, x, fwd: Site, owned: bool):
-        if (not owned or torch.compiler.is_compiling() or not x.is_contiguous() or x._base is not None
+    def forward(ctx, x, fwd: Site, inplace: bool):
+        if (not inplace or torch.compiler.is_compiling() or not x.is_contiguous() or x._base is not None
                 or (x.is_leaf and x.requires_grad)):
             return _all_reduce(x, fwd)  # the compiled op is out of place; a view or a parameter is not ours
         ctx.mark_dirty(x)
-        _all_reduce(x, fwd, owned=True)  # the sum written into x
+        _all_reduce(x, fwd, inplace=True)  # the sum written into x
         return x
 
     @staticmethod
@@ -184,10 +184,10 @@ def copy_to_tp_region(x: torch.Tensor, bwd: Site) -> torch.Tensor:
     return x if group_size(bwd.group) == 1 else _CopyToTPRegion.apply(x, bwd)
 
 
-def reduce_from_tp_region(x: torch.Tensor, fwd: Site, owned: bool = False) -> torch.Tensor:
-    """g: leave the TP region by summing the partial results at site ``fwd``. ``owned``: x is
+def reduce_from_tp_region(x: torch.Tensor, fwd: Site, inplace: bool = False) -> torch.Tensor:
+    """g: leave the TP region by summing the partial results at site ``fwd``. ``inplace``: x is
     the caller's temporary (a partial product, as in Megatron), reduced in place and returned."""
-    return x if group_size(fwd.group) == 1 else _ReduceFromTPRegion.apply(x, fwd, owned)
+    return x if group_size(fwd.group) == 1 else _ReduceFromTPRegion.apply(x, fwd, inplace)
 
 
 def gather_from_tp_region(
@@ -231,7 +231,7 @@ class _SumReplicaGrads(torch.autograd.Function):
         shape[shard.dim] = shard.full_size
         full = grad.new_zeros(shape)  # every rank writes its blocks, the sum adds replicas
         shard.place(grad, rank, full)
-        return shard.take(_all_reduce(full, ctx.bwd, owned=True), rank), None, None
+        return shard.take(_all_reduce(full, ctx.bwd, inplace=True), rank), None, None
 
 
 def sum_replica_grads(weight: torch.Tensor, shard: ShardSpec, bwd: Site) -> torch.Tensor:
@@ -279,7 +279,7 @@ class GradSumBucket(SharesGroup):
             by_dtype.setdefault(grads[index].dtype, []).append(index)
         for dtype in sorted(by_dtype, key=str):
             indices = by_dtype[dtype]
-            summed = _all_reduce(torch.cat([grads[i].reshape(-1) for i in indices]), self.site, owned=True)
+            summed = _all_reduce(torch.cat([grads[i].reshape(-1) for i in indices]), self.site, inplace=True)
             for i, part in zip(indices, summed.split([grads[i].numel() for i in indices])):
                 param = self.params[i]
                 if param.grad is None:

@@ -131,12 +131,12 @@ class _ColumnRegionFn(torch.autograd.Function):
         if ctx.sp:
             pending = _scatter_input_grad(x, grad_x, grad_ys, weights, ctx.conv, site, x_dtype)
         else:
-            grad, owned = grad_x, False  # the incoming gradient is not ours to overwrite
+            grad, inplace = grad_x, False  # the incoming gradient is not ours to overwrite
             for gy, w, c in zip(grad_ys, weights, ctx.conv):
                 if gy is not None:
                     term = MatmulCast.grad_for(_input_grad(gy, w, c), x_dtype)
-                    grad, owned = (term if grad is None else grad + term), True
-            pending = site.run("all_reduce", grad, inplace=owned, async_op=True)
+                    grad, inplace = (term if grad is None else grad + term), True
+            pending = site.run("all_reduce", grad, inplace=inplace, async_op=True)
         grad_w, grad_b = [None] * n, [None] * n
         for i, (gy, c) in enumerate(zip(grad_ys, ctx.conv)):
             b_dtype = next(b_dtypes) if ctx.bias[i] else None
@@ -192,14 +192,14 @@ def _scatter_input_grad(x_full, grad_x, grad_ys, weights, conv, site, dtype):
     grad_x = None if grad_x is None else blocks(grad_x, world, SEQ_DIM)
     grad_ys = [None if gy is None else blocks(gy, world, SEQ_DIM) for gy in grad_ys]
     for rank in range(world):
-        part, owned = (None if grad_x is None else grad_x[rank]), False  # a view of the incoming gradient
+        part, inplace = (None if grad_x is None else grad_x[rank]), False  # a view of the incoming gradient
         for gy, w, c in zip(grad_ys, weights, conv):
             if gy is not None:
                 term = MatmulCast.grad_for(_input_grad(gy[rank], w, c), dtype)
-                part, owned = (term if part is None else part + term), True
+                part, inplace = (term if part is None else part + term), True
         if site.samples is not None:
             site.observe(part)
-        sums.submit(rank, part, owned)
+        sums.submit(rank, part, inplace)
     return sums  # a `comm.Call`: progress (nothing between parts), wait
 
 

@@ -90,7 +90,7 @@ class RegionExit:
     def __call__(self, partial: torch.Tensor) -> torch.Tensor:
         if self.sequence is not None and self.sequence.active:
             return reduce_scatter_to_sp_region(partial, self.fwd, self.bwd, SEQ_DIM)  # (b, s, h) -> (b, s/tp, h)
-        return reduce_from_tp_region(partial, self.fwd, owned=True)  # the layer's temporary: reduced in place
+        return reduce_from_tp_region(partial, self.fwd, inplace=True)  # the layer's temporary: reduced in place
 
 
 class HiddenStatesHook:
