@@ -463,35 +463,39 @@ def _checks() -> dict:
     return out
 
 
-def _call(site, kind: str, cols: int, world: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _call(site, kind: str, cols: int, world: int, device: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One call of ``kind`` at ``site`` with ``cols`` values a rank (a row of ``cols`` per rank for
     the reductions): its result, and that result as parts (the gathers: one per rank)."""
+    ones = functools.partial(torch.ones, device=device)
     if kind == "gather_by_rank":
-        call = site.gather_by_rank(torch.ones(cols))
+        call = site.gather_by_rank(ones(cols))
         for _ in call.landed():  # as the SP overlap takes them
             pass
         out = call.wait()
         return out, list(out.view(world, cols))
     if kind == "scatter_by_rank":
-        call = site.scatter_by_rank((cols,), torch.float32, "cpu")
+        call = site.scatter_by_rank((cols,), torch.float32, device)
         for r in range(world):
-            call.submit(r, torch.ones(cols))
+            call.submit(r, ones(cols))
         out = call.wait()
         return out, [out]
     rows = (world,) if kind == "reduce_scatter" else ()
-    out = site.run(kind, torch.ones(*rows, cols))
+    out = site.run(kind, ones(*rows, cols))
     return out, list(out.view(world, cols)) if kind == "all_gather" else [out]
 
 
-def _headers_on_device() -> dict:
-    """A GPU's header agreement, run on CPU tensors (`codec.api.READ_AT_ONCE` emptied: the flags
-    compared on the device, read at the next host sync): ranks whose later call at a site differs
-    in length (wire buffers of one size: the transfer cannot tell), per kind and nonfinite policy;
-    and the host reads of a matching call."""
+def _headers_on_device(device: str = "cpu") -> dict:
+    """A GPU's header agreement (the flags compared on the device, read at the next host sync),
+    on ``device``: on the CPU with `codec.api.READ_AT_ONCE` emptied (the same code on CPU
+    tensors). Ranks whose later call at a site differs in length (wire buffers of one size: the
+    transfer cannot tell), per kind and nonfinite policy; and the host reads of a matching call."""
     from taco_accel.codec import api
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    saved, api.READ_AT_ONCE = api.READ_AT_ONCE, ()
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    saved = api.READ_AT_ONCE
+    api.READ_AT_ONCE = tuple(t for t in saved if t != device)
     out = {}
     try:
         for nonfinite in ("propagate", "raise"):
@@ -499,12 +503,12 @@ def _headers_on_device() -> dict:
                 ledger = comm.Ledger()
                 site = comm.Site(f"device/{kind}", None, CFG.replace(nonfinite=nonfinite), ledger=ledger)
                 cols = 2000 if "scatter" in kind else 4000  # against 2045 / 4090: as many whole groups of 128
-                _call(site, kind, cols, world)  # the first call: the same on every rank (and checked)
+                _call(site, kind, cols, world, device)  # the first call: the same on every rank (and checked)
                 with TorchCalls() as calls:
-                    _call(site, kind, cols, world)  # a steady matching call
+                    _call(site, kind, cols, world, device)  # a steady matching call
                 got = dict(host_reads=[n for n in calls.names if n in HOST_READS], at_call=None, at_pop=None)
                 try:
-                    _, parts = _call(site, kind, cols if rank == 0 else cols + cols * 90 // 4000, world)
+                    _, parts = _call(site, kind, cols if rank == 0 else cols + cols * 90 // 4000, world, device)
                     got["nan_parts"] = [bool(p.isnan().all()) for p in parts]
                     got["finite_parts"] = [bool(p.isfinite().all()) for p in parts]
                 except WireFormatError as error:
@@ -513,7 +517,7 @@ def _headers_on_device() -> dict:
                     ledger.pop()
                 except WireFormatError as error:
                     got["at_pop"] = str(error)
-                _call(site, kind, cols, world)  # the group and the site still work
+                _call(site, kind, cols, world, device)  # the group and the site still work
                 got["pop_after"] = sorted(ledger.pop())
                 out[f"{kind}/{nonfinite}"] = got
     finally:
@@ -802,10 +806,20 @@ def test_header_disagreement_on_the_device_is_nan_then_an_error_on_every_rank(ra
     naming the site on every rank at the next host sync: the call's own under nonfinite="raise",
     else the statistics' pop (the training loops pop every step, taco_trainer at each log). A
     matching call reads nothing back."""
-    ranks = _view(ranks, "headers_on_device")
+    _assert_header_disagreement([per_rank["headers_on_device"] for per_rank in _view(ranks, "headers_on_device")])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_header_disagreement_on_a_gpu():
+    """The same on CUDA tensors: two gloo ranks on one GPU (NCCL refuses two ranks on one
+    device), the fused Triton codec, `codec.api.READ_AT_ONCE` as it is."""
+    _assert_header_disagreement(run_ranks(_headers_on_device, 2, "cuda"))
+
+
+def _assert_header_disagreement(ranks: list[dict]) -> None:
     world = len(ranks)
     for rank, per_rank in enumerate(ranks):
-        for name, got in per_rank["headers_on_device"].items():
+        for name, got in per_rank.items():
             kind, nonfinite = name.split("/")
             site = f"device/{kind}: "
             if nonfinite == "raise":
