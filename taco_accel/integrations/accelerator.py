@@ -86,13 +86,12 @@ from torch import nn
 
 from ..models.loss import LogitsMode, check_logits_mode
 from ..parallel import ModelParts, ParallelDims, build_mesh, clip_grad_norm_, distribute
-from ..parallel.grad_scaler import MeshGradScaler
 from ..parallel.stage import site_tables
 from ..comm.policy import DEFAULT_COMPRESSION, Compression
 from ..upstream import accelerate as upstream
 from ..upstream.transformers import trainer_builds_with
 from . import checkpoint as ckpt
-from . import sizes
+from . import precision, sizes
 from .launch import launch_notes, launch_sizes, without_parallelism_config
 
 logger = logging.getLogger(__name__)
@@ -210,27 +209,10 @@ class Accelerator(_AccelerateAccelerator):
         )
 
     def _mesh_scaler(self) -> None:
-        """fp16: autocast and a `MeshGradScaler` on every device type. Accelerate leaves fp16 off
-        on CPU (no autocast, no scaler) and its scaler decides per process, which would let one
-        rank skip a step its tp / pp / dp peers take."""
-        if self.mixed_precision != "fp16":
-            return
-        self.native_amp = True
-        kwargs = self.scaler_handler.to_kwargs() if self.scaler_handler is not None else {}
-        self.scaler = MeshGradScaler(self.device.type, **kwargs)
-
-    def _check_precision(self, model: nn.Module, pipeline: bool) -> None:
-        """Refuse at prepare, on every rank, the precisions that would fail mid-step."""
-        if self.mixed_precision != "fp16":
-            return
-        if pipeline:
-            raise ValueError("mixed_precision='fp16' is not supported with pipeline stages (the schedule's backward "
-                             "has no loss scaling); use mixed_precision='bf16'")
-        half = sorted({n for n, p in model.named_parameters() if p.requires_grad and p.dtype == torch.float16})
-        if half:
-            raise ValueError(f"mixed_precision='fp16' needs fp32 trainable parameters, {len(half)} are float16 (e.g. "
-                             f"{half[0]}): the gradient scaler cannot unscale fp16 gradients; load the model in "
-                             "float32 (dtype=torch.float32) or use mixed_precision='bf16'")
+        """fp16: autocast and the mesh's gradient scaler on every device type (`precision.mesh_scaler`)."""
+        scaler = precision.mesh_scaler(self.mixed_precision, self.scaler_handler, self.device.type)
+        if scaler is not None:
+            self.native_amp, self.scaler = True, scaler
 
     # -- the mesh ---------------------------------------------------------------------------
     @property
@@ -418,14 +400,10 @@ class Accelerator(_AccelerateAccelerator):
         return {"compile": plugin.backend.value.lower(),
                 "compile_options": {"mode": plugin.mode, "fullgraph": plugin.fullgraph, "dynamic": plugin.dynamic}}
 
-    def _fsdp_param_dtype(self):
-        fsdp = self.parallel_dims.dp_mode == "fsdp" and self.parallel_dims.dp > 1
-        return torch.bfloat16 if fsdp and self.mixed_precision == "bf16" else None
-
     def _lay_out(self, model: nn.Module, **pipeline) -> ModelParts:
         """`distribute` ``model`` over the mesh (emulated TP in one process), keeping its parts and
         which parameters it replaced; ``pipeline``: `distribute`'s pipeline and evaluation arguments."""
-        self._check_precision(model, bool(pipeline.get("pipeline")))
+        precision.check_precision(self.mixed_precision, model, bool(pipeline.get("pipeline")))
         if self.emulated_tp > 1:
             self._emulate(model)
         before = {id(p): p for p in model.parameters()}
@@ -433,7 +411,8 @@ class Accelerator(_AccelerateAccelerator):
                            grad_compression=self.grad_compression,
                            sequence_parallel=self.sequence_parallel, logits=self.logits,
                            device=self.device if self.device_placement or pipeline else None,
-                           param_dtype=self._fsdp_param_dtype(), **pipeline)
+                           param_dtype=precision.fsdp_param_dtype(self.parallel_dims, self.mixed_precision),
+                           **pipeline)
         now = {id(p) for p in model.parameters()}
         self._replaced.update({i: weakref.ref(p) for i, p in before.items() if i not in now})
         self._parts.append((model, parts))
