@@ -1,7 +1,7 @@
 """Statistics per model: two parallel models in one process (a policy and its reference, an EMA
 copy) keep separate counts, and each consumer reads only its own model's (`Accelerator.
-compression_stats(model)`, the training loops' `comm_totals`); a link and its workspaces go with
-their process group."""
+compression_stats(model)`, the training loops' `comm_totals`; a model it did not prepare is
+refused); a link and its workspaces go with their process group."""
 
 from __future__ import annotations
 
@@ -32,6 +32,11 @@ def _two_models() -> dict:
     with torch.no_grad():
         reference(input_ids=ids)
     out["totals"] = (comm_totals(acc.comm_ledgers(policy)), comm_totals(acc.comm_ledgers(reference)))
+    try:  # refused on every rank before any collective
+        acc.compression_stats(model=fresh_model(2))
+        out["stranger"] = None
+    except ValueError as e:
+        out["stranger"] = str(e)
     return out
 
 
@@ -46,6 +51,7 @@ def test_two_models_in_one_process_keep_separate_counts():
         assert got["again"]["comm/bytes_sent"] == 0, got
         policy_totals, reference_totals = got["totals"]
         assert sum(policy_totals) == 0 and sum(reference_totals) > 0, got
+        assert "not prepared by this Accelerator" in (got["stranger"] or ""), got  # a model it never saw
 
 
 def _link_released() -> dict:

@@ -86,12 +86,11 @@ from torch import nn
 
 from ..models.loss import LogitsMode, check_logits_mode
 from ..parallel import ModelParts, ParallelDims, build_mesh, clip_grad_norm_, distribute
-from ..parallel.stage import site_tables
 from ..comm.policy import DEFAULT_COMPRESSION, Compression
 from ..upstream import accelerate as upstream
 from ..upstream.transformers import trainer_builds_with
 from . import checkpoint as ckpt
-from . import precision, sizes
+from . import precision, sizes, statistics
 from .launch import launch_notes, launch_sizes, without_parallelism_config
 
 logger = logging.getLogger(__name__)
@@ -522,42 +521,18 @@ class Accelerator(_AccelerateAccelerator):
         ``comm/compression`` (plain / sent). Reads (and resets) only those models' figures: a
         reference model's or an EMA copy's are its own. A collective; per-site figures:
         ``model.taco.sites.pop_stats()``."""
-        from ..comm.stats import pop_ledgers
-
-        stats = pop_ledgers(self.comm_ledgers(model)).values()
-        totals = torch.tensor([sum(s.bytes_sent for s in stats), sum(s.bytes_uncompressed for s in stats)],
-                              dtype=torch.float64, device=self.device)
-        dist.all_reduce(totals)
-        sent, plain = totals.tolist()
-        return {"comm/bytes_sent": sent, "comm/bytes_saved": plain - sent,
-                "comm/compression": plain / sent if sent else 1.0}
+        return statistics.compression_stats(self.comm_ledgers(model), self.device)
 
     def comm_ledgers(self, model: nn.Module | None = None) -> list:
         """The statistics ledgers of ``model``'s communication sites (None: of every model prepared
         here), each once (`comm.stats.pop_ledgers` reads them)."""
-        chosen = [parts for _, parts in self._parts] if model is None else [self._parts_of(model)]
-        if None in chosen:
-            raise ValueError("compression_stats(model=...): this model was not prepared by this Accelerator; pass "
-                             "the model that accelerator.prepare returned, or no model (every prepared one)")
-        ledgers = []
-        for parts in chosen:
-            ledgers += [ledger for ledger in parts.ledgers() if all(ledger is not seen for seen in ledgers)]
-        return ledgers
+        return statistics.ledgers_of([parts for _, parts in self._parts] if model is None else [self._parts_of(model)])
 
     def compression_decisions(self) -> dict[str, dict]:
         """Every communication site of the prepared models, over all pipeline stages: its mode
         and, for ``"auto"`` sites that have run, the timing decision (`SiteTable.decisions`).
         JSON-ready, for a run's record. A collective."""
-        mine = {}
-        for _, parts in self._parts:
-            for module in parts.modules:
-                for table in site_tables(module):  # the TP sites and the pipeline boundaries'
-                    mine.update(table.decisions())
-            if parts.grad_sites is not None:
-                mine.update(parts.grad_sites.decisions())
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        return {site: record for part in everyone for site, record in part.items()}
+        return statistics.compression_decisions([parts for _, parts in self._parts])
 
     # -- saving -----------------------------------------------------------------------------
     def get_state_dict(self, model, unwrap: bool = True):

@@ -1,0 +1,54 @@
+"""The communication figures of the models a `taco_accel.Accelerator` prepared: what their
+collectives sent (`compression_stats`, for ``accelerator.log``), the ledgers that count it
+(`ledgers_of`) and each site's compression decision (`compression_decisions`, for a run's
+record). The totals and decisions are collectives over every process."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..comm.stats import pop_ledgers
+from ..parallel import ModelParts
+from ..parallel.stage import site_tables
+
+
+def ledgers_of(chosen: list[ModelParts | None]) -> list:
+    """The statistics ledgers of the communication sites of ``chosen`` (the parts of prepared
+    models), each once; a ValueError if one is None (a model the accelerator did not prepare)."""
+    if None in chosen:
+        raise ValueError("compression_stats(model=...): this model was not prepared by this Accelerator; pass "
+                         "the model that accelerator.prepare returned, or no model (every prepared one)")
+    ledgers = []
+    for parts in chosen:
+        ledgers += [ledger for ledger in parts.ledgers() if all(ledger is not seen for seen in ledgers)]
+    return ledgers
+
+
+def compression_stats(ledgers: list, device: torch.device) -> dict[str, float]:
+    """What the sites of ``ledgers`` sent on all ranks since their last pop (then reset):
+    ``comm/bytes_sent``, ``comm/bytes_saved`` (against plain collectives) and
+    ``comm/compression`` (plain / sent). A collective (the sums are over every process)."""
+    stats = pop_ledgers(ledgers).values()
+    totals = torch.tensor([sum(s.bytes_sent for s in stats), sum(s.bytes_uncompressed for s in stats)],
+                          dtype=torch.float64, device=device)
+    dist.all_reduce(totals)
+    sent, plain = totals.tolist()
+    return {"comm/bytes_sent": sent, "comm/bytes_saved": plain - sent,
+            "comm/compression": plain / sent if sent else 1.0}
+
+
+def compression_decisions(prepared: list[ModelParts]) -> dict[str, dict]:
+    """Every communication site of ``prepared``, over all pipeline stages (every process's): its
+    mode and, for ``"auto"`` sites that have run, the timing decision (`SiteTable.decisions`).
+    JSON-ready. A collective."""
+    mine = {}
+    for parts in prepared:
+        for module in parts.modules:
+            for table in site_tables(module):  # the TP sites and the pipeline boundaries'
+                mine.update(table.decisions())
+        if parts.grad_sites is not None:
+            mine.update(parts.grad_sites.decisions())
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {site: record for part in everyone for site, record in part.items()}
