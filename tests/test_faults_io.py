@@ -573,8 +573,18 @@ def _accelerate_contracts(folder: Path) -> dict:
             p.zero_()
     acc.load_state(folder)
     restored = all(torch.equal(v, saved[k]) for k, v in acc.unwrap_model(model).state_dict().items())
+    config = acc.project_configuration  # automatic naming: project_dir/checkpoints/checkpoint_<i>, total_limit kept
+    config.set_directories(str(folder / "auto"))
+    config.automatic_checkpoint_naming, config.total_limit, config.iteration = True, 2, 0
+    named = [acc.save_state().name for _ in range(3)]
+    kept = sorted(p.name for p in (folder / "auto" / "checkpoints").iterdir())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    acc.load_state()  # the newest
+    resumed = all(torch.equal(v, saved[k]) for k, v in acc.unwrap_model(model).state_dict().items())
     return {"notes": (folder / "notes.txt").read_text(), "calls": calls, "bad_flag": bad_flag, "missing": missing,
-            "lenient": lenient["type"], "restored": restored}
+            "lenient": lenient["type"], "restored": restored, "named": named, "kept": kept, "resumed": resumed}
 
 
 @pytest.fixture(scope="module")
@@ -637,6 +647,8 @@ def test_save_state_keeps_the_users_files_and_runs_accelerates_hooks(ranks):
         assert [c[0] for c in r["calls"]] == ["save", "save", "load", "load"] and r["calls"][0][1] == 1
         assert r["missing"] is not None and "lm_head.weight" in r["missing"] and r["lenient"] is None
         assert r["restored"]
+        assert r["named"] == ["checkpoint_0", "checkpoint_1", "checkpoint_2"], r  # automatic naming
+        assert r["kept"] == ["checkpoint_1", "checkpoint_2"] and r["resumed"], r  # total_limit=2; the newest loaded
 
 
 @pytest.mark.parametrize("case,message", [

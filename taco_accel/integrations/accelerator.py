@@ -89,8 +89,7 @@ from ..parallel import ModelParts, ParallelDims, build_mesh, clip_grad_norm_, di
 from ..comm.policy import DEFAULT_COMPRESSION, Compression
 from ..upstream import accelerate as upstream
 from ..upstream.transformers import trainer_builds_with
-from . import checkpoint as ckpt
-from . import precision, sizes, statistics
+from . import precision, saving, sizes, statistics
 from .launch import launch_notes, launch_sizes, without_parallelism_config
 
 logger = logging.getLogger(__name__)
@@ -183,6 +182,7 @@ class Accelerator(_AccelerateAccelerator):
         self.grad_compression = grad_compression
         self._parts: list[tuple[nn.Module, ModelParts]] = []
         self._replaced: dict[int, object] = {}  # id -> weakref of parameters that prepare replaced
+        self._checkpoints = saving.Checkpoints()
         if self.is_main_process:
             for note in launch_notes(world):
                 logger.warning(note)
@@ -537,27 +537,15 @@ class Accelerator(_AccelerateAccelerator):
     # -- saving -----------------------------------------------------------------------------
     def get_state_dict(self, model, unwrap: bool = True):
         """The full (unsharded) state dict with transformers' names, on every rank: a collective
-        for a tensor-parallel model."""
-        target = self.unwrap_model(model) if unwrap else model
-        if getattr(target, "taco", None) is None or target.taco.emulated:
-            return super().get_state_dict(model, unwrap)
-        from ..models import gather_state_dict
-
-        return gather_state_dict(target)
+        for a tensor-parallel model (`saving.full_state_dict`)."""
+        state = saving.full_state_dict(self.unwrap_model(model) if unwrap else model)
+        return super().get_state_dict(model, unwrap) if state is None else state
 
     def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True) -> None:
         """Write the full model as a plain transformers checkpoint (a peft model: its adapter, in
         peft's format at full shapes). A collective: call it on every rank."""
-        target = self.unwrap_model(model)
-        if getattr(target, "taco", None) is None:
-            return super().save_model(model, save_directory, max_shard_size, safe_serialization)
-        if hasattr(target, "peft_config"):
-            from .lora import save_adapter
-
-            return save_adapter(target, save_directory)
-        from ..models import save_pretrained
-
-        save_pretrained(target, save_directory, max_shard_size=max_shard_size)
+        if not saving.save_full_model(self.unwrap_model(model), save_directory, max_shard_size):
+            super().save_model(model, save_directory, max_shard_size, safe_serialization)
 
     def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True,
                    **save_model_func_kwargs) -> Path:
@@ -572,20 +560,7 @@ class Accelerator(_AccelerateAccelerator):
         back without running pickled code either way (the full model as safetensors is
         `save_model`). ``save_model_func_kwargs`` are DeepSpeed's in Accelerate: none applies
         here (a warning names them). A collective; returns the folder."""
-        if not isinstance(safe_serialization, bool):
-            raise TypeError(f"safe_serialization={safe_serialization!r}: pass True or False")
-        if save_model_func_kwargs and self.is_main_process:
-            logger.warning("save_state ignores %s: Accelerate passes them to DeepSpeed's save_checkpoint, which "
-                           "taco_accel does not use", sorted(save_model_func_kwargs))
-        output_dir = self._save_dir(output_dir)
-        state = ckpt.TrainingState.of(self)
-        weights = [ckpt.model_weights(parts) for parts in state.parts]
-        for hook in upstream.save_state_pre_hooks(self):
-            hook([model for model, _ in self._parts], weights, str(output_dir))
-        folder = ckpt.save(output_dir, state, self._taco_mesh, self.parallel_dims, run=self._run_identity(),
-                           weights=weights)
-        self.project_configuration.iteration += 1
-        return folder
+        return self._checkpoints.save(self, output_dir, safe_serialization, save_model_func_kwargs)
 
     def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None,
                    **load_model_func_kwargs) -> None:
@@ -598,45 +573,7 @@ class Accelerator(_AccelerateAccelerator):
         entries the checkpoint lacks as they are; ``map_location`` and ``load_kwargs`` (torch.load's)
         are accepted: every value goes to the device of what it restores, read with
         ``weights_only=True``. A collective; every rank must name the same checkpoint."""
-        if input_dir is None:
-            if not self.project_configuration.automatic_checkpoint_naming:
-                raise ValueError("load_state(None) needs ProjectConfiguration(automatic_checkpoint_naming=True); "
-                                 "pass the checkpoint folder")
-            input_dir = ckpt.latest(Path(self.project_dir) / "checkpoints", self._taco_mesh)
-            if input_dir is None:
-                raise ValueError(f"no complete checkpoint under {Path(self.project_dir) / 'checkpoints'}")
-        input_dir = Path(os.path.expanduser(input_dir))
-        strict = load_model_func_kwargs.pop("strict", True)
-        unused = sorted(set(load_model_func_kwargs) - {"map_location"})
-        if unused and self.is_main_process:
-            logger.warning("load_state ignores %s: Accelerate passes them to DeepSpeed's load_checkpoint, which "
-                           "taco_accel does not use", unused)
-        models = [model for model, _ in self._parts]
-        for hook in upstream.load_state_pre_hooks(self):
-            hook(models, str(input_dir))
-        keep = [i for i, (model, _) in enumerate(self._parts) if any(model is m for m in models)]
-        record = ckpt.load(input_dir, ckpt.TrainingState.of(self), self._taco_mesh, self.parallel_dims, models=keep,
-                           strict=strict)
-        self._taco_run = record.get("run") or getattr(self, "_taco_run", None)
-
-    def _run_identity(self) -> str:
-        """This run's identity, kept by its checkpoints (and taken over from the one it resumed)."""
-        if getattr(self, "_taco_run", None) is None:
-            self._taco_run = ckpt.new_run_identity()
-        return self._taco_run
-
-    def _save_dir(self, output_dir) -> Path:
-        config = self.project_configuration
-        if not config.automatic_checkpoint_naming:
-            if output_dir is None:
-                raise ValueError("save_state(None) needs ProjectConfiguration(automatic_checkpoint_naming=True); "
-                                 "pass a folder")
-            return Path(output_dir)
-        root = Path(self.project_dir) / "checkpoints"
-        folder = root / f"checkpoint_{self.save_iteration}"
-        if self.is_main_process and config.total_limit is not None:
-            ckpt.prune(root, keep=config.total_limit - 1)
-        return folder
+        self._checkpoints.load(self, input_dir, load_model_func_kwargs)
 
 
 class TrainerAccelerator(Accelerator):
