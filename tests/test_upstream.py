@@ -215,6 +215,38 @@ def test_the_causal_mask_of_packed_sequences(sliding):
     assert allowed.tolist() == expected.int().tolist()
 
 
+def test_a_models_own_loss_function_is_found_and_ours_is_what_its_forward_calls():
+    model = tiny_model("qwen2")
+    found = []
+
+    def make(own):
+        found.append(own)
+        return lambda logits, labels, vocab_size, **kwargs: logits.float().sum() * 0 + len(found)
+
+    ids = torch.randint(0, model.config.vocab_size, (1, 4))
+    first = up_transformers.replace_loss_function(model, make)
+    assert model.loss_function is first and model(input_ids=ids, labels=ids).loss.item() == 1.0  # the forward's loss
+    up_transformers.replace_loss_function(model, make)
+    # none set at first (not transformers' default for the loss_type), then the one set before
+    assert found == [None, first] and model(input_ids=ids, labels=ids).loss.item() == 2.0
+
+
+def test_a_model_with_peft_adapters_says_so():
+    from peft import LoraConfig
+    from transformers.integrations.peft import PeftAdapterMixin
+
+    model = tiny_model("qwen2")
+    assert isinstance(model, PeftAdapterMixin) and not up_transformers.has_peft_adapters(model)
+    try:
+        model.add_adapter(LoraConfig(r=2, target_modules=["q_proj"]))
+    except ValueError as e:  # transformers 5.25 asks for peft >= 0.22, newer than the newest stack's
+        assert "version of PEFT" in str(e), e
+        for method in (PeftAdapterMixin.add_adapter, PeftAdapterMixin.load_adapter):  # what each would mark
+            assert "self._hf_peft_config_loaded = True" in inspect.getsource(method), method
+    else:
+        assert up_transformers.has_peft_adapters(model)
+
+
 # -- peft -------------------------------------------------------------------------------------
 
 def test_peft_registers_custom_modules_and_casts_inputs():

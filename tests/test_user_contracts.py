@@ -316,3 +316,13 @@ def test_logits_mode_is_checked():
         taco_accel.parallelize(tiny_model(ARCH), logits="shard")
     with pytest.raises(TypeError, match="must be a str"):
         taco_accel.parallelize(tiny_model(ARCH), logits=True)
+
+
+def test_a_loss_function_set_on_the_model_still_computes_its_loss_at_tp_1():
+    """``model.loss_function = fn`` before `parallelize`: the parallel loss hands tp=1 to ``fn``
+    (transformers' default only where none was set)."""
+    model = tiny_model(ARCH)
+    model.loss_function = lambda logits, labels, vocab_size, **kwargs: logits.float().sum() * 0 + 3.0
+    model = taco_accel.parallelize(model, tp=1, compression=None, emulate=True)
+    ids = _batch(7)
+    assert model(input_ids=ids, labels=ids).loss.item() == 3.0

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..comm.agreement import debug as check_every_call
 from ..comm.copies import SharesGroup
+from ..upstream.transformers import has_peft_adapters
 from .plan import Colwise, Rowwise, TPPlan
 
 QUANTIZER_PACKAGES = ("bitsandbytes", "optimum.quanto", "quanto", "torchao", "auto_gptq", "gptqmodel", "awq", "hqq")
@@ -54,7 +55,7 @@ def check_model_kind(model: nn.Module) -> None:
         "DistributedDataParallel", "DataParallel", "FullyShardedDataParallel"
     ):
         raise ValueError(f"parallelize got a {kind}; parallelize the transformers model first, then wrap it")
-    if _from_package(type(model), "peft") or getattr(model, "_hf_peft_config_loaded", False) or any(
+    if _from_package(type(model), "peft") or has_peft_adapters(model) or any(
         _from_package(type(m), "peft") for m in model.modules()
     ):
         raise ValueError(

@@ -44,11 +44,12 @@ from ..tp.emulate import (
 from ..tp.regions import SequenceState
 from ..comm.policy import Compression
 from ..tp.sites import Site, SiteTable
+from ..upstream.transformers import replace_loss_function
 from .checks import install_input_checks
 from .context import TPContext
 from .loss import CausalLMLoss, install_logits_mode
 from .plan import Colwise, EnterRegion, Rowwise, TPPlan
-from .rewrite import Rewrite, check_tp, install_loss
+from .rewrite import Rewrite, check_tp
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +68,7 @@ def emulate_tp(model: nn.Module, plan: TPPlan, tp, compression: Compression, seq
         SequenceState(bool(sequence_parallel), tp), logits=logits, emulator=group,
     )
     head = EmulatedRewrite(model, plan, context).install()
-    loss = EmulatedCausalLMLoss(head, context.sites.plain("loss/lse"), getattr(model, "_loss_function", None))
-    install_loss(model, loss)
+    loss = replace_loss_function(model, lambda own: EmulatedCausalLMLoss(head, context.sites.plain("loss/lse"), own))
     install_input_checks(model, plan, None, same_batch=False)  # one process: nothing to compare over a group
     install_logits_mode(model, head, loss, context)
     model.taco = context

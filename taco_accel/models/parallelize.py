@@ -23,7 +23,7 @@ from .context import TPContext, context_of
 from .emulate import emulate_tp
 from .loss import CausalLMLoss, LogitsGather, LogitsMode, check_logits_mode, install_logits_mode
 from .plan import Colwise, EnterRegion, Rowwise, TPPlan
-from .rewrite import Rewrite, check_tp, install_loss
+from .rewrite import Rewrite, check_tp
 from .state import bind_save_pretrained
 
 logger = logging.getLogger(__name__)
@@ -241,8 +241,8 @@ def _apply_plan(model: nn.Module, plan: TPPlan, ctx: TPContext) -> None:
     ctx.install_grad_sums(model)
     gather = LogitsGather(ctx)
     head.register_forward_hook(gather)
-    loss = CausalLMLoss(head, ctx.sites.plain("loss/lse"), getattr(model, "_loss_function", None), gather)
-    install_loss(model, loss)
+    loss = upstream_transformers.replace_loss_function(
+        model, lambda own: CausalLMLoss(head, ctx.sites.plain("loss/lse"), own, gather))
     install_logits_mode(model, head, loss, ctx, gather)
 
 

@@ -4,7 +4,6 @@
     shard_for(style, module, dims, tp, name)  the split of one linear
     Rewrite                                   the swaps and hooks of one rewrite: the walk over the
                                               plan, collected first, then applied
-    install_loss(model, loss)                 make ``loss`` the model's ``loss_function``
 
 `parallelize.TPRewrite` builds the layers of real TP (`taco_accel.tp.layers`) on this walk,
 `emulate.EmulatedRewrite` those of `taco_accel.tp.emulate`: the same checks, the same shards and
@@ -43,14 +42,6 @@ def shard_for(style, module: nn.Module, dims: AttentionDims, tp: int, name: str)
     else:
         block = ShardSpec.heads(dims.num_kv_heads, dims.head_dim, tp, what="num_key_value_heads")
     return ShardSpec.concat([block] * style.fused)
-
-
-def install_loss(model: nn.Module, loss) -> None:
-    """Make ``loss`` the model's ``loss_function``."""
-    try:
-        model.loss_function = loss
-    except AttributeError:  # a transformers without the setter reads _loss_function first
-        model._loss_function = loss
 
 
 class Rewrite:

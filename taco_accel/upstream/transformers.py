@@ -11,6 +11,11 @@
   up), computed again for CPU processes (`setup_devices_again`);
 - ``masking_utils.create_causal_mask`` / ``create_sliding_window_causal_mask``, whose cache
   parameter was renamed (``past_key_values`` -> ``cache`` in 5.24): `mask_builders`;
+- a model's ``loss_function``: its setter keeps the function in the private ``_loss_function``,
+  the getter falls back to transformers' default for the ``loss_type``; `replace_loss_function`
+  reads the one set on the model (a user's own) and installs ours (5.10-5.25);
+- ``_hf_peft_config_loaded``, which ``PeftAdapterMixin.add_adapter`` / ``load_adapter`` set on a
+  model that holds peft adapters (`has_peft_adapters`; 5.10-5.25);
 - `TrainerCounts`: the two counts of the Trainer that are wrong under tensor parallelism even
   when its accelerator reports Accelerate's own process counts.
 
@@ -92,6 +97,25 @@ def setup_devices_again(args) -> None:
     for the arguments as they are now)."""
     args.__dict__.pop("_setup_devices", None)  # a cached_property: computed again below
     args._setup_devices  # noqa: B018
+
+
+def replace_loss_function(model, make_loss):
+    """Make ``make_loss(own)`` the model's ``loss_function`` and return it, where ``own`` is the
+    function set on the model before (``model.loss_function = fn``), or None where none was: the
+    getter would give transformers' default for the model's ``loss_type`` instead, and the
+    private ``_loss_function`` the setter fills (5.10-5.25) tells the two apart."""
+    loss = make_loss(getattr(model, "_loss_function", None))
+    try:
+        model.loss_function = loss
+    except AttributeError:  # a subclass's property without a setter: what transformers' getter reads
+        model._loss_function = loss
+    return loss
+
+
+def has_peft_adapters(model) -> bool:
+    """Whether transformers' ``add_adapter`` / ``load_adapter`` put peft adapters on ``model``
+    (its private ``_hf_peft_config_loaded``, 5.10-5.25)."""
+    return bool(getattr(model, "_hf_peft_config_loaded", False))
 
 
 def mask_builders() -> dict:
