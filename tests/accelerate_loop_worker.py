@@ -169,9 +169,17 @@ def metrics() -> dict:
     """gather_for_metrics over an evaluation set that does not divide into the replicas' batches."""
     acc = taco_accel.Accelerator(compression=None)
     data = acc.prepare(DataLoader(TensorDataset(torch.arange(13).view(13, 1)), batch_size=2))
+    objects = acc.gather_for_metrics([acc.process_index], use_gather_object=True)  # not in a DataLoader: all kept
     seen = [acc.gather_for_metrics(x).flatten().tolist() for (x,) in data]
     total = acc.reduce(torch.tensor([1.0]), "sum").item()
-    return {"seen": sorted(v for part in seen for v in part), "reduce_sum": total}
+    mean = acc.reduce(torch.tensor([float(acc.process_index)]), "mean").item()
+    try:
+        acc.reduce(torch.tensor([1.0]), "max")
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return {"seen": sorted(v for part in seen for v in part), "reduce_sum": total, "reduce_mean": mean,
+            "objects": objects, "refused": refused}
 
 
 def refusals() -> dict:

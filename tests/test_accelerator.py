@@ -148,7 +148,10 @@ def test_gather_for_metrics_covers_the_set_once(run):
         pytest.skip(f"{name} runs parity only")
     r = _check(result, "metrics")
     assert r["seen"] == list(range(13))  # over dp only, the padding dropped
-    assert r["reduce_sum"] == (2 if name == "dp2_tp2" else 1)
+    replicas = 2 if name == "dp2_tp2" else 1
+    assert r["reduce_sum"] == replicas and r["reduce_mean"] == (replicas - 1) / 2  # the replicas' indices 0 .. dp-1
+    assert r["objects"] == list(range(replicas))  # one object per replica, its tp ranks counted once
+    assert r["refused"] == "reduction='max': use 'sum', 'mean' or 'none'"
 
 
 def test_unsafe_paths_fail_loudly(run):

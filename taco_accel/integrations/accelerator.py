@@ -81,7 +81,6 @@ import torch.distributed as dist
 from accelerate import Accelerator as _AccelerateAccelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
-from accelerate.utils.operations import recursively_apply
 from torch import nn
 
 from ..models.loss import LogitsMode, check_logits_mode
@@ -89,7 +88,7 @@ from ..parallel import ModelParts, ParallelDims, build_mesh, clip_grad_norm_, di
 from ..comm.policy import DEFAULT_COMPRESSION, Compression
 from ..upstream import accelerate as upstream
 from ..upstream.transformers import trainer_builds_with
-from . import precision, saving, sizes, statistics
+from . import precision, replicas, saving, sizes, statistics
 from .launch import launch_notes, launch_sizes, without_parallelism_config
 
 logger = logging.getLogger(__name__)
@@ -461,58 +460,16 @@ class Accelerator(_AccelerateAccelerator):
     # -- evaluation -------------------------------------------------------------------------
     def gather(self, tensor):
         """Concatenate ``tensor`` (or a nested structure of tensors) over the dp ranks along dim 0."""
-        return self._gather_replicas(tensor)
-
-    def _gather_replicas(self, tensor):
-        dp = self._taco_mesh["dp"]
-        if dp.size() == 1:
-            return tensor
-        group, size = dp.get_group(), dp.size()
-
-        def one(t: torch.Tensor) -> torch.Tensor:
-            t = (t.clone()[None] if t.ndim == 0 else t).contiguous()
-            parts = [torch.empty_like(t) for _ in range(size)]
-            dist.all_gather(parts, t, group=group)
-            return torch.cat(parts)
-
-        return recursively_apply(one, tensor, error_on_other_type=True)
+        return replicas.gather(tensor, self._taco_mesh["dp"])
 
     def gather_for_metrics(self, input_data, use_gather_object: bool = False):
         """`gather` (or an object gather) over the dp ranks, without the samples the sharded
         DataLoader repeated to fill its last batch."""
-        try:
-            recursively_apply(lambda x: x, input_data, error_on_other_type=True)
-            all_tensors = True
-        except TypeError:
-            all_tensors = False
-        use_gather_object = use_gather_object or not all_tensors
-        if use_gather_object:
-            parts = [None] * self.parallel_dims.dp
-            dist.all_gather_object(parts, input_data, group=self._taco_mesh["dp"].get_group())
-            data = [x for part in parts for x in part]
-        else:
-            data = self._gather_replicas(input_data)
-        remainder = self.gradient_state.remainder
-        if not self.gradient_state.end_of_dataloader or remainder <= 0:
-            return data
-        if use_gather_object:
-            return data[:remainder]
-        return recursively_apply(lambda t: t[:remainder] if t.ndim else t, data)  # a scalar holds no samples
+        return replicas.gather_for_metrics(input_data, self._taco_mesh["dp"], self.gradient_state, use_gather_object)
 
     def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
         """Reduce over the dp ranks (``"sum"``, ``"mean"`` or ``"none"``)."""
-        if reduction not in ("sum", "mean", "none"):
-            raise ValueError(f"reduction={reduction!r}: use 'sum', 'mean' or 'none'")
-        dp = self._taco_mesh["dp"]
-        if reduction == "none" or dp.size() == 1:
-            return tensor
-
-        def one(t: torch.Tensor) -> torch.Tensor:
-            out = t.clone()
-            dist.all_reduce(out, group=dp.get_group())
-            return out / dp.size() if reduction == "mean" else out
-
-        return recursively_apply(one, tensor, error_on_other_type=True)
+        return replicas.reduce(tensor, self._taco_mesh["dp"], reduction)
 
     def compression_stats(self, model: nn.Module | None = None) -> dict[str, float]:
         """What the TP (and pipeline, compressed dp) collectives of ``model`` (None: every model
