@@ -498,8 +498,9 @@ def _headers_on_device(device: str = "cpu") -> dict:
     api.READ_AT_ONCE = tuple(t for t in saved if t != device)
     out = {}
     try:
-        for nonfinite in ("propagate", "raise"):
-            for kind in ("all_reduce", "all_gather", "reduce_scatter", "gather_by_rank", "scatter_by_rank"):
+        kinds = ("all_reduce", "all_gather", "reduce_scatter", "gather_by_rank", "scatter_by_rank")
+        for nonfinite, checked in (("propagate", kinds), ("raise", kinds[::2])):  # "raise": Call.wait, any kind
+            for kind in checked:
                 ledger = comm.Ledger()
                 site = comm.Site(f"device/{kind}", None, CFG.replace(nonfinite=nonfinite), ledger=ledger)
                 cols = 2000 if "scatter" in kind else 4000  # against 2045 / 4090: as many whole groups of 128
@@ -531,10 +532,12 @@ def _battery() -> dict:
         accuracy=functools.partial(_accuracy, None, list(range(world))), formats=_formats, plain=_plain,
         threshold=_threshold, pieces=_pieces, drift=_drift, nonfinite=_nonfinite,
         stats=_stats, misc=_misc, autotune=_autotune, chunked=_chunked, in_flight=_in_flight,
-        run_state=_run_state, checks=_checks, headers_on_device=_headers_on_device,
+        run_state=_run_state, checks=_checks,
     )
     if world == 4:
         cases["subgroups"] = _subgroups
+    if world == 3:  # one rank of another length, two that agree
+        cases["headers_on_device"] = _headers_on_device
     return per_case(cases)
 
 
@@ -806,6 +809,8 @@ def test_header_disagreement_on_the_device_is_nan_then_an_error_on_every_rank(ra
     naming the site on every rank at the next host sync: the call's own under nonfinite="raise",
     else the statistics' pop (the training loops pop every step, taco_trainer at each log). A
     matching call reads nothing back."""
+    if len(ranks) != 3:
+        pytest.skip("run in the world of 3")
     _assert_header_disagreement([per_rank["headers_on_device"] for per_rank in _view(ranks, "headers_on_device")])
 
 
