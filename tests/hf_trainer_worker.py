@@ -365,9 +365,6 @@ def main() -> None:
         "lora": lambda: run_sft(args, "lora", lora=True),
         "plain_checkpoint": lambda: run_plain_checkpoint(args),
         "pipeline_sizes": lambda: run_pipeline_sizes(args),
-        "trainer_bf16": lambda: fresh_precision(run_trainer, args, "trainer_bf16", bf16=True, use_cpu=True),
-        "sft_bf16": lambda: fresh_precision(run_sft, args, "sft_bf16", bf16=True),
-        "trainer_fp16": lambda: fresh_precision(run_trainer, args, "trainer_fp16", fp16=True),
         "patched": lambda: run_patched(args),
         "checkpointed": lambda: run_checkpointed(args),
         "liger": lambda: run_liger(args),
@@ -381,7 +378,7 @@ def main() -> None:
         result, base = {}, args.dir
         for dp in map(int, args.reference.split(",")):
             args.dp, args.dir = dp, os.path.join(base, f"dp{dp}")
-            result[f"dp{dp}"] = guarded(runs, ["trainer", "sft"] + (["lora", "trainer_bf16", "sft_bf16", "dpo", "dpo_lora"]
+            result[f"dp{dp}"] = guarded(runs, ["trainer", "sft"] + (["lora", "dpo", "dpo_lora"]
                                                                      if dp == 1 else ["dpo"]))
     else:
         args.dp = int(os.environ["WORLD_SIZE"]) // 2  # tp=2 in every launch of the test
@@ -389,18 +386,6 @@ def main() -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         with open(args.out, "w") as f:
             json.dump(result, f, default=str)
-
-
-def fresh_precision(run, *args, **kwargs) -> dict:
-    """``run`` in a fresh Accelerate process state (its mixed precision is fixed once per state;
-    the process group stays), and the state reset again for the runs after it."""
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state()
-    try:
-        return run(*args, **kwargs)
-    finally:
-        AcceleratorState._reset_state()
 
 
 def guarded(runs: dict, names: list[str]) -> dict:

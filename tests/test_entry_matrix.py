@@ -167,6 +167,8 @@ def test_every_cell_trains_like_one_process(request, entry, precision, layout):
         pytest.skip(f"this cell is {COVERED[entry, precision, layout]}")
     got, ref, counts = _figures(request.getfixturevalue("matrix"), entry, precision, layout)
     assert len(got["losses"]) == len(ref["losses"]) == 2, (got, ref)
+    for count in ("steps", "lrs", "input_tokens", "num_tokens"):  # the Trainer's counts: exact in every precision
+        assert got.get(count) == ref.get(count), (count, got, ref)
     dpo = entry.startswith("dpo")
     if dpo:  # the policy is its own reference at step 1: loss ln 2, in every precision (fp32 rounding of it)
         assert got["losses"][0] == pytest.approx(math.log(2), abs=LOSS_TOL), got

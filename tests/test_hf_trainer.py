@@ -30,9 +30,9 @@ BATCH, ACCUM = 2, 2  # the worker's per-device batch and accumulation
 # (lr <= 3e-3) keep that at the 1e-6 level: bounds of 2e-5 absolute on losses, 1e-5 relative on norms.
 LOSS_TOL, NORM_RTOL = 2e-5, 1e-5
 LAUNCHES = {  # name: (dp, how it is started, runs)
-    "tp2": (1, "torchrun", "trainer,resume,compressed,sft,lora,plain_checkpoint,trainer_bf16,sft_bf16,trainer_fp16,"
-                           "patched,dpo,dpo_path,dpo_lora,dpo_compressed,checkpointed,liger"),
-    # resume of dp replicas: test_accelerator; bf16 at dp=2 x tp=2: test_entry_matrix
+    "tp2": (1, "torchrun", "trainer,resume,compressed,sft,lora,plain_checkpoint,patched,"
+                           "dpo,dpo_path,dpo_lora,dpo_compressed,checkpointed,liger"),
+    # resume of dp replicas: test_accelerator; bf16 and fp16 (tp=2, dp=2 x tp=2): test_entry_matrix
     "dp2_tp2": (2, "accelerate", "trainer,sft,pipeline_sizes,dpo"),
 }
 
@@ -226,30 +226,6 @@ def test_pipeline_sizes_are_refused(results):
     assert "does not match num_processes (4)" in message and "tp_size" in message
     message = results[0]["dp2_tp2"]["pipeline_sizes"]["refused_pp"]  # pipeline stages asked for
     assert message and "pipeline" in message and "pp=2" in message and "tp_size" in message
-
-
-# bf16 autocast (Trainer bf16=True; TRL's SFTConfig default), 4 AdamW steps, against the plain class
-# on one process in bf16: tests/test_accelerator.py's bf16 bound (from test_precision's rounding
-# count): 0.045 relative on the losses, 0.065 on the gradient norms
-BF16_LOSS, BF16_NORM = 2 * 2.0**-8 * (100 / 3) ** 0.5, 2 * 2.0**-8 * (200 / 3) ** 0.5
-
-
-@pytest.mark.parametrize("run", ["trainer_bf16", "sft_bf16"])
-def test_bf16_flags_train_like_one_process(results, run):
-    got, ref = run_of(results, "tp2", run)
-    assert got["steps"] == ref["steps"] == [1, 2, 3, 4] and got["lrs"] == ref["lrs"]
-    assert got["input_tokens"] == ref["input_tokens"]
-    assert max(abs(a - b) / b for a, b in zip(got["losses"], ref["losses"])) < BF16_LOSS, (got, ref)
-    assert max(abs(a - b) / b for a, b in zip(got["grad_norms"], ref["grad_norms"])) < BF16_NORM, (got, ref)
-
-
-def test_fp16_flag_trains_with_the_mesh_scaler(results):
-    got, ref = run_of(results, "tp2", "trainer_fp16")  # against the fp32 run: Accelerate runs
-    # fp16 on one CPU process as fp32 (no autocast there), taco_accel as fp16 autocast + scaler
-    assert got["scaler"] == "MeshGradScaler" and got["steps"] == [1, 2, 3, 4], got
-    # fp16 roundings against none: u sqrt(N / 3), u = 2**-11, N < 100 per forward (test_precision's
-    # count), on the losses (4e-3 relative), the same argument for the later steps as BF16_LOSS
-    assert max(abs(a - b) / b for a, b in zip(got["losses"], ref["losses"])) < 2.0**-11 * (100 / 3) ** 0.5, (got, ref)
 
 
 # TRL's DPOTrainer: its loss and rewards come from the fused head's per-token log-probabilities of
