@@ -67,6 +67,11 @@ What differs from ``accelerate.Accelerator``, and why:
   ``num_processes // tp``) is warned about once.
 - **Outputs**: ``outputs.logits`` has the full vocabulary, as transformers returns it; the loss
   is vocab-parallel inside. ``logits="local"`` / ``"none"`` opt out (`taco_accel.models.loss`).
+
+This module adapts Accelerate's methods; each concern lives in its own module of this package:
+the mesh's sizes (`sizes`), fp16 scaling and precision checks (`precision`), when gradients are
+reduced (`gradients`), the evaluation collectives over the replicas (`replicas`), what is saved
+and loaded (`saving`, over `checkpoint`) and the communication figures (`statistics`).
 """
 
 from __future__ import annotations
@@ -79,7 +84,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator as _AccelerateAccelerator
-from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 from torch import nn
 
@@ -89,6 +93,7 @@ from ..comm.policy import DEFAULT_COMPRESSION, Compression
 from ..upstream import accelerate as upstream
 from ..upstream.transformers import trainer_builds_with
 from . import precision, replicas, saving, sizes, statistics
+from .gradients import FsdpNoSync, StepOptimizer
 from .launch import launch_notes, launch_sizes, without_parallelism_config
 
 logger = logging.getLogger(__name__)
@@ -362,7 +367,7 @@ class Accelerator(_AccelerateAccelerator):
             )
         if device_placement is None:
             device_placement = self.device_placement
-        prepared = _StepOptimizer(optimizer, self._finish_gradients, self._step_done,
+        prepared = StepOptimizer(optimizer, self._finish_gradients, self._step_done,
                                   device_placement=device_placement, scaler=self.scaler)
         upstream.add_prepared(self, "optimizer", prepared)
         return prepared
@@ -435,7 +440,7 @@ class Accelerator(_AccelerateAccelerator):
     def no_sync(self, model):
         """Accumulate without reducing: the reduction happens once, before the optimizer step;
         FSDP2 only skips its per-micro-batch reduce-scatter."""
-        return _FsdpNoSync(model)
+        return FsdpNoSync(model)
 
     def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2):
         """Clip by the norm of the whole model's gradient (every tp shard, pipeline stage and
@@ -554,46 +559,4 @@ class TrainerAccelerator(Accelerator):
     def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
         """Accelerate's: reduced over every process, each tp rank's copy included."""
         return _AccelerateAccelerator.reduce(self, tensor, reduction, scale)
-
-
-class _StepOptimizer(AcceleratedOptimizer):
-    """Accelerate's optimizer wrapper whose real steps first reduce the step's gradients (if
-    clipping has not) and then open the next step (``done``)."""
-
-    def __init__(self, optimizer, finish, done, **kwargs):
-        super().__init__(optimizer, **kwargs)
-        self._finish, self._done = finish, done
-        self.steps = 0  # optimizer steps taken (not skipped): the training step a checkpoint records
-
-    def step(self, closure=None):
-        if not self.gradient_state.sync_gradients:
-            return super().step(closure)
-        self._finish()
-        try:
-            out = super().step(closure)
-            self.steps += not self.step_was_skipped
-            return out
-        finally:
-            self._done()
-
-    def zero_grad(self, set_to_none=None):
-        if self.gradient_state.sync_gradients:
-            self._done()
-        return super().zero_grad(set_to_none)
-
-
-class _FsdpNoSync:
-    """``no_sync`` for our models: FSDP2 modules skip their reduce-scatter until the last
-    micro-batch; for the others there is nothing to skip."""
-
-    def __init__(self, model):
-        self.modules = [m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")]
-
-    def __enter__(self):
-        for m in self.modules:
-            m.set_requires_gradient_sync(False, recurse=False)
-
-    def __exit__(self, *exc):
-        for m in self.modules:
-            m.set_requires_gradient_sync(True, recurse=False)
 
