@@ -7,6 +7,7 @@ name, instead of somewhere in a training run."""
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -258,6 +259,29 @@ def test_peft_registers_custom_modules_and_casts_inputs():
     up_peft.register_custom_modules(config, {torch.nn.Identity: torch.nn.Identity})
     assert config._custom_modules == {torch.nn.Identity: torch.nn.Identity}
     assert list(inspect.signature(LoraLayer._cast_input_dtype).parameters) == ["self", "x", "dtype"]
+
+
+def test_a_lora_layer_takes_its_base_layers_sizes_from_the_mixin():
+    from peft import LoraConfig
+    from peft.tuners.lora.layer import Linear
+
+    class Sized(torch.nn.Module):  # a layer type peft does not know, as our parallel linears
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(4, 6))
+            self.in_features, self.out_features = 6, 4
+
+        def forward(self, x):
+            return x @ self.weight.T
+
+    config = LoraConfig(r=2, lora_alpha=2, target_modules=["x"])
+    with pytest.warns(UserWarning, match="Unsupported layer type"):  # peft's own reading of a type it does not know
+        Linear(Sized(), "default", config=config, r=2, lora_alpha=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # read through the mixin: no guess
+        layer = type("Layer", (up_peft.BaseLayerSizes, Linear), {})(Sized(), "default", config=config, r=2, lora_alpha=2)
+    assert (layer.in_features, layer.out_features) == (6, 4)
+    assert tuple(layer.lora_A["default"].weight.shape) == (2, 6) and tuple(layer.lora_B["default"].weight.shape) == (4, 2)
 
 
 # -- trl --------------------------------------------------------------------------------------

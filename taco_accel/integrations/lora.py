@@ -59,7 +59,7 @@ def _peft():
 def _make_tp_lora_linear():
     from peft.tuners.lora.layer import Linear
 
-    class TPLoraLinear(Linear):
+    class TPLoraLinear(upstream_peft.BaseLayerSizes, Linear):
         """peft LoRA for a `ColumnParallelLinear` / `RowParallelLinear` (see the module docstring).
 
         ``in_features`` / ``out_features`` are the full layer's (peft draws the initial A and B
@@ -82,9 +82,6 @@ def _make_tp_lora_linear():
         @property
         def _tp_row(self) -> bool:
             return isinstance(self.get_base_layer(), RowParallelLinear)
-
-        def _get_in_out_features(self, module):
-            return module.in_features, module.out_features
 
         @property
         def lora_variants(self):

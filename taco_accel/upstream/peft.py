@@ -3,7 +3,9 @@
 - ``LoraConfig._register_custom_module``: LoRA layers for our parallel linear classes (peft's
   documented way to add custom modules, still private);
 - ``LoraLayer._cast_input_dtype``: the cast of a layer's input to its adapter's dtype, as peft's
-  own forward does.
+  own forward does;
+- ``LoraLayer._get_in_out_features``: how a LoRA layer reads its base layer's sizes
+  (`BaseLayerSizes` gives a parallel linear's full ones).
 """
 
 from __future__ import annotations
@@ -23,6 +25,16 @@ def register_custom_modules(config, mapping: dict) -> None:
     """Make ``config`` (a ``LoraConfig``) put ``mapping[type(module)]`` layers on those modules."""
     check_version()
     config._register_custom_module(mapping)
+
+
+class BaseLayerSizes:
+    """Put in front of a peft LoRA layer class: its ``in_features`` / ``out_features`` are its base
+    layer's own attributes (a parallel linear's full sizes, on which peft draws A and B), read
+    without the guess (and its "Unsupported layer type" warning) that peft's
+    ``_get_in_out_features`` (0.20-0.21) makes for a layer type it does not know."""
+
+    def _get_in_out_features(self, module):
+        return module.in_features, module.out_features
 
 
 def cast_input_dtype(layer, x, dtype):
