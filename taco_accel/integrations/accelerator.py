@@ -293,11 +293,11 @@ class Accelerator(_AccelerateAccelerator):
             if isinstance(obj, torch.optim.Optimizer):
                 for group in obj.param_groups:
                     group["params"] = [moved.get(id(p), p) for p in group["params"]]
-        sizes, self._accelerate_sizes = self._accelerate_sizes, None  # else Accelerate's own (DTensor) TP path runs
+        described, self._accelerate_sizes = self._accelerate_sizes, None  # else Accelerate's own (DTensor) TP path runs
         try:
             return super().prepare(*args, device_placement=device_placement)
         finally:
-            self._accelerate_sizes = sizes
+            self._accelerate_sizes = described
 
     def prepare_model(self, model: nn.Module, device_placement=None, evaluation_mode: bool = False):
         """Lay ``model`` out on the mesh (if `prepare` has not), then Accelerate's mixed precision
