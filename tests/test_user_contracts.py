@@ -195,9 +195,14 @@ def _conventions() -> dict:
         scheduler.step()
         opt.zero_grad()
         counts.append(scheduler.scheduler.last_epoch)
+    try:  # refused before any collective, on every rank
+        acc.clip_grad_norm_(torch.nn.Linear(2, 2).parameters(), 1.0)
+        stray = None
+    except ValueError as e:
+        stray = str(e)
     return {"num_processes": acc.num_processes, "process_index": acc.process_index, "world": acc.state.num_processes,
             "dp_rank": acc.data_parallel_rank, "scheduler_steps": counts,
-            "warnings": [m for m in warnings.messages if "schedule" in m]}
+            "warnings": [m for m in warnings.messages if "schedule" in m], "stray_clip": stray}
 
 
 class _Collect(logging.Handler):
@@ -292,6 +297,11 @@ def test_num_processes_is_the_data_parallel_view(measured):
         assert r["scheduler_steps"] == [2, 4, 6, 8, 10, 12], r  # num_processes scheduler steps per optimizer step
     assert len(results[0]["warnings"]) == 1 and "num_processes // tp_size" in results[0]["warnings"][0], results[0]
     assert all(r["warnings"] == [] for r in results[1:])  # once, on the main process
+
+
+def test_clipping_the_parameters_of_a_model_not_prepared_here_raises(measured):
+    for r in _case(measured, "conventions"):
+        assert "2 parameter(s) of no model prepared by this accelerator" in (r["stray_clip"] or ""), r
 
 
 def test_evaluation_mode_lays_out_without_data_parallelism(measured):

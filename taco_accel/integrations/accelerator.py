@@ -93,7 +93,7 @@ from ..comm.policy import DEFAULT_COMPRESSION, Compression
 from ..upstream import accelerate as upstream
 from ..upstream.transformers import trainer_builds_with
 from . import precision, replicas, saving, sizes, statistics
-from .gradients import FsdpNoSync, StepOptimizer
+from .gradients import FsdpNoSync, StepOptimizer, owners_of
 from .launch import launch_notes, launch_sizes, without_parallelism_config
 
 logger = logging.getLogger(__name__)
@@ -449,15 +449,7 @@ class Accelerator(_AccelerateAccelerator):
             raise ValueError(f"norm_type={norm_type!r}: taco_accel clips by the 2-norm only; use norm_type=2")
         params = list(parameters)
         self.unscale_gradients()
-        chosen = {id(p) for p in params}
-        owners = [parts for _, parts in self._parts if any(id(p) in chosen for p in parts.parameters())]
-        known = {id(p) for parts in owners for p in parts.parameters()}
-        stray = [p for p in params if id(p) not in known]
-        if stray:
-            raise ValueError(
-                f"clip_grad_norm_ got {len(stray)} parameter(s) of no model prepared by this accelerator; pass "
-                "model.parameters() of the prepared model"
-            )
+        owners = owners_of(params, [parts for _, parts in self._parts])
         # inside an accumulation (sync_gradients False): the local gradients as they are, as
         # Accelerate's DDP under no_sync; the reduction waits for the step
         return clip_grad_norm_(owners, params, max_norm, finish=self.sync_gradients).float()  # fp32, as Accelerate
