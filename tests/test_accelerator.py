@@ -53,10 +53,15 @@ def _free_port() -> int:
 
 def launch_env(**extra: str) -> dict:
     """This environment without a parent launch's rank variables, one thread per process, this
-    checkout first on the path (then the caller's PYTHONPATH); plus ``extra``."""
+    checkout first on the path (then the caller's PYTHONPATH), no GPU visible; plus ``extra``.
+    No GPU: every launched script is a CPU test, and a one-process run of transformers' Trainer
+    takes ``cuda:0`` whenever CUDA is available, ``ACCELERATE_USE_CPU`` or not (its
+    ``TrainingArguments`` choose a one-process run's device from ``use_cpu`` alone, 5.10 to 5.25),
+    so that a reference on a GPU box would train in other arithmetic than the ranks it is compared
+    with."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=path, **extra)
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=path, CUDA_VISIBLE_DEVICES="", **extra)
     return env
 
 
