@@ -42,9 +42,6 @@ from ..upstream import peft as upstream_peft
 logger = logging.getLogger(__name__)
 
 INIT_CHOICES = (True, False, "gaussian")  # inits that need no (sharded) base weight
-# LoRA variants (DoRA & co., computed by a variant object our forward does not run): peft marks their
-# switches with the field metadata ``is_lora_variant`` since 0.20; these are the ones before it
-UNMARKED_VARIANTS = ("use_dora", "alora_invocation_tokens", "arrow_config", "use_bdlora")
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
@@ -67,8 +64,8 @@ def _make_tp_lora_linear():
         carries a ``shards`` entry, so `gather_state_dict` reassembles it. ``sites``: the
         model's `SiteTable`, whose ledger records the sum of the replicated factor's gradient;
         ``names``: the qualified name of each parallel linear by ``id`` (`resolve_lora_config`
-        binds both). peft's own arguments pass through as peft gives them: ``config`` since
-        peft 0.19, ``r, lora_alpha, ...`` before.
+        binds both). peft's own arguments (the adapter's ``config`` among them) pass through as
+        peft gives them.
         """
 
         def __init__(self, base_layer, adapter_name, *args, sites: SiteTable, names: dict[int, str], **kwargs):
@@ -189,7 +186,9 @@ def check_lora_config(config) -> None:
         raise ValueError(f"expected a peft.LoraConfig, got {type(config).__name__}; taco_accel supports LoRA only")
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
-        if (field.metadata.get("is_lora_variant") or field.name in UNMARKED_VARIANTS) and value:
+        # LoRA variants (DoRA & co.: computed by a variant object our forward does not run), which
+        # peft marks with the field metadata is_lora_variant (every supported peft, from 0.20)
+        if field.metadata.get("is_lora_variant") and value:
             _refuse(field.name, value, "use plain LoRA (leave it unset)")
     if config.init_lora_weights not in INIT_CHOICES:
         _refuse("init_lora_weights", config.init_lora_weights, f"use one of {INIT_CHOICES} (these need no "
