@@ -35,3 +35,13 @@ def test_throughput_rows_on_the_cpu():
     # every row counts the same FLOPs per token: the same model and batch
     flops = {round(r["tflops"] * r["step_s"], 12) for r in measured}
     assert len(flops) == 1, results
+
+
+def test_a_failed_row_says_why():
+    from taco_accel.bench.throughput import failure
+
+    dynamo = ("Traceback (most recent call last):\n  File \"x.py\", line 3, in f\n    torch.addmm(\n"
+              "torch._dynamo.exc.Unsupported: addmm with out_dtype\n\n"
+              "Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace\n")
+    assert failure(dynamo) == ["torch._dynamo.exc.Unsupported: addmm with out_dtype"]
+    assert failure("killed\nno exception line\nat all\nhere") == ["no exception line", "at all", "here"]

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -200,8 +201,17 @@ def _in_subprocess(row: str, argv: list[str]) -> dict:
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
-        return {"row": row, "error": (done.stderr or done.stdout).strip().splitlines()[-3:]}
+        return {"row": row, "error": failure(done.stderr or done.stdout)}
     return json.loads(lines[-1])
+
+
+def failure(output: str) -> list[str]:
+    """Why a row failed, from its process's output: the last line that raises (``Name: message``,
+    at the start of a line, as a traceback ends), else the output's last 3 lines (dynamo, for one,
+    prints advice after the exception)."""
+    lines = output.strip().splitlines()
+    raised = [line for line in lines if re.match(r"[A-Za-z_][\w.]*: ", line)]
+    return raised[-1:] if raised else lines[-3:]
 
 
 def table(results: list[dict], args) -> str:
