@@ -16,12 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
+
+from .throughput import in_fresh_process
 
 VARIANTS = ("unfused", "fused", "fused_compiled", "liger")
 
@@ -103,12 +104,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return []
     rows = []
     for variant in args.variants.split(","):
-        cmd = [sys.executable, "-m", "taco_accel.bench.fused_loss", *(argv if argv is not None else sys.argv[1:]),
-               "--only", variant]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        rows.append(json.loads(lines[-1]) if lines else
-                    {"variant": variant, "error": (done.stderr or done.stdout).strip().splitlines()[-1:]})
+        rows.append(in_fresh_process("taco_accel.bench.fused_loss", "variant", variant,
+                                     list(argv if argv is not None else sys.argv[1:])))
         print(json.dumps(rows[-1]), flush=True)
     print(f"\nhead {args.vocab} x {args.hidden}, {args.tokens} tokens, {args.device}\n")
     print("| variant | ms (forward + backward) | peak MiB above the inputs | loss |\n| --- | ---: | ---: | ---: |")

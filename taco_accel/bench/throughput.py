@@ -194,14 +194,15 @@ def _peak_tflops(device: torch.device) -> float | None:
     return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
-def _in_subprocess(row: str, argv: list[str]) -> dict:
-    """``measure(row)`` in a fresh interpreter; its result, or the error's last lines."""
-    cmd = [sys.executable, "-m", "taco_accel.bench.throughput", *argv, "--only", row]
+def in_fresh_process(module: str, key: str, name: str, argv: list[str]) -> dict:
+    """``python -m <module> <argv> --only <name>`` in a fresh interpreter (no parent launch's rank
+    variables): the last JSON line it printed, or ``{key: name, "error": why}`` (`failure`)."""
+    cmd = [sys.executable, "-m", module, *argv, "--only", name]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
-        return {"row": row, "error": failure(done.stderr or done.stdout)}
+        return {key: name, "error": failure(done.stderr or done.stdout)}
     return json.loads(lines[-1])
 
 
@@ -269,7 +270,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit(f"unknown rows {unknown}: use {', '.join(ROWS)}")
     results = []
     for row in rows:
-        results.append(_in_subprocess(row, _without(argv, ("--rows", "--json"))))
+        results.append(in_fresh_process("taco_accel.bench.throughput", "row", row, _without(argv, ("--rows", "--json"))))
         print(json.dumps(results[-1]), flush=True)
     print(table(results, args))
     if args.json:

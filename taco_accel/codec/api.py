@@ -215,6 +215,20 @@ def raise_mismatches(mismatches: dict, where: str) -> None:
         )
 
 
+def any_mismatch(flag_sets: list[dict]) -> bool:
+    """Whether a chunk compared by `compare_headers` into any of ``flag_sets`` (each a caller's
+    ``mismatches``) differed: one host read per device for all of them, none while a CUDA graph
+    is captured (False then). For callers holding many sites' flags (`raise_mismatches` each
+    one only where this is True)."""
+    flags = [seen.any() for mismatches in flag_sets for seen in mismatches.values()]
+    if not flags or (flags[0].is_cuda and torch.cuda.is_current_stream_capturing()):
+        return False
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for flag in flags:
+        by_device.setdefault(flag.device, []).append(flag)
+    return any(bool(torch.stack(same).any()) for same in by_device.values())
+
+
 def _check_wire_where_cheap(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig, tag: int = 0) -> None:
     """`check_wire` on every CPU buffer; elsewhere once per (config and tag, layout, device) in
     the process, and never while a CUDA graph is captured (module docstring)."""

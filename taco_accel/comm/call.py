@@ -281,8 +281,7 @@ class Call:
             mine = self.parts[self.link.rank]
             out = self.out = (mine.clone() if self._staged else mine).view(self._part[0])
             self.parts = None
-        if self._workspace is not None:
-            release(self._workspace)
+        self._release()
         kind, record = self.kind, self.record
         if record is not None:
             plain = ring_bytes(kind, self.nbytes, self.link.world)

@@ -7,8 +7,8 @@ caller drives it one rank's part at a time (the per-rank kinds of the sequence-p
 `call.Call.landed` / `call.Call.submit`). Every other concern reads these fields where it lives:
 the result's shape and the input checks (here), the plain ring bytes of the statistics
 (`stats.ring_bytes`), the emulated results (`emulated`, `stacked`), the custom op of a compiled
-graph (`ops`: one op for every kind) and the kind's code in the agreement fingerprint (its index
-in `KINDS`).
+graph (`ops`: one op for every kind) and the kind's name in the agreement fingerprint
+(`agreement.NAME_WORDS`).
 
 Adding a collective is one `Kind` below, plus the functions it names: its piece generator in
 `compressed` (emulated groups run it too, through an `emulated.EmulatedRank` method for each new

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codec.api import raise_mismatches
+from ..codec.api import any_mismatch, raise_mismatches
 
 
 def ring_bytes(kind, nbytes: int, world: int) -> int:
@@ -147,9 +147,11 @@ class Ledger:
     def pop(self) -> dict[str, CommStats]:
         """The figures of every site that was called since the last pop, by name; then zero them.
         A `WireFormatError` naming the site if a chunk it received since had another header (a
-        host sync: the flags are read here)."""
-        for name, record in self._records.items():
-            raise_mismatches(record.mismatches, name)
+        host sync: the flags of every site are read here at once)."""
+        flagged = [(name, record.mismatches) for name, record in self._records.items() if record.mismatches]
+        if any_mismatch([mismatches for _, mismatches in flagged]):
+            for name, mismatches in flagged:
+                raise_mismatches(mismatches, name)
         return {name: rec.pop() for name, rec in self._records.items() if rec.calls or rec.errors}
 
     def __repr__(self) -> str:

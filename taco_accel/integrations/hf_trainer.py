@@ -136,7 +136,7 @@ class _TacoTrainer(upstream_transformers.TrainerCounts):
     def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
         """The Trainer's own, with the head and loss fused (``logits="none"``) where only the loss
         is read: training steps of a class that keeps the Trainer's ``compute_loss``."""
-        if return_outputs or not self.taco_options["fused_loss"] or getattr(self.args, "past_index", -1) >= 0:
+        if return_outputs or not self.taco_options["fused_loss"]:
             return super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
         with logits_mode(self.accelerator.unwrap_model(model), "none"):
             return super().compute_loss(model, inputs, **kwargs)

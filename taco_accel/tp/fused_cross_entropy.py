@@ -63,7 +63,7 @@ def softmax_grad(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, 
     local_target = target - vocab_start
     scored = target != ignore_index
     mine = (local_target >= 0) & (local_target < local_vocab) & scored
-    grad = (logits.float() - lse.unsqueeze(-1)).exp_()  # one fp32 (n, V/tp) tensor, then in place
+    grad = logits.to(torch.float32, copy=True).sub_(lse.unsqueeze(-1)).exp_()  # one fp32 (n, V/tp) tensor
     columns = local_target.clamp(0, max(local_vocab - 1, 0)).unsqueeze(-1)
     grad.scatter_add_(-1, columns, -mine.unsqueeze(-1).to(grad.dtype))  # minus the one-hot target
     return grad.masked_fill_(~scored.unsqueeze(-1), 0.0).to(logits.dtype)

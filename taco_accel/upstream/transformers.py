@@ -161,8 +161,7 @@ class TrainerCounts:
     """
 
     def get_tp_size(self) -> int:
-        config = getattr(getattr(self, "accelerator", None), "parallelism_config", None)
-        return super().get_tp_size() if config is None else config.tp_size
+        return self.accelerator.parallelism_config.tp_size  # the TrainerAccelerator's, set once it is built
 
     def _track_num_input_tokens(self, inputs) -> None:
         before = self.state.num_input_tokens_seen
