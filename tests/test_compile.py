@@ -326,3 +326,19 @@ def test_emulated_tp_compiles_like_the_plain_model():
         breaks, reasons, code = _explained(model)
         assert breaks <= plain, (compression, reasons)
         assert "taco.emulated" in code, compression
+
+
+def test_activation_checkpointing_refuses_a_layer_whose_forward_was_replaced():
+    """A forward set on the layer itself (e.g. Accelerate's device-map hooks) would be dropped by
+    wrapping the class's forward: refused, naming the layer, before any layer is wrapped."""
+    from taco_accel.parallel import enable_activation_checkpointing, is_checkpointed
+
+    model = tiny_model("llama")
+    layers = model.model.layers
+    layers[1].forward = functools.partial(type(layers[1]).forward, layers[1])
+    with pytest.raises(ValueError, match="LlamaDecoderLayer.forward is replaced on the layer itself"):
+        enable_activation_checkpointing(model)
+    assert not any(is_checkpointed(layer) for layer in layers)  # nothing half set up
+    del layers[1].forward
+    enable_activation_checkpointing(model)
+    assert is_checkpointed(model)

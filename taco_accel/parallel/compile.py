@@ -105,17 +105,26 @@ def _blocks(module: nn.Module) -> list[nn.Module]:
 
 
 def is_compiled(module: nn.Module) -> bool:
-    """Whether ``module`` runs compiled: itself (``module.compile()`` or a ``torch.compile``
-    wrapper) or, for a model or stage, each of its decoder blocks (`apply_compile`)."""
-    if getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod"):
+    """Whether ``module`` runs compiled: itself (``module.compile()``, a ``torch.compile`` wrapper,
+    a compiled checkpointed forward) or, for a model or stage, each of its decoder blocks
+    (`apply_compile`)."""
+    return _itself_or_every_layer(module, _runs_compiled)
+
+
+def _runs_compiled(module: nn.Module) -> bool:
+    return (getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod")
+            or getattr(module.__dict__.get("forward"), "compiled", None) is not None)
+
+
+def _itself_or_every_layer(module: nn.Module, holds) -> bool:
+    """``holds(module)``, or for a model or stage: ``holds`` for each of its decoder layers (and it has some)."""
+    if holds(module):
         return True
     try:
-        blocks = decoder_layers(module)
+        layers = decoder_layers(module)
     except ValueError:
         return False
-    compiled = lambda block: (getattr(block, "_compiled_call_impl", None) is not None  # noqa: E731
-                              or getattr(block.__dict__.get("forward"), "compiled", None) is not None)
-    return bool(blocks) and all(compiled(block) for block in blocks)
+    return bool(layers) and all(holds(layer) for layer in layers)
 
 
 class CheckpointedForward:
@@ -152,9 +161,15 @@ def enable_activation_checkpointing(module: nn.Module) -> None:
     layers = decoder_layers(module)
     if not layers:
         raise ValueError(f"{type(module).__name__} holds no decoder layer to checkpoint")
-    for layer in layers:
-        if not is_checkpointed(layer):
-            layer.forward = CheckpointedForward(layer)
+    todo = [layer for layer in layers if not is_checkpointed(layer)]
+    for layer in todo:  # every layer checked before any is wrapped: no half-checkpointed model
+        replaced = layer.__dict__.get("forward")
+        if replaced is not None:  # wrapping the class's forward would drop it silently
+            raise ValueError(f"{type(layer).__name__}.forward is replaced on the layer itself ({replaced!r}): activation "
+                             "checkpointing wraps the class's forward; enable it before whatever replaced the forward "
+                             "(e.g. Accelerate's device-map hooks), or remove that replacement")
+    for layer in todo:
+        layer.forward = CheckpointedForward(layer)
     _train_without_cache(module)
     logger.info("activation checkpointing: %d decoder layer(s) recompute their forward in backward", len(layers))
 
@@ -162,13 +177,7 @@ def enable_activation_checkpointing(module: nn.Module) -> None:
 def is_checkpointed(module: nn.Module) -> bool:
     """Whether ``module`` (a decoder layer; a model or stage: every one of its layers) recomputes
     its forward in backward (`enable_activation_checkpointing`)."""
-    if isinstance(module.__dict__.get("forward"), CheckpointedForward):
-        return True
-    try:
-        layers = decoder_layers(module)
-    except ValueError:
-        return False
-    return bool(layers) and all(isinstance(layer.__dict__.get("forward"), CheckpointedForward) for layer in layers)
+    return _itself_or_every_layer(module, lambda layer: isinstance(layer.__dict__.get("forward"), CheckpointedForward))
 
 
 __all__ = ["apply_compile", "compile_backend", "enable_activation_checkpointing", "is_checkpointed", "is_compiled"]
