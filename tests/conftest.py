@@ -46,3 +46,15 @@ def _no_process_group_leaks_between_tests():
     yield
     if started_without and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def shared_launches(tmp_path_factory):
+    """``mesh -> {job: results}``: the launches several modules share (tests/launches.py), once per
+    session; under pytest-xdist in the session's folder that every worker process sees."""
+    import launches
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    return lambda mesh: launches.shared_launch(root, mesh)

@@ -3,102 +3,48 @@ like a user would, against the same training on one process: tp=2, dp=2 x tp=2 (
 and dp=2 x tp=2 with FSDP2; compression off (equal to fp32 rounding) and on (within the codec's
 bound); resume from ``save_state``; ``gather_for_metrics``; ``save_model``; the unsafe paths.
 
-One launch per mesh runs every check (`accelerate_loop_worker.py`), each check's error kept
-as its own result; the launches take most of this module's time (process start-up and imports).
+Each mesh's launch runs every check (`accelerate_loop_worker.py`), each check's error kept as
+its own result; the launch is shared with the other modules that train on that mesh
+(tests/launches.py: a launch's start-up is most of its time).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
+import launches
 import pytest
-from harness import run_command
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).with_name("accelerate_loop_worker.py")
-
-# one launch per process count (the start-up of the processes is most of the time): the 4-process
-# launch runs dp=2 x tp=2 with the launch config's sizes, then FSDP2 dp=2 x tp=2 with sizes given as
-# Accelerator(parallelism_config=...)
-MESHES = {
-    "tp2": (2, {"parallelism_config_tp_size": 2}),
-    "dp2_tp2": (4, {"parallelism_config_tp_size": 2, "parallelism_config_dp_replicate_size": 2}),
-}
+# The 4-process launch runs dp=2 x tp=2 with the launch config's sizes, then FSDP2 dp=2 x tp=2
+# with sizes given as Accelerator(parallelism_config=...)
 CHECKS = {"tp2": "parity,resume,metrics,refusals,bf16", "dp2_tp2": "parity,fsdp_parity,resume,metrics"}
+MESHES = list(CHECKS)
 # (launch, its checks of compression off and on) of each mesh
 PARITY = {"tp2": ("tp2", "off", "on"), "dp2_tp2": ("dp2_tp2", "off", "on"), "fsdp2_tp2": ("dp2_tp2", "fsdp_off", "fsdp_on")}
-
-
-def launch_config(path: Path, processes: int, sizes: dict) -> Path:
-    """An accelerate config as `accelerate config` writes it: CPU processes started by torchrun."""
-    lines = ["compute_environment: LOCAL_MACHINE", "distributed_type: MULTI_GPU", "use_cpu: true",
-             "num_machines: 1", f"num_processes: {processes}", "machine_rank: 0", "mixed_precision: 'no'",
-             "rdzv_backend: static", "same_network: true", f"main_process_port: {_free_port()}",
-             "parallelism_config:"] + [f"  {k}: {v}" for k, v in sizes.items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch_env(**extra: str) -> dict:
-    """This environment without a parent launch's rank variables, one thread per process, this
-    checkout first on the path (then the caller's PYTHONPATH), no GPU visible; plus ``extra``.
-    No GPU: every launched script is a CPU test, and a one-process run of transformers' Trainer
-    takes ``cuda:0`` whenever CUDA is available, ``ACCELERATE_USE_CPU`` or not (its
-    ``TrainingArguments`` choose a one-process run's device from ``use_cpu`` alone, 5.10 to 5.25),
-    so that a reference on a GPU box would train in other arithmetic than the ranks it is compared
-    with."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=path, CUDA_VISIBLE_DEVICES="", **extra)
-    return env
-
-
-def accelerate_launch(config: Path, script: Path, *args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(script), *args]
-    return run_command(cmd, env=launch_env(**(env or {})), cwd=cwd)
+for _mesh, _checks in CHECKS.items():
+    launches.register(f"accelerator_{_mesh}", _mesh, "accelerate_loop_worker", lambda _, c=_checks: ["--checks", c])
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory) -> dict:
-    """Each launch's results, launched when a test first asks for it."""
-    done = {}
-
-    def get(name: str) -> dict:
-        if name not in done:
-            tmp = tmp_path_factory.mktemp(name)
-            processes, sizes = MESHES[name]
-            out = accelerate_launch(launch_config(tmp / "config.yaml", processes, sizes), WORKER,
-                                    "--out", str(tmp / "out.json"), "--checks", CHECKS[name], cwd=tmp)
-            assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
-            done[name] = json.loads((tmp / "out.json").read_text())
-        return done[name]
+def launched(shared_launches):
+    """Each mesh's results, launched when a test first asks for it."""
+    def get(mesh: str) -> dict:
+        result = shared_launches(mesh)[f"accelerator_{mesh}"]
+        assert "launch_error" not in result, result["launch_error"]
+        return result
 
     return get
 
 
 @pytest.fixture(params=list(PARITY))
-def parity(request, launches):
+def parity(request, launched):
     """(mesh, figures with compression off, figures with compression on)."""
     launch, off, on = PARITY[request.param]
-    result = launches(launch)
+    result = launched(launch)
     return request.param, _check(result, off), _check(result, on)
 
 
 @pytest.fixture(params=list(MESHES))
-def run(request, launches):
-    return request.param, launches(request.param)
+def run(request, launched):
+    return request.param, launched(request.param)
 
 
 def _check(result: dict, key: str) -> dict:
@@ -184,8 +130,8 @@ BF16_LOSS, BF16_NORM = 2 * 2.0**-8 * (100 / 3) ** 0.5, 2 * 2.0**-8 * (200 / 3) *
 
 
 @pytest.mark.parametrize("layout", ["tp", "sp"])
-def test_bf16_mixed_precision_trains_like_one_process(launches, layout):
-    r = _check(launches("tp2"), "bf16")[layout]
+def test_bf16_mixed_precision_trains_like_one_process(launched, layout):
+    r = _check(launched("tp2"), "bf16")[layout]
     assert len(r["losses"]) == 6, r
     assert max(abs(a - b) / b for a, b in zip(r["losses"], r["ref_losses"])) < BF16_LOSS, r
     assert max(abs(a - b) / b for a, b in zip(r["grad_norms"][:3], r["ref_grad_norms"][:3])) < BF16_NORM, r

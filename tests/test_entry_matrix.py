@@ -3,10 +3,11 @@
 Entries: a user's own Accelerate loop, ``taco_trainer`` of transformers' Trainer, TRL's SFTTrainer and
 DPOTrainer (a reference model passed in, built by TRL from the policy's path, a LoRA policy), the
 Finetuner and the recipes' pretraining Trainer. Precisions: fp32, bf16 autocast, bf16 parameters,
-fp16 autocast (with the MeshGradScaler). Layouts: tp=2 and dp=2 x tp=2, each one ``accelerate
-launch`` of tests/entry_matrix_worker.py that runs every cell of the layout (the sizes from the
-launch config, as a user's script reads them); the one-process references run meanwhile in one
-interpreter, one per (entry, precision), on the global batches both layouts share.
+fp16 autocast (with the MeshGradScaler). Layouts: tp=2 and dp=2 x tp=2, in each a job of
+tests/entry_matrix_worker.py that runs every cell of the layout, in the ``accelerate launch`` of
+that mesh which tests/launches.py shares with the other modules (the sizes from the launch config,
+as a user's script reads them); the one-process references run meanwhile in one interpreter, one
+per (entry, precision), on the global batches both layouts share.
 
 A cell another test already runs against one process is skipped here, naming that test (`COVERED`);
 a cell an entry does not offer is a row asserting its one-line refusal (`REFUSED`).
@@ -32,21 +33,18 @@ import math
 import sys
 from pathlib import Path
 
+import launches
 import pytest
 import torch
-from harness import finish_command, run_command, start_command
+from harness import finish_command, start_command
 
-from test_accelerator import launch_config
-from test_hf_trainer import LOSS_TOL, NORM_RTOL, _env
+from test_hf_trainer import LOSS_TOL, NORM_RTOL
 from test_precision import _bound
 
 WORKER = Path(__file__).with_name("entry_matrix_worker.py")
 ENTRIES = ("loop", "trainer", "sft", "dpo", "dpo_path", "dpo_lora", "finetuner", "recipes")
 PRECISIONS = ("fp32", "bf16", "bf16_params", "fp16")
-LAYOUTS = {  # processes, the launch config's parallelism sizes
-    "tp2": (2, {"parallelism_config_tp_size": 2}),
-    "dp2_tp2": (4, {"parallelism_config_tp_size": 2, "parallelism_config_dp_replicate_size": 2}),
-}
+LAYOUTS = ("tp2", "dp2_tp2")  # meshes of tests/launches.py
 MODEL = {"finetuner": "finetuner", "recipes": "recipes"}  # the model whose roundings bound an entry (else "tiny")
 REFERENCE_PRECISION = {"fp16": "fp32"}  # one CPU process runs fp16 as fp32 (Accelerate's rule)
 
@@ -111,21 +109,22 @@ def _referenced() -> list[str]:
     return [f"{e}/{p}" for e in ENTRIES for p in PRECISIONS if (e, p) in needed]
 
 
+for _layout in LAYOUTS:  # each a job of the launch the modules on that mesh share (tests/launches.py)
+    launches.register(f"entry_matrix_{_layout}", _layout, "entry_matrix_worker",
+                      lambda folder, layout=_layout: ["--dir", str(folder), "--cells", ",".join(_launched(layout))])
+
+
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory) -> dict:
+def matrix(tmp_path_factory, shared_launches) -> dict:
     """``{layout: {cell: figures}, "reference": {cell: figures, "roundings": ...}}``."""
     tmp = tmp_path_factory.mktemp("entry_matrix")
     reference = start_command(
         [sys.executable, str(WORKER), "--reference", "--out", str(tmp / "reference.json"), "--dir",
-         str(tmp / "reference"), "--cells", ",".join(_referenced())], env=_env(), cwd=tmp)
+         str(tmp / "reference"), "--cells", ",".join(_referenced())], env=launches.trainer_env(), cwd=tmp)
     out = {}
-    for layout, (processes, sizes) in LAYOUTS.items():
-        config = launch_config(tmp / f"{layout}.yaml", processes, sizes)
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), str(WORKER),
-               "--out", str(tmp / f"{layout}.json"), "--dir", str(tmp / layout), "--cells", ",".join(_launched(layout))]
-        done = run_command(cmd, env=_env(), cwd=tmp)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-        out[layout] = json.loads((tmp / f"{layout}.json").read_text())
+    for layout in LAYOUTS:
+        out[layout] = shared_launches(layout)[f"entry_matrix_{layout}"]
+        assert "launch_error" not in out[layout], out[layout]["launch_error"]
     log = finish_command(reference)
     assert reference.returncode == 0, log[-6000:]
     out["reference"] = json.loads((tmp / "reference.json").read_text())

@@ -4,7 +4,8 @@ a user starts them, against the plain classes on one process on the same global 
 Two launches of tests/hf_trainer_worker.py: ``torchrun`` on 2 gloo processes with
 ``TrainingArguments(parallelism_config=ParallelismConfig(tp_size=2))``, and ``accelerate launch``
 with a dp=2 x tp=2 config (4 processes, the sizes from the launch config: Accelerate 1.15's
-``ParallelismConfig`` refuses tp with replicated dp when built in Python); one plain process runs
+``ParallelismConfig`` refuses tp with replicated dp when built in Python; a job of the launch that
+tests/launches.py shares with the other modules on that mesh); one plain process runs
 the reference for dp=1 and dp=2 meanwhile. Each launch runs several trainings; the worker
 records each one's figures or its traceback, and each test reads its own. Every training is
 compared step by step: losses, gradient norms, learning rates and the logged token counts
@@ -17,54 +18,45 @@ import json
 import sys
 from pathlib import Path
 
+import launches
 import pytest
 from harness import finish_command, run_command, start_command
 
-from test_accelerator import _free_port, launch_config, launch_env
-
-ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("hf_trainer_worker.py")
 BATCH, ACCUM = 2, 2  # the worker's per-device batch and accumulation
 # fp32, compression off: TP sums partial products in another order than one process. The loss
 # (about 5.5, ulp 4.8e-7) and gradient norms then differ by a few ulps per step; 4 AdamW steps
 # (lr <= 3e-3) keep that at the 1e-6 level: bounds of 2e-5 absolute on losses, 1e-5 relative on norms.
 LOSS_TOL, NORM_RTOL = 2e-5, 1e-5
-LAUNCHES = {  # name: (dp, how it is started, runs)
-    "tp2": (1, "torchrun", "trainer,resume,compressed,sft,lora,plain_checkpoint,patched,"
-                           "dpo,dpo_path,dpo_lora,dpo_compressed,checkpointed,liger"),
+LAUNCHES = {  # name: (dp, runs)
+    "tp2": (1, "trainer,resume,compressed,sft,lora,plain_checkpoint,patched,"
+               "dpo,dpo_path,dpo_lora,dpo_compressed,checkpointed,liger"),
     # resume of dp replicas: test_accelerator; bf16 and fp16 (tp=2, dp=2 x tp=2): test_entry_matrix
-    "dp2_tp2": (2, "accelerate", "trainer,sft,pipeline_sizes,dpo"),
+    "dp2_tp2": (2, "trainer,sft,pipeline_sizes,dpo"),
 }
+# dp=2 x tp=2: a job of the launch shared with the other modules on that mesh (tests/launches.py)
+launches.register("hf_trainer", "dp2_tp2", "hf_trainer_worker", lambda folder: ["--dir", str(folder), "--runs", LAUNCHES["dp2_tp2"][1]])
 
 
-def _env() -> dict:
-    return launch_env(TACO_TIMEOUT_S="120", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-
-
-def _launch(name: str, tmp: Path) -> dict:
-    dp, how, runs = LAUNCHES[name]
-    out, folder = tmp / f"{name}.json", tmp / name
-    args = [str(WORKER), "--out", str(out), "--dir", str(folder), "--runs", runs]
-    if how == "accelerate":
-        sizes = {"parallelism_config_tp_size": 2, "parallelism_config_dp_replicate_size": dp}
-        config = launch_config(tmp / f"{name}.yaml", 2 * dp, sizes)
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(2 * dp), "--master_port",
-               str(_free_port()), *args, "--sizes", f"tp=2,dp_replicate={dp}"]
-    done = run_command(cmd, env=_env(), cwd=tmp)
+def _torchrun(tmp: Path) -> dict:
+    """tp=2 by torchrun, the sizes given as ``TrainingArguments(parallelism_config=...)`` (no launch config)."""
+    out, folder = tmp / "tp2.json", tmp / "tp2"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(launches.free_port()), str(WORKER), "--out", str(out), "--dir", str(folder), "--runs",
+           LAUNCHES["tp2"][1], "--sizes", "tp=2,dp_replicate=1"]
+    done = run_command(cmd, env=launches.trainer_env(), cwd=tmp)
     if done.returncode != 0 or not out.exists():
         return {"launch_error": done.stdout[-3000:] + done.stderr[-6000:]}
     return {**json.loads(out.read_text()), "dir": str(folder)}
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(tmp_path_factory, shared_launches):
     tmp = tmp_path_factory.mktemp("hf_trainer")
     reference = start_command(
         [sys.executable, str(WORKER), "--out", str(tmp / "reference.json"), "--dir", str(tmp / "reference"),
-         "--reference", "1,2"], env=_env(), cwd=tmp)
-    launched = {name: _launch(name, tmp) for name in LAUNCHES}
+         "--reference", "1,2"], env=launches.trainer_env(), cwd=tmp)
+    launched = {"tp2": _torchrun(tmp), "dp2_tp2": shared_launches("dp2_tp2")["hf_trainer"]}
     log = finish_command(reference)
     assert reference.returncode == 0, log[-6000:]
     ref = json.loads((tmp / "reference.json").read_text())

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 from harness import run_command
-from test_accelerator import ROOT, accelerate_launch, launch_config, launch_env
+from launches import ROOT, accelerate_launch, launch_config, launch_env
 
 SCRIPTS = Path(__file__).with_name("user_scripts")
 OBSERVE = SCRIPTS / "observe.py"
