@@ -16,7 +16,9 @@ import copy
 
 import pytest
 import torch
+from harness import UNIT as FP32_UNIT
 from harness import fp32_bound, lm_batch
+from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -86,6 +88,76 @@ def test_all_ignored_tokens_give_zero_loss_and_gradients():
     x, weight, _, target, slices = _problem(2, False)
     loss, got = _fused(x, weight, None, torch.full_like(target, -100), slices, 4)
     assert loss.item() == 0.0 and all(float(g.abs().max()) == 0.0 for g in got if g is not None)
+
+
+# fp16 at a vocabulary where the softmax entries (about 1/V) lie below fp16's smallest normal, 2**-14
+BIG_VOCAB, TINY_HIDDEN, FEW_TOKENS = 2**16, 8, 10
+FP16_UNIT = 2.0**-11
+SCALER_GRAD = 2.0**16 / 8  # the loss's gradient under a GradScaler: its first scale over the mean's 8 tokens
+
+
+def _gamma(terms: int, unit: float) -> float:
+    """A sum of ``terms`` terms in any order is within gamma of the exact one, relative to the sum of their magnitudes."""
+    return terms * unit / (1 - terms * unit)
+
+
+def _big_vocab_problem():
+    """Inputs and weights on grids (integers up to 2, multiples of 1/8 up to 1) whose logits, sums of 8
+    products below 16 in multiples of 1/8, are exact in fp16 and fp64 in any order: the reference
+    sees the same logits."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-2, 3, (FEW_TOKENS, TINY_HIDDEN), generator=g).double()
+    weight = torch.randint(-8, 9, (BIG_VOCAB, TINY_HIDDEN), generator=g).double() / 8
+    target = torch.randperm(BIG_VOCAB, generator=g)[:FEW_TOKENS]  # distinct: no gradient row sums two targets
+    target[::5] = -100  # 8 scored tokens
+    return x, weight, target
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA's products: GEMMs with an fp32 output"))])
+@pytest.mark.parametrize("precision", ["fp16_params", "fp16_autocast"])
+def test_fp16_gradients_at_a_large_vocabulary_are_within_fp16_rounding_of_the_exact_ones(precision, device):
+    """Under fp16 the gradients are what fp16 rounding of the scaled logit gradient gives, as the
+    unfused head's backward (run after the GradScaler's scale) gives them: softmax entries near
+    1/V = 2**-16 must not become fp16 subnormals before the scale arrives.
+
+    Bound, per gradient entry, against the exact (fp64) one; ``magnitude``: the sum over its terms
+    of |logit gradient| x |other factor|, ``count``: the sum of |other factor|. The logits are exact
+    (`_big_vocab_problem`). The fp32 softmax: its log-sum-exp sums V positive terms (relative
+    gamma_V, any order) and every other step (exp, log, subtractions of numbers below 2**5) adds at
+    most 128 u32 to the exponent, so each entry is within e32 = 1.01 (gamma_V + 128 u32) relative.
+    Its fp16 rounding once scaled by at least the loss's gradient (what the unfused backward
+    rounds): u16 relative and half the subnormal spacing, 2**-25 / SCALER_GRAD, absolute. The
+    products are exact in fp32 and summed there (gamma over the terms: 10 tokens for the weight, V
+    for the input), the unscaling one fp32 rounding, the final fp16 parameter gradient one more
+    (u16 relative, 2**-25 / SCALER_GRAD absolute)."""
+    x, weight, target = _big_vocab_problem()
+    scored = target != -100
+    onehot = torch.zeros(FEW_TOKENS, BIG_VOCAB, dtype=torch.float64)
+    onehot[scored.nonzero().squeeze(1), target[scored]] = 1.0
+    exact = (torch.softmax(x @ weight.t(), dim=-1) - onehot) * scored.unsqueeze(1)  # d loss / d logits, fp64
+    want_x, want_w = exact @ weight, exact.t() @ x
+    want_loss = -(torch.log_softmax(x @ weight.t(), dim=-1) * onehot).sum()
+
+    dtype = torch.float16 if precision == "fp16_params" else torch.float32
+    xs, w = x.to(device, dtype).requires_grad_(), weight.to(device, dtype).requires_grad_()
+    with torch.autocast(device, dtype=torch.float16, enabled=precision == "fp16_autocast"):
+        loss = fused_linear_cross_entropy([xs], [w], target.to(device), [0], lambda parts: parts, chunk=4)
+    (loss * SCALER_GRAD).backward()
+    assert xs.grad.dtype == w.grad.dtype == dtype
+
+    e32 = 1.01 * (_gamma(BIG_VOCAB, FP32_UNIT) + 128 * FP32_UNIT)
+    absolute = 2.0**-25 / SCALER_GRAD
+    for got, want, terms, magnitude, count in (
+        (xs.grad, want_x, BIG_VOCAB, exact.abs() @ weight.abs(), weight.abs().sum(0).expand(FEW_TOKENS, -1)),
+        (w.grad, want_w, FEW_TOKENS, exact.abs().t() @ x.abs(), x.abs().sum(0).expand(BIG_VOCAB, -1)),
+    ):
+        relative = e32 + 2 * FP16_UNIT + _gamma(terms, FP32_UNIT) + FP32_UNIT
+        bound = 1.01 * (relative * magnitude + absolute * count) + absolute
+        error = (got.cpu().double() / SCALER_GRAD - want).abs()
+        assert bool((error <= bound).all()), (terms, float((error / bound).max()))
+    # the loss: 8 log-sum-exps each within e32 absolute, summed in fp32
+    assert abs(loss.item() - want_loss.item()) <= 8 * e32 + _gamma(8, FP32_UNIT) * want_loss.item() * 1.01
 
 
 class _Largest(TorchDispatchMode):
@@ -162,13 +234,21 @@ def test_compressed_emulated_head_sends_its_input_gradient_through_the_codec():
     assert abs(losses["none"] - losses["local"]) < FP32
 
 
-def test_compiled_chunk_arithmetic_equals_eager():
-    """aot_eager runs the same aten ops: the same loss and gradients, bit for bit."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_compiled_chunk_arithmetic_equals_eager(dtype):
+    """aot_eager runs the same aten ops: the same loss and gradients, bit for bit; a second run
+    compiles nothing more (fp16's gradient scale is a constant of the dtype, not a value guarded on)."""
     x, weight, b, target, slices = _problem(2, True)
+    x, weight, b = x.to(dtype), weight.to(dtype), b.to(dtype)
+    counter = CompileCounterWithBackend("aot_eager")
+    kernels = ChunkKernels(counter)
     eager = _fused(x, weight, b, target, slices, 5)
-    compiled = _fused(x, weight, b, target, slices, 5, kernels=ChunkKernels("aot_eager"))
+    compiled = _fused(x, weight, b, target, slices, 5, kernels=kernels)
     assert torch.equal(eager[0], compiled[0])
     assert all(torch.equal(g, c) for g, c in zip(eager[1], compiled[1]))
+    frames = counter.frame_count
+    _fused(x, weight, b, target, slices, 5, kernels=kernels)
+    assert counter.frame_count == frames > 0
 
 
 def test_logits_mode_none_is_validated():

@@ -23,7 +23,10 @@ Numerics: in fp32 the loss and gradients equal the unfused ones to fp32 rounding
 log-sum-exp per rank, then across ranks; the softmax taken against the global log-sum-exp
 directly instead of through the chain rule of the two; the weight gradient summed over chunks in
 fp32). Under autocast the matmuls run in its dtype as ``nn.Linear``'s do; the weight gradient is
-summed in fp32 (the unfused head rounds it to the autocast dtype once).
+summed in fp32 (the unfused head rounds it to the autocast dtype once). Under fp16 (autocast or
+parameters) the gradients are computed before the GradScaler's scale, which arrives in backward:
+``g`` is scaled by a power of two before its fp16 cast (`FP16_GRAD_SCALE`), so that softmax
+entries near 1/V stay normal, and the gradients stay in fp32 until backward unscales them.
 
 The chunk arithmetic (log-sum-exp, softmax gradient) is two pure functions that
 ``torch.compile`` fuses into a few kernels when the model is compiled (``compile=`` the backend):
@@ -54,11 +57,27 @@ def chunk_tokens(tokens: int, local_vocab: int, chunk_bytes: int = CHUNK_BYTES) 
     return max(1, math.ceil(tokens / chunks))
 
 
+# fp16's smallest normal is 2**-14 and a softmax entry is about 1/V (6.6e-6 at Qwen2.5's 151,936):
+# rounded to fp16 as they are, the logit gradients would be subnormals (0 below 6e-8) before the
+# GradScaler's scale, which arrives in backward, could lift them. So under fp16 the chunk gradient
+# (entries in [-1, 1]) is multiplied by 2**15 before its cast: its largest entry stays below fp16's
+# largest, 65504, and entries down to 2**-29 stay normal. The scaled gradient's products have fp32
+# outputs (`_add_product`; an fp16 output could overflow whatever the weights), the gradients stay in
+# fp32 until backward, and the scale, a power of two, is undone there exactly with the loss's gradient.
+FP16_GRAD_SCALE = 2.0**15
+
+
+def chunk_grad_scale(dtype: torch.dtype) -> float:
+    """The factor `softmax_grad` applies to the chunk gradient in ``dtype`` (1 but for fp16): a Python
+    constant per dtype, so a compiled `ChunkKernels` sees no new value to guard on."""
+    return FP16_GRAD_SCALE if dtype == torch.float16 else 1.0
+
+
 def softmax_grad(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, vocab_start: int,
                  ignore_index: int) -> torch.Tensor:
-    """d loss / d logits of one rank's chunk (n, V/tp), in the logits' dtype: the softmax against
-    the global log-sum-exp ``lse`` (n,) minus the one-hot target where this rank holds it; 0 on
-    ignored tokens."""
+    """d loss / d logits of one rank's chunk (n, V/tp) times `chunk_grad_scale`, in the logits'
+    dtype: the softmax against the global log-sum-exp ``lse`` (n,) minus the one-hot target where
+    this rank holds it; 0 on ignored tokens."""
     local_vocab = logits.shape[-1]
     local_target = target - vocab_start
     scored = target != ignore_index
@@ -66,13 +85,17 @@ def softmax_grad(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, 
     grad = logits.to(torch.float32, copy=True).sub_(lse.unsqueeze(-1)).exp_()  # one fp32 (n, V/tp) tensor
     columns = local_target.clamp(0, max(local_vocab - 1, 0)).unsqueeze(-1)
     grad.scatter_add_(-1, columns, -mine.unsqueeze(-1).to(grad.dtype))  # minus the one-hot target
-    return grad.masked_fill_(~scored.unsqueeze(-1), 0.0).to(logits.dtype)
+    grad.masked_fill_(~scored.unsqueeze(-1), 0.0)
+    scale = chunk_grad_scale(logits.dtype)
+    if scale != 1.0:
+        grad.mul_(scale)  # exact: a power of two, in fp32
+    return grad.to(logits.dtype)
 
 
 class ChunkKernels:
     """The chunk arithmetic, eager or compiled by ``torch.compile(backend=...)`` (built once)."""
 
-    def __init__(self, backend: str | None = None) -> None:
+    def __init__(self, backend: str | Callable | None = None) -> None:
         self.backend = backend
         self.parts, self.grad, self.combine = local_loss_parts, softmax_grad, combine_loss_parts
         if backend is not None:
@@ -92,13 +115,16 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, target, spec, *tensors):
         ranks = len(spec.vocab_starts)
         xs, weights, biases = tensors[:ranks], tensors[ranks:2 * ranks], tensors[2 * ranks:]
-        loss, ctx.grads = _chunked(xs, weights, biases, target, spec, ctx.needs_input_grad[2:])
+        loss, ctx.grads, ctx.scale = _chunked(xs, weights, biases, target, spec, ctx.needs_input_grad[2:])
+        ctx.dtypes = [t.dtype for t in tensors]
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         grads, ctx.grads = ctx.grads, None  # ours alone: scaled in place
-        return (None, None, *[None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads])
+        factor = grad_loss / ctx.scale  # exact: the scale is a power of two
+        return (None, None, *[None if g is None else g.mul_(factor.to(g.dtype)).to(dtype)
+                              for g, dtype in zip(grads, ctx.dtypes)])
 
 
 class FusedSpec:
@@ -112,15 +138,21 @@ class FusedSpec:
 
 
 def _chunked(xs, weights, biases, target, spec: FusedSpec, wanted: Sequence[bool]):
-    """The summed loss and the gradients of ``(*xs, *weights, *biases)``, each None unless
-    ``wanted`` (flags in that order; none wanted: the loss alone)."""
+    """The summed loss, the gradients of ``(*xs, *weights, *biases)``, each None unless ``wanted``
+    (flags in that order; none wanted: the loss alone), and the scale they carry: under fp16 they
+    are fp32 and `chunk_grad_scale` times the true ones, else in their tensors' dtypes and exact."""
     ranks, tokens, k = len(xs), target.shape[0], spec.kernels
     cast = MatmulCast(xs[0].device.type)
     ws = [cast(w) for w in weights]  # once, as nn.Linear under autocast casts its weight
     bs = [cast(b) for b in biases] if biases else [None] * ranks
+    scale = chunk_grad_scale(ws[0].dtype)  # the logits' dtype
+    scaled = scale != 1.0  # fp16: every gradient kept in fp32, times `scale`, until backward
     want_x, want_w, want_b = wanted[:ranks], wanted[ranks:2 * ranks], list(wanted[2 * ranks:]) or [False] * ranks
-    grad_x = [torch.empty_like(x) if want else None for x, want in zip(xs, want_x)]
     fp32_zeros = lambda t, want: torch.zeros(t.shape, dtype=torch.float32, device=t.device) if want else None  # noqa: E731
+    if scaled:
+        grad_x = [fp32_zeros(x, want) for x, want in zip(xs, want_x)]
+    else:
+        grad_x = [torch.empty_like(x) if want else None for x, want in zip(xs, want_x)]
     grad_w = [fp32_zeros(w, want) for w, want in zip(weights, want_w)]
     grad_b = [fp32_zeros(b, want) for b, want in zip(bs, want_b)]
     trains = [x or w or b for x, w, b in zip(want_x, want_w, want_b)]
@@ -139,21 +171,29 @@ def _chunked(xs, weights, biases, target, spec: FusedSpec, wanted: Sequence[bool
         for r in (r for r in range(ranks) if trains[r]):
             g = k.grad(logits[r], lse, t, spec.vocab_starts[r], spec.ignore_index)  # (n, V/tp)
             logits[r] = None  # one chunk's logits alive at a time
-            if grad_x[r] is not None:
+            if grad_x[r] is not None and scaled:
+                _add_product(grad_x[r][rows], g, ws[r])
+            elif grad_x[r] is not None:
                 grad_x[r][rows] = g @ ws[r]
             if grad_w[r] is not None:
                 _add_product(grad_w[r], g.t(), x_c[r])
             if grad_b[r] is not None:
                 grad_b[r] += g.float().sum(0)
-    like = lambda grads, tensors: [None if g is None else g.to(t.dtype) for g, t in zip(grads, tensors)]  # noqa: E731
-    return total, like(grad_x, xs) + like(grad_w, weights) + (like(grad_b, biases) if biases else [])
+    grads = grad_x + grad_w + grad_b[:len(biases)]
+    if not scaled:
+        grads = [None if g is None else g.to(t.dtype) for g, t in zip(grads, [*xs, *weights, *biases])]
+    return total, grads, scale
 
 
 def _add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``out`` (fp32) += ``a @ b``, the product in ``a``'s dtype: on CUDA (sm80 on) one GEMM with an
-    fp32 output accumulating into ``out`` for bf16 / fp16 operands, else the product then the sum."""
+    """``out`` (fp32) += ``a @ b``: on CUDA (sm80 on) one GEMM with an fp32 output accumulating into
+    ``out`` for bf16 / fp16 operands; elsewhere fp16 operands multiplied in fp32 (the scaled chunk
+    gradient's products can pass fp16's range, `FP16_GRAD_SCALE`), the others in their dtype."""
     if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(a.device)[0] >= 8:
         torch.addmm(out, a, b, torch.float32, out=out)
+    elif a.dtype == torch.float16:
+        with torch.autocast(a.device.type, enabled=False):  # on, it would multiply in fp16 again
+            out.addmm_(a.float(), b.float())
     else:
         out += (a @ b).float()
 
