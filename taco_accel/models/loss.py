@@ -189,8 +189,8 @@ class CausalLMLoss:
     def fused_loss(self, head: nn.Module, hidden: torch.Tensor, shift_labels: torch.Tensor,
                    ignore_index: int) -> torch.Tensor:
         """The summed loss of ``head`` over ``hidden`` (b, s, h), fused (`fused_linear_cross_entropy`)."""
-        xs, weights, biases, starts, combine = self.fused_inputs(head, hidden)
-        return fused_linear_cross_entropy(xs, weights, shift_labels.reshape(-1), starts, combine, biases=biases,
+        xs, weights, biases, starts, gather_parts = self.fused_inputs(head, hidden)
+        return fused_linear_cross_entropy(xs, weights, shift_labels.reshape(-1), starts, gather_parts, biases=biases,
                                           ignore_index=ignore_index, chunk=self.fused.chunk, kernels=self.fused.kernels)
 
     def fused_inputs(self, head: nn.Module, hidden: torch.Tensor) -> tuple:

@@ -6,8 +6,9 @@ rank r held in this process (one for real TP, every virtual rank of an emulated 
 
     logits = x_c W_r^T (+ b_r)              (n, V/tp) in the matmul dtype (autocast's, as nn.Linear)
     lse_r, target_r = local_loss_parts       (2, n) fp32
-    lse, target = combine(every rank's parts)    the all-gather of `vocab_parallel_cross_entropy`
-    loss_c = lse - target                    0 on ignored tokens
+    parts = gather_parts(lse_r, target_r)    (tp, 2, n): the all-gather of `vocab_parallel_cross_entropy`
+    lse, target = logsumexp_r lse_r, sum_r target_r
+    loss_c = lse - target                    0 on ignored tokens (`combine_loss_parts`)
     g = exp(logits - lse) - onehot(target)   (n, V/tp), 0 on ignored tokens: d loss_c / d logits
     grad_x_c = g W_r ;  grad_W_r += g^T x_c (fp32) ;  grad_b_r += sum(g)
 
@@ -129,11 +130,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
 class FusedSpec:
     """What `_FusedLinearCrossEntropy` needs besides tensors: each local rank's first vocabulary
-    row, how the ranks' parts meet, the ignore index, the chunk size and the kernels."""
+    row, the gather of every rank's loss parts, the ignore index, the chunk size and the kernels."""
 
-    def __init__(self, vocab_starts: Sequence[int], combine: Callable, ignore_index: int, chunk: int,
+    def __init__(self, vocab_starts: Sequence[int], gather_parts: Callable, ignore_index: int, chunk: int,
                  kernels: ChunkKernels) -> None:
-        self.vocab_starts, self.combine, self.ignore_index = list(vocab_starts), combine, ignore_index
+        self.vocab_starts, self.gather_parts, self.ignore_index = list(vocab_starts), gather_parts, ignore_index
         self.chunk, self.kernels = chunk, kernels
 
 
@@ -163,7 +164,7 @@ def _chunked(xs, weights, biases, target, spec: FusedSpec, wanted: Sequence[bool
         x_c = [cast(x[rows]) for x in xs]
         logits = [F.linear(x, w, b) for x, w, b in zip(x_c, ws, bs)]  # R x (n, V/tp)
         parts = torch.stack([k.parts(z, t, v0, spec.ignore_index) for z, v0 in zip(logits, spec.vocab_starts)])
-        parts = spec.combine(parts)  # (tp, 2, n): every rank's log-sum-exp and target logit
+        parts = spec.gather_parts(parts)  # (tp, 2, n): every rank's log-sum-exp and target logit
         total = total + k.combine(parts, t == spec.ignore_index).sum()
         if not any(trains):
             continue
@@ -200,7 +201,7 @@ def _add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 def fused_linear_cross_entropy(
     xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], target: torch.Tensor, vocab_starts: Sequence[int],
-    combine: Callable[[torch.Tensor], torch.Tensor], *, biases: Sequence[torch.Tensor | None] | None = None,
+    gather_parts: Callable[[torch.Tensor], torch.Tensor], *, biases: Sequence[torch.Tensor | None] | None = None,
     ignore_index: int = -100, chunk: int | None = None, kernels: ChunkKernels = EAGER,
 ) -> torch.Tensor:
     """The summed next-token loss of the head ``x W_r^T (+ b_r)`` over the vocabulary slices
@@ -209,8 +210,8 @@ def fused_linear_cross_entropy(
     ``xs``: per local rank, its (tokens, h) input (the same values; real TP: one); ``weights``:
     per local rank its (V_r, h) rows, starting at ``vocab_starts[r]`` of the full vocabulary;
     ``target``: (tokens,) ids in the full vocabulary, ``ignore_index`` not scored;
-    ``combine``: the local ranks' parts stacked (R, 2, n) -> every rank's (tp, 2, n) (real TP:
-    the all-gather over the group; emulated: the identity). ``chunk``: tokens per chunk
+    ``gather_parts``: the local ranks' loss parts stacked (R, 2, n) -> every rank's (tp, 2, n)
+    (real TP: the all-gather over the group; emulated: the identity). ``chunk``: tokens per chunk
     (default `chunk_tokens`)."""
     biases = list(biases) if biases is not None and any(b is not None for b in biases) else []
     if len(xs) != len(weights) or len(xs) != len(vocab_starts):
@@ -220,7 +221,7 @@ def fused_linear_cross_entropy(
         raise ValueError("either every local rank's head has a bias or none does")
     if chunk is None:
         chunk = chunk_tokens(target.shape[0], sum(w.shape[0] for w in weights))
-    spec = FusedSpec(vocab_starts, combine, ignore_index, chunk, kernels)
+    spec = FusedSpec(vocab_starts, gather_parts, ignore_index, chunk, kernels)
     if not torch.is_grad_enabled():  # evaluation: the loss alone
         return _chunked(xs, weights, biases, target, spec, [False] * (len(xs) + len(weights) + len(biases)))[0]
     return _FusedLinearCrossEntropy.apply(target, spec, *xs, *weights, *biases)
