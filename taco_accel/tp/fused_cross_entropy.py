@@ -79,15 +79,21 @@ def softmax_grad(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, 
     """d loss / d logits of one rank's chunk (n, V/tp) times `chunk_grad_scale`, in the logits'
     dtype: the softmax against the global log-sum-exp ``lse`` (n,) minus the one-hot target where
     this rank holds it; 0 on ignored tokens."""
-    local_vocab = logits.shape[-1]
-    local_target = target - vocab_start
-    scored = target != ignore_index
-    mine = (local_target >= 0) & (local_target < local_vocab) & scored
-    grad = logits.to(torch.float32, copy=True).sub_(lse.unsqueeze(-1)).exp_()  # one fp32 (n, V/tp) tensor
-    columns = local_target.clamp(0, max(local_vocab - 1, 0)).unsqueeze(-1)
-    grad.scatter_add_(-1, columns, -mine.unsqueeze(-1).to(grad.dtype))  # minus the one-hot target
-    grad.masked_fill_(~scored.unsqueeze(-1), 0.0)
     scale = chunk_grad_scale(logits.dtype)
+    local_target = (target - vocab_start).unsqueeze(-1)
+    scored = (target != ignore_index).unsqueeze(-1)
+    if torch.compiler.is_compiling():
+        # pointwise only, so the compiler fuses it into one kernel that reads the logits and writes the
+        # result (a scatter would make it write and read an fp32 (n, V/tp) tensor first: 3x the traffic)
+        p = torch.exp(logits.float() - lse.unsqueeze(-1))
+        hit = torch.arange(logits.shape[-1], device=logits.device) == local_target  # none outside this rank's slice
+        return torch.where(scored, torch.where(hit, p - 1.0, p) * scale, 0.0).to(logits.dtype)
+    # eager: the same values in place, one fp32 (n, V/tp) tensor
+    grad = logits.to(torch.float32, copy=True).sub_(lse.unsqueeze(-1)).exp_()
+    mine = (local_target >= 0) & (local_target < logits.shape[-1]) & scored
+    columns = local_target.clamp(0, max(logits.shape[-1] - 1, 0))
+    grad.scatter_add_(-1, columns, -mine.to(grad.dtype))  # minus the one-hot target
+    grad.masked_fill_(~scored, 0.0)
     if scale != 1.0:
         grad.mul_(scale)  # exact: a power of two, in fp32
     return grad.to(logits.dtype)
