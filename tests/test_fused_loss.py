@@ -107,15 +107,16 @@ def _gamma(terms: int, unit: float) -> float:
 
 
 def _big_vocab_problem():
-    """Inputs and weights on grids (integers up to 2, multiples of 1/8 up to 1) whose logits, sums of 8
-    products below 16 in multiples of 1/8, are exact in fp16 and fp64 in any order: the reference
-    sees the same logits."""
+    """Inputs, weights and bias on grids (integers up to 2, multiples of 1/8 up to 1) whose logits,
+    sums of 9 terms below 17 in multiples of 1/8, are exact in fp16 and fp64 in any order: the
+    reference sees the same logits."""
     g = torch.Generator().manual_seed(0)
     x = torch.randint(-2, 3, (FEW_TOKENS, TINY_HIDDEN), generator=g).double()
     weight = torch.randint(-8, 9, (BIG_VOCAB, TINY_HIDDEN), generator=g).double() / 8
+    bias = torch.randint(-8, 9, (BIG_VOCAB,), generator=g).double() / 8
     target = torch.randperm(BIG_VOCAB, generator=g)[:FEW_TOKENS]  # distinct: no gradient row sums two targets
     target[::5] = -100  # 8 scored tokens
-    return x, weight, target
+    return x, weight, bias, target
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -133,29 +134,31 @@ def test_fp16_gradients_at_a_large_vocabulary_are_within_fp16_rounding_of_the_ex
     most 128 u32 to the exponent, so each entry is within e32 = 1.01 (gamma_V + 128 u32) relative.
     Its fp16 rounding once scaled by at least the loss's gradient (what the unfused backward
     rounds): u16 relative and half the subnormal spacing, 2**-25 / SCALER_GRAD, absolute. The
-    products are exact in fp32 and summed there (gamma over the terms: 10 tokens for the weight, V
-    for the input), the unscaling one fp32 rounding, the final fp16 parameter gradient one more
+    products are exact in fp32 and summed there (gamma over the terms: 10 tokens for the weight and
+    the bias, V for the input), the unscaling one fp32 rounding, the final fp16 parameter gradient one more
     (u16 relative, 2**-25 / SCALER_GRAD absolute)."""
-    x, weight, target = _big_vocab_problem()
+    x, weight, bias, target = _big_vocab_problem()
     scored = target != -100
     onehot = torch.zeros(FEW_TOKENS, BIG_VOCAB, dtype=torch.float64)
     onehot[scored.nonzero().squeeze(1), target[scored]] = 1.0
-    exact = (torch.softmax(x @ weight.t(), dim=-1) - onehot) * scored.unsqueeze(1)  # d loss / d logits, fp64
-    want_x, want_w = exact @ weight, exact.t() @ x
-    want_loss = -(torch.log_softmax(x @ weight.t(), dim=-1) * onehot).sum()
+    logits = x @ weight.t() + bias
+    exact = (torch.softmax(logits, dim=-1) - onehot) * scored.unsqueeze(1)  # d loss / d logits, fp64
+    want_x, want_w, want_b = exact @ weight, exact.t() @ x, exact.sum(0)
+    want_loss = -(torch.log_softmax(logits, dim=-1) * onehot).sum()
 
     dtype = torch.float16 if precision == "fp16_params" else torch.float32
-    xs, w = x.to(device, dtype).requires_grad_(), weight.to(device, dtype).requires_grad_()
+    xs, w, b = (t.to(device, dtype).requires_grad_() for t in (x, weight, bias))
     with torch.autocast(device, dtype=torch.float16, enabled=precision == "fp16_autocast"):
-        loss = fused_linear_cross_entropy([xs], [w], target.to(device), [0], lambda parts: parts, chunk=4)
+        loss = fused_linear_cross_entropy([xs], [w], target.to(device), [0], lambda parts: parts, biases=[b], chunk=4)
     (loss * SCALER_GRAD).backward()
-    assert xs.grad.dtype == w.grad.dtype == dtype
+    assert xs.grad.dtype == w.grad.dtype == b.grad.dtype == dtype
 
     e32 = 1.01 * (_gamma(BIG_VOCAB, FP32_UNIT) + 128 * FP32_UNIT)
     absolute = 2.0**-25 / SCALER_GRAD
     for got, want, terms, magnitude, count in (
         (xs.grad, want_x, BIG_VOCAB, exact.abs() @ weight.abs(), weight.abs().sum(0).expand(FEW_TOKENS, -1)),
         (w.grad, want_w, FEW_TOKENS, exact.abs().t() @ x.abs(), x.abs().sum(0).expand(BIG_VOCAB, -1)),
+        (b.grad, want_b, FEW_TOKENS, exact.abs().sum(0), torch.full((BIG_VOCAB,), float(FEW_TOKENS))),
     ):
         relative = e32 + 2 * FP16_UNIT + _gamma(terms, FP32_UNIT) + FP32_UNIT
         bound = 1.01 * (relative * magnitude + absolute * count) + absolute
