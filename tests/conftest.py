@@ -4,6 +4,12 @@ import sys
 # Worker functions of multi-rank tests are pickled by module name: keep tests/ importable.
 sys.path.insert(0, os.path.dirname(__file__))
 
+# One thread per process, set before torch (and NumPy's BLAS, which the Triton interpreter uses) is
+# imported: the suite's tensors are tiny, where OpenMP threads cost more CPU than they save, and the
+# cores are shared by the ranks and launches the tests start (which inherit it) and by
+# pytest-xdist's processes.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Without a GPU the Triton kernels run under the interpreter; triton reads this flag when a
 # kernel is defined, so it must be set before taco_accel's kernels are imported.
 try:
