@@ -160,3 +160,32 @@ def test_a_chunk_of_another_message_length_raises():
 def test_compress_of_a_meta_tensor_says_so():
     with pytest.raises(ValueError, match="meta tensor .*materialise it"):
         compress(torch.empty(300, device="meta"), BASE)
+
+
+def test_header_flags_keep_a_mismatch_until_read(monkeypatch):
+    """`codec.api.HeaderFlags` off the CPU (`READ_AT_ONCE` emptied: the same code on CPU tensors):
+    a chunk of another length, met once among more matching calls than the flags' ring holds,
+    reads as NaN and is still reported at the next read; a read that finds none starts afresh."""
+    from taco_accel.codec import api
+    from taco_accel.codec.layout import length_tag
+
+    monkeypatch.setattr(api, "READ_AT_ONCE", ())
+    layout = WireLayout.for_tensor(4096, BASE, 2)
+    stack = torch.empty(2, layout.total_bytes, dtype=torch.uint8)  # two ranks' buffers, as received
+    for row in stack:
+        api.encode_into(torch.ones(4096), row, layout, BASE, tag=length_tag(4000))
+    odd = stack.clone()
+    api.encode_into(torch.ones(4096), odd[1], layout, BASE, tag=length_tag(4090))
+    flags, views = api.HeaderFlags(), api.header_views(stack, layout)
+    for calls in (3, 2 * api.HeaderFlags.RING + 3):  # the second: the ring used up twice between reads
+        for call in range(calls):
+            stack.copy_(odd if call == 1 else odd[0].expand_as(odd))
+            api.compare_headers(stack, layout, BASE, length_tag(4000), flags, views)
+            if call == 1:
+                assert views.scales[1].isnan().all() and not views.scales[0].isnan().any()
+        with pytest.raises(WireFormatError, match="message of another length"):
+            api.raise_mismatches(flags, "site")
+        assert not api.any_mismatch([flags])
+        for _ in range(calls):
+            api.compare_headers(stack, layout, BASE, length_tag(4000), flags, views)
+        assert not api.any_mismatch([flags])

@@ -23,7 +23,9 @@ costs nothing, at once (`READ_AT_ONCE`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -153,80 +155,131 @@ def check_wire(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig, ta
 
 _SIZES_DIFFER = ("the ranks of a collective sent messages of different sizes (or settings); every rank must send "
                  "the same shape at each call (pad the batch to one length on every rank of the group)")
-READ_AT_ONCE = ("cpu",)  # devices whose mismatch flags `compare_headers` reads at once (no host sync to pay)
+READ_AT_ONCE = ("cpu",)  # devices whose headers `compare_headers` reads at once (no host sync to pay)
 
 
-def compare_headers(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig, tag: int, mismatches: dict,
-                    views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+class HeaderViews(NamedTuple):
+    """What `compare_headers` reads and poisons in a received buffer (`header_views`: made once
+    by the caller, reused from call to call)."""
+
+    headers: torch.Tensor  # [..., chunks, 1] int32
+    scales: torch.Tensor  # [..., chunks, num_scales * gpc] fp32
+    shape: torch.Size  # the headers' shape: the key of their flags
+    device: torch.device
+    captured: bool  # made while a CUDA graph was captured: each replay compares again
+
+
+def header_views(buffer: torch.Tensor, layout: WireLayout) -> HeaderViews:
+    """The `HeaderViews` of ``buffer`` (one buffer of ``layout`` or a stack of them)."""
+    headers, scales = layout.headers_and_scales(buffer)
+    device = buffer.device
+    return HeaderViews(headers, scales, headers.shape, device,
+                       device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+class HeaderFlags:
+    """The header comparisons of one caller (a site) since its last read, kept on their device
+    (`compare_headers` writes them, `raise_mismatches` and `any_mismatch` read them): per header
+    shape, a ring of `RING` bool rows. Each comparison is written straight into the next row
+    (the comparison is the flag: no second operation to or it into one); a read that finds them
+    all False starts the ring over, and a ring used up between reads has its rows or-ed into
+    row 0 (two operations). A comparison captured in a CUDA graph, which each replay writes
+    again, is or-ed into row 0 instead."""
+
+    RING = 64
+    __slots__ = ("rings",)
+
+    def __init__(self) -> None:
+        self.rings: dict[torch.Size, _Ring] = {}
+
+    def compare(self, views: HeaderViews, expected: torch.Tensor) -> torch.Tensor:
+        """``views.headers != expected``, kept; returns the comparison."""
+        ring = self.rings.get(views.shape)
+        if ring is None:
+            ring = self.rings[views.shape] = _Ring(views.shape, views.device, self.RING)
+        if views.captured:
+            differs = torch.ne(views.headers, expected)
+            ring.rows[0].logical_or_(differs)
+            return differs
+        used = ring.used
+        if used == self.RING:
+            torch.any(ring.stack, 0, out=ring.folded)
+            ring.rows[0].copy_(ring.folded)
+            used = 1
+        ring.used = used + 1
+        return torch.ne(views.headers, expected, out=ring.rows[used])
+
+    def __bool__(self) -> bool:
+        return bool(self.rings)
+
+    def clear(self) -> None:
+        self.rings.clear()
+
+
+class _Ring:
+    __slots__ = ("stack", "rows", "folded", "used")
+
+    def __init__(self, shape: torch.Size, device: torch.device, length: int) -> None:
+        self.stack = torch.zeros((length, *shape), dtype=torch.bool, device=device)
+        self.rows, self.folded, self.used = self.stack.unbind(0), torch.empty(shape, dtype=torch.bool, device=device), 1
+
+
+def compare_headers(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig, tag: int, flags: HeaderFlags,
+                    views: HeaderViews | None = None) -> None:
     """Compare every chunk header of ``buffer`` (one buffer of ``layout`` or a stack of them) with
     ``config``'s and ``tag``'s on the buffer's device, without a host sync: the scales of a chunk
     that differs become NaN, so that its values decode and sum to NaN, and the comparison is
-    or-ed into ``mismatches`` (the caller's dict, one bool tensor per shape) for
-    `raise_mismatches` to read at the caller's next host sync. On a device of `READ_AT_ONCE` a
-    mismatch raises `WireFormatError` here, naming the chunk and what it was written with.
-    ``views``: the buffer's `WireLayout.headers_and_scales` and a bool tensor of the headers'
-    shape to compare into, cached by the caller (no allocation from call to call)."""
+    kept in ``flags`` (the caller's) for `raise_mismatches` to read at the caller's next host
+    sync. On a device of `READ_AT_ONCE` a mismatch raises `WireFormatError` here, naming the
+    chunk and what it was written with. ``views``: the buffer's, cached by the caller."""
     if not layout.used_bytes:
         return
     if views is None:
-        headers, scales = layout.headers_and_scales(buffer)
-        differs = torch.empty(headers.shape, dtype=torch.bool, device=buffer.device)
-    else:
-        headers, scales, differs = views
-    torch.ne(headers, _header_tensor(signed_header(config, tag)), out=differs)  # [..., chunks, 1]
-    if differs.device.type in READ_AT_ONCE:
-        if bool(differs.any()):
+        views = header_views(buffer, layout)
+    expected = _header_tensor(config, tag)
+    if views.device.type in READ_AT_ONCE:
+        if bool(torch.ne(views.headers, expected).any()):
             check_wire(buffer, layout, config, tag)  # raises, naming the chunk and its settings
         return
-    scales.masked_fill_(differs, _NAN)
-    seen = mismatches.get(differs.shape)
-    if seen is None:
-        mismatches[differs.shape] = differs.clone()
-    else:
-        seen.logical_or_(differs)
+    views.scales.masked_fill_(flags.compare(views, expected), _NAN)
 
 
 _NAN = torch.tensor(float("nan"))  # 0-d CPU tensors as operands: a third of a Python scalar's host time
-_HEADER_TENSORS: dict[int, torch.Tensor] = {}
 
 
-def _header_tensor(header: int) -> torch.Tensor:
-    found = _HEADER_TENSORS.get(header)
-    if found is None:
-        if len(_HEADER_TENSORS) >= 4096:  # many lengths: start over rather than grow
-            _HEADER_TENSORS.clear()
-        found = _HEADER_TENSORS[header] = torch.tensor(header, dtype=torch.int32)
-    return found
+@functools.lru_cache(maxsize=4096)
+def _header_tensor(config: CodecConfig, tag: int) -> torch.Tensor:
+    return torch.tensor(signed_header(config, tag), dtype=torch.int32)
 
 
-def raise_mismatches(mismatches: dict, where: str) -> None:
+def raise_mismatches(flags: HeaderFlags, where: str) -> None:
     """Raise `WireFormatError` (naming ``where``) if a chunk compared by `compare_headers` into
-    ``mismatches`` since the last raise differed, and start afresh. Reads the flags: a host sync
-    on a GPU (flags that are all False stay, to be or-ed into: no allocation from call to call)."""
-    if not mismatches:
-        return
-    if next(iter(mismatches.values())).is_cuda and torch.cuda.is_current_stream_capturing():
-        return  # no reading while a CUDA graph is captured
-    if any(bool(seen.any()) for seen in mismatches.values()):
-        mismatches.clear()
+    ``flags`` since the last raise differed, and start afresh. Reads the flags: a host sync on a
+    GPU (flags that are all False stay, to be written into: no allocation from call to call)."""
+    if any_mismatch([flags]):
+        flags.clear()
         raise WireFormatError(
             f"{where}: a chunk received since the last check did not carry this rank's header (another TacoConfig, "
             f"or a message of another length or sign_seed; its values were read as NaN): {_SIZES_DIFFER}"
         )
 
 
-def any_mismatch(flag_sets: list[dict]) -> bool:
+def any_mismatch(flag_sets: list[HeaderFlags]) -> bool:
     """Whether a chunk compared by `compare_headers` into any of ``flag_sets`` (each a caller's
-    ``mismatches``) differed: one host read per device for all of them, none while a CUDA graph
+    `HeaderFlags`) differed: one host read per device for all of them, none while a CUDA graph
     is captured (False then). For callers holding many sites' flags (`raise_mismatches` each
     one only where this is True)."""
-    flags = [seen.any() for mismatches in flag_sets for seen in mismatches.values()]
-    if not flags or (flags[0].is_cuda and torch.cuda.is_current_stream_capturing()):
+    rings = [ring for flags in flag_sets for ring in flags.rings.values()]
+    if not rings or (rings[0].stack.is_cuda and torch.cuda.is_current_stream_capturing()):
         return False
     by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for flag in flags:
-        by_device.setdefault(flag.device, []).append(flag)
-    return any(bool(torch.stack(same).any()) for same in by_device.values())
+    for ring in rings:
+        by_device.setdefault(ring.stack.device, []).append(ring.stack.any())
+    if any(bool(same[0] if len(same) == 1 else torch.stack(same).any()) for same in by_device.values()):
+        return True
+    for ring in rings:
+        ring.used = 1  # every row read False: written over again
+    return False
 
 
 def _check_wire_where_cheap(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig, tag: int = 0) -> None:
@@ -355,17 +408,15 @@ def decode_into(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig, o
 
 
 def sum_packed_into(stacked: torch.Tensor, layout: WireLayout, config: CodecConfig, out: torch.Tensor,
-                    tuning: Tuning | None = None, tag: int = 0, check: bool = True,
-                    headers: torch.Tensor | None = None) -> None:
+                    tuning: Tuning | None = None, tag: int = 0, check: bool = True) -> None:
     """`sum_packed` of ``stacked`` [P, layout.total_bytes] (tagged ``tag``) into ``out`` (the
-    layout's uint8 buffer, tagged alike; ``headers``: as in `encode_into`; ``check``: as in
-    `decode_into`)."""
+    layout's uint8 buffer, tagged alike; ``check``: as in `decode_into`)."""
     if layout.numel:
         if check:
             _check_wire_where_cheap(stacked, layout, config, tag)
         dispatch.sum_into(stacked, layout, config, out, tuning or DEFAULT_TUNING)
         if tag:
-            (layout.headers(out) if headers is None else headers).fill_(signed_header(config, tag))
+            layout.headers(out).fill_(signed_header(config, tag))
 
 
 _DEFAULT = CodecConfig()

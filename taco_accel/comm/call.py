@@ -128,7 +128,7 @@ class Call:
         self._exact_in = [] if compressed and record is not None and record.sample_due() else None
         if compressed:
             self.message = Message(codec.nonfinite == "raise", length_tag(shape.numel()),
-                                   None if record is None else record.mismatches)
+                                   None if record is None else record.header_flags)
 
     # -- the whole kinds: one tensor in, one result out ---------------------------------------
 
@@ -292,7 +292,7 @@ class Call:
         codec = self.codec
         if codec is not None and codec.nonfinite == "raise" and out.is_floating_point():  # a host sync anyway
             if record is not None:
-                raise_mismatches(record.mismatches, self.site)
+                raise_mismatches(record.header_flags, self.site)
             self._raise_if_nonfinite(out)
         return out
 
@@ -316,7 +316,7 @@ class Call:
             raise nonfinite_error(self.site)
 
     def _check_agreement(self, shape, dtype: torch.dtype, device) -> None:
-        raise_mismatches(self.record.mismatches, self.site)  # a host sync anyway: the earlier calls' headers
+        raise_mismatches(self.record.header_flags, self.site)  # a host sync anyway: the earlier calls' headers
         agreement.check(self.kind.name, shape, dtype, device, self.link, self.codec, self.compressed, self.site,
                         self.piece_bytes)
 

@@ -20,6 +20,9 @@ Group boundaries depend only on the position inside a piece, and pieces are cut 
 of P*G (all_reduce) or G (per block), so a piece boundary is always a group boundary. The
 send, receive, sum and staging buffers come from a `Workspace` and are reused from call to call;
 ``out=None`` skips the decode (an emulated rank whose result another rank already decodes).
+Every chunk a rank encodes carries the message's length tag, and every chunk it receives has
+its header compared on arrival (`Message.check`); a sum keeps the codec's untagged header, since
+it is decoded unchecked by every rank (made from compared chunks only).
 
 Error feedback (``residual``, reduce_scatter and all_gather): the caller's fp32 tensor of x's
 shape receives ``x - decode(what this rank sent)``, the part of x the wire did not carry,
@@ -32,6 +35,7 @@ rounding), so that its result is exactly the sum of what the ranks sent (to fp32
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 
@@ -43,30 +47,44 @@ from .pieces import piece_bounds, piece_length
 class Message:
     """One compressed message, as its pieces share and report it: the tag of every chunk they encode
     (``tag``: `codec.layout.length_tag` of the whole message's length), where the headers of the
-    chunks they receive are compared on the device (``mismatches``: the site's, for
-    `codec.api.raise_mismatches`; None: not compared, an emulated group's virtual ranks), and back
+    chunks they receive are compared on the device (``header_flags``: the site's
+    `codec.api.HeaderFlags`; None: not compared, an emulated group's virtual ranks), and back
     the bytes sent and (if asked) non-finite flags."""
 
-    __slots__ = ("check_nonfinite", "sent", "flags", "tag", "mismatches")
+    __slots__ = ("check_nonfinite", "sent", "nonfinite_flags", "tag", "header_flags")
 
-    def __init__(self, check_nonfinite: bool = False, tag: int = 0, mismatches: dict | None = None) -> None:
-        self.check_nonfinite, self.sent, self.flags, self.tag, self.mismatches = check_nonfinite, 0, [], tag, mismatches
+    def __init__(self, check_nonfinite: bool = False, tag: int = 0, header_flags: api.HeaderFlags | None = None) -> None:
+        self.check_nonfinite, self.sent, self.nonfinite_flags, self.tag = check_nonfinite, 0, [], tag
+        self.header_flags = header_flags
 
-    def check(self, buffer: torch.Tensor, layout: WireLayout, codec: CodecConfig, views) -> None:
+    def check(self, buffer: torch.Tensor, layout: WireLayout, codec: CodecConfig, views: api.HeaderViews) -> None:
         """Compare the headers of the received ``buffer`` with this message's, on its device
         (`codec.api.compare_headers`: a chunk of another config or length reads as NaN and is
-        counted); ``views``: the buffer's cached `Workspace.header_views`."""
-        if self.mismatches is not None:
-            api.compare_headers(buffer, layout, codec, self.tag, self.mismatches, views)
+        flagged); ``views``: the buffer's cached `Workspace.header_views`."""
+        if self.header_flags is not None:
+            api.compare_headers(buffer, layout, codec, self.tag, self.header_flags, views)
 
     def note(self, layout: WireLayout, buffer: torch.Tensor) -> None:
         """Remember whether the scales of ``buffer`` hold a NaN (a non-finite group) when checking is on."""
         if self.check_nonfinite:
-            self.flags.append(~torch.isfinite(layout.scales(buffer)).all())
+            self.nonfinite_flags.append(~torch.isfinite(layout.scales(buffer)).all())
 
     def any_nonfinite(self) -> torch.Tensor:
         """0-d bool tensor: some checked buffer had a non-finite group (no host sync)."""
-        return torch.stack(self.flags).any()
+        return torch.stack(self.nonfinite_flags).any()
+
+
+class TwoShot(NamedTuple):
+    """The views one piece of a two-shot collective works through (all-to-all, then each rank
+    sums its chunk), made once per workspace slot and layout (a view costs host time)."""
+
+    send: torch.Tensor  # [P * cb]: chunk p for rank p
+    send_headers: torch.Tensor  # send's headers, what the message's tag is written through
+    recv: torch.Tensor  # [P * cb]: chunk `rank` of every peer
+    received: torch.Tensor  # recv as [P, cb]
+    received_headers: api.HeaderViews  # received's, compared on arrival
+    sum: torch.Tensor  # [cb]: this rank's chunk of the sum
+    chunk: WireLayout  # one chunk's layout
 
 
 class Workspace:
@@ -122,16 +140,27 @@ class Workspace:
             found = self._views[key] = layout.headers(buffer)
         return found
 
-    def header_views(self, role: str, slot: int, layout: WireLayout, buffer: torch.Tensor, row: int = -1):
-        """The `WireLayout.headers_and_scales` views of ``buffer`` (the buffer ``role`` of ``slot``,
-        or its row ``row``) and a bool tensor of the headers' shape, made once per layout: what
-        `codec.api.compare_headers` checks a received chunk through."""
+    def header_views(self, role: str, slot: int, layout: WireLayout, buffer: torch.Tensor,
+                     row: int = -1) -> api.HeaderViews:
+        """The `codec.api.HeaderViews` of ``buffer`` (the buffer ``role`` of ``slot``, or its row
+        ``row``), made once per layout: what `codec.api.compare_headers` checks a received chunk
+        through."""
         key = (role, slot % self.SLOTS, layout, row, "views")
         found = self._views.get(key)
         if found is None:
-            headers, scales = layout.headers_and_scales(buffer)
-            found = self._views[key] = (headers, scales, torch.empty(headers.shape, dtype=torch.bool,
-                                                                      device=buffer.device))
+            found = self._views[key] = api.header_views(buffer, layout)
+        return found
+
+    def two_shot(self, slot: int, layout: WireLayout, device: torch.device) -> TwoShot:
+        """The `TwoShot` views of ``slot``'s buffers for ``layout`` (one chunk per rank), made once."""
+        key = ("two_shot", slot % self.SLOTS, layout)
+        found = self._views.get(key)
+        if found is None:
+            total, cb, chunk = layout.total_bytes, layout.chunk_bytes, layout.chunk_layout()
+            send, received = self.buffer("send", slot, total, device), self.buffer("recv", slot, total, device)
+            rows = received.view(layout.chunks, cb)
+            found = self._views[key] = TwoShot(send, layout.headers(send), received, rows, api.header_views(rows, chunk),
+                                               self.buffer("sum", slot, cb, device), chunk)
         return found
 
     def rows(self, role: str, slot: int, world: int, nbytes: int, device: torch.device) -> list[torch.Tensor]:
@@ -147,7 +176,7 @@ class Workspace:
         buf = self._buffers.get((role, slot))
         if buf is None or buf.numel() < nbytes:
             buf = self._buffers[role, slot] = torch.empty(max(nbytes, 16), dtype=torch.uint8, device=device)
-            self._views = {k: v for k, v in self._views.items() if k[:2] != (role, slot)}  # of the old buffer
+            self._views = {k: v for k, v in self._views.items() if k[1] != slot}  # the slot's views: of old buffers
         if len(self._views) > 256:  # many message sizes: start over rather than grow
             self._views.clear()
         return buf
@@ -178,21 +207,14 @@ def all_reduce_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecCo
     """out <- compressed two-shot sum over the ranks of src (same numel, both contiguous)."""
     world, device = link.world, src.device
     layout = WireLayout.for_tensor(src.numel(), codec, world)
-    total, cb = layout.total_bytes, layout.chunk_bytes
-    send = buffers.buffer("send", slot, total, device)  # [P * cb]: chunk p for rank p
-    encode_into(src, send, layout, codec, tag=message.tag, headers=buffers.headers("send", slot, layout, send))
-    recv = buffers.buffer("recv", slot, total, device)  # [P * cb]: chunk `rank` of every peer
-    work = link.all_to_all(recv, send)
+    wire = buffers.two_shot(slot, layout, device)
+    encode_into(src, wire.send, layout, codec, tag=message.tag, headers=wire.send_headers)
+    work = link.all_to_all(wire.recv, wire.send)
     yield
     work.wait()
-    mine = buffers.buffer("sum", slot, cb, device)  # [cb]
-    chunk = layout.chunk_layout()
-    received = buffers.buffer("recv", slot, total, device, (world, cb))  # [P, cb]: a chunk from every rank
-    message.check(received, chunk, codec, buffers.header_views("recv", slot, chunk, received))
-    sum_packed_into(received, chunk, codec, mine, tag=message.tag, check=False,
-                    headers=buffers.headers("sum", slot, chunk, mine))
-    full = recv  # [P * cb]: every reduced chunk, rank order (the received chunks are summed by now)
-    work = link.all_gather(full, mine)
+    _sum_received(wire, codec, message)
+    full = wire.recv  # [P * cb]: every reduced chunk, rank order (the received chunks are summed by now)
+    work = link.all_gather(full, wire.sum)
     yield
     work.wait()
     message.sent += 2 * (world - 1) * layout.chunk_bytes
@@ -215,14 +237,13 @@ def reduce_scatter_piece(blocks: torch.Tensor, out: torch.Tensor | None, codec: 
         staged[:, :cols].copy_(blocks.reshape(world, cols))
         blocks = staged
     layout = WireLayout.for_tensor(world * width, codec, world)  # chunk r = block r
-    total, cb = layout.total_bytes, layout.chunk_bytes
-    send = buffers.buffer("send", slot, total, device)
-    encode_into(blocks, send, layout, codec, tag=message.tag, headers=buffers.headers("send", slot, layout, send))
-    recv = buffers.buffer("recv", slot, total, device)  # [P * cb]
-    work = link.all_to_all(recv, send)
+    wire = buffers.two_shot(slot, layout, device)
+    recv = wire.recv
+    encode_into(blocks, wire.send, layout, codec, tag=message.tag, headers=wire.send_headers)
+    work = link.all_to_all(recv, wire.send)
     if residual is not None:  # while the chunks travel: what they do not carry of blocks
         sent = buffers.typed("decoded", slot, (world, width), torch.float32, device)
-        decode_into(send, layout, codec, sent, check=False)  # this rank's own bytes
+        decode_into(wire.send, layout, codec, sent, check=False)  # this rank's own bytes
         residual.copy_(blocks.reshape(world, width)[:, :cols]).sub_(sent[:, :cols])
     yield
     work.wait()
@@ -235,17 +256,19 @@ def reduce_scatter_piece(blocks: torch.Tensor, out: torch.Tensor | None, codec: 
         if out is not None:
             out.copy_(got.sum(0)[:cols].view(out.shape))
         return
-    mine = buffers.buffer("sum", slot, cb, device)  # [cb]
-    chunk = layout.chunk_layout()
-    received = buffers.buffer("recv", slot, total, device, (world, cb))  # [P, cb]: a chunk from every rank
-    message.check(received, chunk, codec, buffers.header_views("recv", slot, chunk, received))
-    sum_packed_into(received, chunk, codec, mine, tag=message.tag, check=False,
-                    headers=buffers.headers("sum", slot, chunk, mine))
+    mine = _sum_received(wire, codec, message)
     own = WireLayout.for_tensor(cols, codec)
     assert own.total_bytes == mine.numel(), (own, mine.numel())
     message.note(own, mine)
     if out is not None:
         decode_into(mine, own, codec, out, check=False)
+
+
+def _sum_received(wire: TwoShot, codec: CodecConfig, message: Message) -> torch.Tensor:
+    """``wire.sum`` <- the sum of the chunks every rank sent this rank, their headers compared first."""
+    message.check(wire.received, wire.chunk, codec, wire.received_headers)
+    sum_packed_into(wire.received, wire.chunk, codec, wire.sum, check=False)
+    return wire.sum
 
 
 def all_gather_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, message: Message,
@@ -336,8 +359,7 @@ def reduce_scatter_by_rank_piece(parts: list, out: torch.Tensor | None, codec: C
     chunk = layout.chunk_layout()
     stacked = buffers.buffer("recv", 0, world * cb, device, (world, cb))  # row p: rank p's part for this rank
     message.check(stacked, chunk, codec, buffers.header_views("recv", 0, chunk, stacked))
-    sum_packed_into(stacked, chunk, codec, mine, tag=message.tag, check=False,
-                    headers=buffers.headers("sum", 0, chunk, mine))
+    sum_packed_into(stacked, chunk, codec, mine, check=False)
     message.note(layout, mine)
     if out is not None:
         decode_into(mine, layout, codec, out, check=False)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codec.api import any_mismatch, raise_mismatches
+from ..codec.api import HeaderFlags, any_mismatch, raise_mismatches
 
 
 def ring_bytes(kind, nbytes: int, world: int) -> int:
@@ -80,17 +80,17 @@ class CommStats:
 class SiteRecord:
     """What a `Ledger` keeps about one site: figures since the last pop, the compressed-call
     counter of the error sampling (``ticks``), the agreement checks made (``checked``) and the
-    device-side comparisons of the chunk headers it received (``mismatches``:
+    device-side comparisons of the chunk headers it received (``header_flags``:
     `codec.api.compare_headers`, read when the figures are popped)."""
 
     __slots__ = ("calls", "compressed_calls", "bytes_sent", "bytes_uncompressed", "errors", "ticks", "checked",
-                 "generation", "mismatches")
+                 "generation", "header_flags")
 
     def __init__(self) -> None:
         self.calls = self.compressed_calls = self.bytes_sent = self.bytes_uncompressed = 0
         self.errors: list[torch.Tensor] = []  # 0-d float tensors, possibly on a device
         self.ticks = self.checked = 0
-        self.mismatches: dict = {}  # `codec.api.compare_headers`'s flags, read at the next host sync
+        self.header_flags = HeaderFlags()  # `codec.api.compare_headers`'s, read at the next host sync
         self.generation = _sampling.generation
 
     def add(self, sent: int, uncompressed: int, compressed: bool) -> None:
@@ -148,10 +148,10 @@ class Ledger:
         """The figures of every site that was called since the last pop, by name; then zero them.
         A `WireFormatError` naming the site if a chunk it received since had another header (a
         host sync: the flags of every site are read here at once)."""
-        flagged = [(name, record.mismatches) for name, record in self._records.items() if record.mismatches]
-        if any_mismatch([mismatches for _, mismatches in flagged]):
-            for name, mismatches in flagged:
-                raise_mismatches(mismatches, name)
+        flagged = [(name, record.header_flags) for name, record in self._records.items() if record.header_flags]
+        if any_mismatch([flags for _, flags in flagged]):
+            for name, flags in flagged:
+                raise_mismatches(flags, name)
         return {name: rec.pop() for name, rec in self._records.items() if rec.calls or rec.errors}
 
     def __repr__(self) -> str:
