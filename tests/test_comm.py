@@ -17,7 +17,7 @@ from harness import case, per_case, run_ranks
 from taco_accel import comm
 from taco_accel.codec import NonFiniteError, TacoConfig, WireFormatError, WireLayout
 from taco_accel.comm import EmulatedGroup, dist_ops
-from taco_accel.comm.pieces import piece_bounds, piece_length, run_pipelined
+from taco_accel.comm.pieces import Pipeline, piece_bounds, piece_length
 from torch.overrides import TorchFunctionMode
 
 CFG = TacoConfig()  # compress even tiny messages
@@ -912,7 +912,7 @@ def test_piece_bounds_and_length():
     assert piece_length(3000, 4, 256) == 512  # rounded down to the alignment
 
 
-def test_run_pipelined_order():
+def test_pipeline_order():
     """Each piece is advanced once per tick, newest first, so piece k+1 encodes before k waits."""
     log = []
 
@@ -923,7 +923,7 @@ def test_run_pipelined_order():
         yield
         log.append(f"decode{k}")
 
-    run_pipelined(piece(k) for k in range(3))
+    Pipeline(piece(k) for k in range(3)).wait()
     assert log == [
         "encode0",
         "encode1", "reduce0",

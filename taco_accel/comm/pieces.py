@@ -3,8 +3,8 @@ one piece's codec work runs while another's messages are in flight.
 
 A compressed collective is written, per piece, as a generator that alternates codec work and
 asynchronous communication: it issues a collective (``async_op=True``), ``yield``s, and on
-resumption waits on the handle and goes on. `run_pipelined` advances every live piece one
-step per tick, newest first::
+resumption waits on the handle and goes on. `Pipeline` advances every live piece one step
+per tick, newest first::
 
     tick t:  piece t     compress, issue all-to-all            (piece t-1's and t-2's
              piece t-1   wait all-to-all, sum, issue all-gather  messages are in flight
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-__all__ = ["PIECE_BYTES", "Pipeline", "piece_bounds", "piece_length", "run_pipelined"]
+__all__ = ["PIECE_BYTES", "Pipeline", "piece_bounds", "piece_length"]
 
 PIECE_BYTES = 32 * 2**20  # the default of `Compression.piece_bytes`
 
@@ -97,8 +97,3 @@ class Pipeline:
         """Run every piece to its end."""
         while self.tick():
             pass
-
-
-def run_pipelined(steps: Iterable[Iterator]) -> None:
-    """Run piece generators to completion, each advanced once per tick, newest first."""
-    Pipeline(steps).wait()
