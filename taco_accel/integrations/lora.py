@@ -70,8 +70,11 @@ def _make_tp_lora_linear():
 
         def __init__(self, base_layer, adapter_name, *args, sites: SiteTable, names: dict[int, str], **kwargs):
             base = base_layer.get_base_layer() if hasattr(base_layer, "get_base_layer") else base_layer
-            _check_layer(base, names.get(id(base), type(base).__name__))  # names the lm head, which has none
-            name = names[id(base)]  # every parallel linear resolve_lora_config matched
+            name = names.get(id(base))
+            _check_layer(base, name or type(base).__name__)  # names the lm head, which has none
+            if name is None:
+                raise ValueError(f"{type(base).__name__}: not a parallel linear of the model the LoRA config was resolved "
+                                 "for; add the adapters with taco_accel.get_peft_model(model, lora_config)")
             super().__init__(base_layer, adapter_name, *args, **kwargs)
             self.fan_in_fan_out = base.conv1d  # delta W in the base weight's layout
             self._tp_grad_site = sites.plain(f"{name}.lora/grad")  # plain: weight gradients
