@@ -242,10 +242,12 @@ def test_compressed_emulated_head_sends_its_input_gradient_through_the_codec():
     assert abs(losses["none"] - losses["local"]) < MODEL_FP32
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_compiled_chunk_arithmetic_equals_eager(dtype):
-    """aot_eager runs the same aten ops: the same loss and gradients, bit for bit; a second run
-    compiles nothing more (fp16's gradient scale is a constant of the dtype, not a value guarded on)."""
+    """aot_eager runs the ops as written: the compiled gradient's pointwise form (exp, minus 1 where
+    the column is the target, the scale) computes each entry as eager's in-place form does, so the
+    loss and gradients are the same, bit for bit; a second run compiles nothing more (fp16's
+    gradient scale is a constant of the dtype, not a value guarded on)."""
     x, weight, b, target, slices = _problem(2, True)
     x, weight, b = x.to(dtype), weight.to(dtype), b.to(dtype)
     counter = CompileCounterWithBackend("aot_eager")
