@@ -154,6 +154,9 @@ def _chunked(xs, weights, biases, target, spec: FusedSpec, wanted: Sequence[bool
     bs = [cast(b) for b in biases] if biases else [None] * ranks
     scale = chunk_grad_scale(ws[0].dtype)  # the logits' dtype
     scaled = scale != 1.0  # fp16: every gradient kept in fp32, times `scale`, until backward
+    # without an fp32-output GEMM the scaled products multiply in fp32 (`_add_product`): the weights
+    # cast once here, not once per chunk
+    product_ws = [w.float() for w in ws] if scaled and not _has_fp32_output_gemm(ws[0]) else ws
     want_x, want_w, want_b = wanted[:ranks], wanted[ranks:2 * ranks], list(wanted[2 * ranks:]) or [False] * ranks
     fp32_zeros = lambda t, want: torch.zeros(t.shape, dtype=torch.float32, device=t.device) if want else None  # noqa: E731
     if scaled:
@@ -179,7 +182,7 @@ def _chunked(xs, weights, biases, target, spec: FusedSpec, wanted: Sequence[bool
             g = k.grad(logits[r], lse, t, spec.vocab_starts[r], spec.ignore_index)  # (n, V/tp)
             logits[r] = None  # one chunk's logits alive at a time
             if grad_x[r] is not None and scaled:
-                _add_product(grad_x[r][rows], g, ws[r])
+                _add_product(grad_x[r][rows], g, product_ws[r])
             elif grad_x[r] is not None:
                 grad_x[r][rows] = g @ ws[r]
             if grad_w[r] is not None:
@@ -192,11 +195,16 @@ def _chunked(xs, weights, biases, target, spec: FusedSpec, wanted: Sequence[bool
     return total, grads, scale
 
 
+def _has_fp32_output_gemm(t: torch.Tensor) -> bool:
+    """Whether a product of ``t`` has one GEMM with an fp32 output (CUDA sm80 on, bf16 / fp16)."""
+    return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(t.device)[0] >= 8
+
+
 def _add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``out`` (fp32) += ``a @ b``: on CUDA (sm80 on) one GEMM with an fp32 output accumulating into
     ``out`` for bf16 / fp16 operands; elsewhere fp16 operands multiplied in fp32 (the scaled chunk
     gradient's products can pass fp16's range, `FP16_GRAD_SCALE`), the others in their dtype."""
-    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(a.device)[0] >= 8:
+    if _has_fp32_output_gemm(a):
         torch.addmm(out, a, b, torch.float32, out=out)
     elif a.dtype == torch.float16:
         with torch.autocast(a.device.type, enabled=False):  # on, it would multiply in fp16 again
