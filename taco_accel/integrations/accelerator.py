@@ -89,12 +89,13 @@ from torch import nn
 
 from ..models.loss import LogitsMode, check_logits_mode
 from ..parallel import ModelParts, ParallelDims, build_mesh, clip_grad_norm_, distribute
+from ..parallel.mesh import launch_sizes
 from ..comm.policy import DEFAULT_COMPRESSION, Compression
 from ..upstream import accelerate as upstream
 from ..upstream.transformers import trainer_builds_with
 from . import precision, replicas, saving, sizes, statistics
 from .gradients import FsdpNoSync, StepOptimizer, owners_of
-from .launch import launch_notes, launch_sizes, without_parallelism_config
+from .launch import launch_notes, without_parallelism_config
 
 logger = logging.getLogger(__name__)
 

@@ -7,44 +7,17 @@
   --num_processes 2`` or a config with ``distributed_type: MULTI_GPU`` and ``use_cpu: true``
   (``recipes/configs/cpu_tp2.yaml``); `Accelerator` then reports MULTI_CPU and uses gloo.
 - A config's ``parallelism_config`` block becomes ``ACCELERATE_USE_PARALLELISM_CONFIG`` and
-  ``PARALLELISM_CONFIG_*_SIZE``; taco_accel reads the sizes itself (`launch_sizes`: Accelerate
-  1.15's ``ParallelismConfig`` refuses tp with replicated dp as it reads them) and hides the
-  switch from Accelerate (`without_parallelism_config`), which would build its own mesh or
-  refuse TP.
+  ``PARALLELISM_CONFIG_*_SIZE``; taco_accel reads the sizes itself (`parallel.mesh.launch_sizes`)
+  and hides the switch from Accelerate (`without_parallelism_config`), which would build its own
+  mesh or refuse TP.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
 
-from ..parallel.mesh import check_size_env, env_size
-
-USE_PARALLELISM_CONFIG = "ACCELERATE_USE_PARALLELISM_CONFIG"
-
-
-@dataclass(frozen=True)
-class LaunchSizes:
-    """The sizes of a launch config's ``parallelism_config`` block, under the names of
-    Accelerate's ``ParallelismConfig`` fields."""
-
-    dp_replicate_size: int = 1
-    dp_shard_size: int = 1
-    tp_size: int = 1
-    cp_size: int = 1
-    sp_size: int = 1
-
-
-def launch_sizes() -> LaunchSizes | None:
-    """The sizes ``accelerate launch`` handed this process (``PARALLELISM_CONFIG_<AXIS>_SIZE``,
-    each a whole number >= 1, else a `ConfigError` naming it), or None when its config has no
-    ``parallelism_config`` block."""
-    check_size_env()
-    if os.environ.get(USE_PARALLELISM_CONFIG, "false").lower() != "true":
-        return None
-    axes = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
-    return LaunchSizes(**{f"{axis}_size": env_size(f"PARALLELISM_CONFIG_{axis.upper()}_SIZE", 1) for axis in axes})
+from ..parallel.mesh import USE_PARALLELISM_CONFIG
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ import logging
 import os
 
 from ..parallel import ParallelDims, collective_timeout
-from ..parallel.mesh import PP_ENV
+from ..parallel.mesh import PP_ENV, data_parallel_size
 from ..upstream import accelerate as upstream
 
 logger = logging.getLogger(__name__)
@@ -53,10 +53,7 @@ def dims_from_config(config, pp: int | None, world: int) -> ParallelDims:
             "Accelerator(sequence_parallel=True))"
         )
     shard, replicate = config.dp_shard_size, config.dp_replicate_size
-    if shard > 1 and replicate > 1:
-        raise ValueError(f"dp_shard_size={shard} with dp_replicate_size={replicate} (HSDP) is not supported; set "
-                         "one of them to 1")
-    dp, mode = shard * replicate, "fsdp" if shard > 1 else "ddp"
+    dp, mode = data_parallel_size(shard, replicate)
     if world == 1:
         return ParallelDims(pp=pp or 1, dp=dp, tp=config.tp_size, dp_mode=mode)
     total = dp * config.tp_size

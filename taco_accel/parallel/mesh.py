@@ -54,8 +54,10 @@ def collective_timeout(seconds: float | None = None) -> timedelta:
     return timedelta(seconds=seconds)
 
 
-SIZE_ENV = (PP_ENV, "PARALLELISM_CONFIG_TP_SIZE", "PARALLELISM_CONFIG_DP_SHARD_SIZE",
-            "PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "PARALLELISM_CONFIG_CP_SIZE", "PARALLELISM_CONFIG_SP_SIZE")
+USE_PARALLELISM_CONFIG = "ACCELERATE_USE_PARALLELISM_CONFIG"  # a launch config's parallelism_config block is on
+LAUNCH_AXES = ("dp_replicate", "dp_shard", "tp", "cp", "sp")  # the block's sizes, as ParallelismConfig names them
+TP_ENV = "PARALLELISM_CONFIG_TP_SIZE"
+SIZE_ENV = (PP_ENV, *(f"PARALLELISM_CONFIG_{axis.upper()}_SIZE" for axis in LAUNCH_AXES))
 
 
 def env_size(name: str, default: int | None = None) -> int | None:
@@ -76,6 +78,38 @@ def check_size_env() -> None:
     (before Accelerate's ``ParallelismConfig`` reads them with a bare ``int``)."""
     for name in SIZE_ENV:
         env_size(name)
+
+
+@dataclass(frozen=True)
+class LaunchSizes:
+    """The sizes of an ``accelerate launch`` config's ``parallelism_config`` block, under the
+    names of Accelerate's ``ParallelismConfig`` fields (read here: Accelerate 1.15's
+    ``ParallelismConfig`` refuses tp with replicated dp as it reads them)."""
+
+    dp_replicate_size: int = 1
+    dp_shard_size: int = 1
+    tp_size: int = 1
+    cp_size: int = 1
+    sp_size: int = 1
+
+
+def launch_sizes() -> LaunchSizes | None:
+    """The sizes ``accelerate launch`` handed this process (``PARALLELISM_CONFIG_<AXIS>_SIZE``,
+    each a whole number >= 1, else a `ConfigError` naming it), or None when its config has no
+    ``parallelism_config`` block (``ACCELERATE_USE_PARALLELISM_CONFIG`` unset)."""
+    check_size_env()
+    if os.environ.get(USE_PARALLELISM_CONFIG, "false").lower() != "true":
+        return None
+    return LaunchSizes(**{f"{axis}_size": env_size(f"PARALLELISM_CONFIG_{axis.upper()}_SIZE", 1) for axis in LAUNCH_AXES})
+
+
+def data_parallel_size(shard: int, replicate: int) -> tuple[int, str]:
+    """The dp size and mode of Accelerate's ``dp_shard_size`` (FSDP2) and ``dp_replicate_size``
+    (replicas averaging gradients); a ValueError when both exceed 1 (HSDP)."""
+    if shard > 1 and replicate > 1:
+        raise ValueError(f"dp_shard_size={shard} with dp_replicate_size={replicate} (HSDP) is not supported by "
+                         "taco_accel; set one of them to 1")
+    return shard * replicate, "fsdp" if shard > 1 else "ddp"
 
 
 def _positive_int(name: str, value) -> int:
@@ -124,34 +158,25 @@ class ParallelDims:
                  tp: int | None = None, dp_mode: str | None = None) -> "ParallelDims":
         """Sizes from explicit values, else from the environment of ``accelerate launch``.
 
-        tp comes from ``PARALLELISM_CONFIG_TP_SIZE``; dp from ``PARALLELISM_CONFIG_DP_SHARD_SIZE``
-        (FSDP) or ``PARALLELISM_CONFIG_DP_REPLICATE_SIZE`` (DDP); pp from ``TACO_PP_SIZE``.
+        tp comes from ``PARALLELISM_CONFIG_TP_SIZE``; dp from the launch config's block
+        (`launch_sizes`: ``dp_shard_size`` for FSDP or ``dp_replicate_size`` for DDP); pp from
+        ``TACO_PP_SIZE``.
         Accelerate's ParallelismConfig has no pipeline axis, so when pp is not given the
         processes that Accelerate's sizes leave unclaimed form the pipeline: a config with
         tp_size=4 on 8 processes runs pp=2. Any axis still unknown takes the remaining factor
         of the world size, dp first.
         """
         world_size = world_size or (dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1")))
-        env = os.environ
-        uses_accelerate = env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true"
-        check_size_env()
+        launch = launch_sizes()  # every size variable checked first
         if tp is None:
-            tp = env_size("PARALLELISM_CONFIG_TP_SIZE")
+            tp = env_size(TP_ENV)
         if pp is None:
             pp = env_size(PP_ENV)
         if dp_mode is None:
-            dp_mode = env.get(DP_MODE_ENV)
-        shard = env_size("PARALLELISM_CONFIG_DP_SHARD_SIZE", 1)
-        replicate = env_size("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", 1)
-        if shard > 1 and replicate > 1:
-            raise ValueError(
-                f"PARALLELISM_CONFIG_DP_SHARD_SIZE={shard} with DP_REPLICATE_SIZE={replicate} (HSDP) is not "
-                "supported by taco_accel; set one of them to 1"
-            )
-        if dp is None and uses_accelerate:
-            dp = shard * replicate
-            if dp_mode is None and shard > 1:
-                dp_mode = "fsdp"
+            dp_mode = os.environ.get(DP_MODE_ENV)
+        if dp is None and launch is not None:
+            dp, launch_mode = data_parallel_size(launch.dp_shard_size, launch.dp_replicate_size)
+            dp_mode = dp_mode or launch_mode
         tp = tp or 1
         if dp is None and pp is None:
             pp = 1
