@@ -78,7 +78,6 @@ from __future__ import annotations
 
 import logging
 import os
-import weakref
 from pathlib import Path
 
 import torch
@@ -94,7 +93,8 @@ from ..comm.policy import DEFAULT_COMPRESSION, Compression
 from ..upstream import accelerate as upstream
 from ..upstream.transformers import trainer_builds_with
 from . import precision, replicas, saving, sizes, statistics
-from .gradients import FsdpNoSync, StepOptimizer, owners_of
+from .gradients import FsdpNoSync, StepOptimizer
+from .laid_out import LaidOutModels
 from .launch import launch_notes, without_parallelism_config
 
 logger = logging.getLogger(__name__)
@@ -185,8 +185,7 @@ class Accelerator(_AccelerateAccelerator):
         self._taco_mesh = build_mesh(self.parallel_dims, self.device.type, timeout)
         self.compression, self.sequence_parallel, self.logits = compression, sequence_parallel, logits
         self.grad_compression = grad_compression
-        self._parts: list[tuple[nn.Module, ModelParts]] = []
-        self._replaced: dict[int, object] = {}  # id -> weakref of parameters that prepare replaced
+        self.laid_out = LaidOutModels()  # the models prepared here, each with its ModelParts
         self._checkpoints = saving.Checkpoints()
         if self.is_main_process:
             for note in launch_notes(world):
@@ -286,10 +285,7 @@ class Accelerator(_AccelerateAccelerator):
         moved: dict[int, nn.Parameter] = {}
         for obj in args:
             if isinstance(obj, nn.Module) and not upstream.is_prepared(obj):
-                before = dict(obj.named_parameters())
-                self._lay_out(obj)
-                after = dict(obj.named_parameters())
-                moved.update({id(p): after[n] for n, p in before.items() if n in after and after[n] is not p})
+                moved.update(self._lay_out(obj)[1])
         for obj in args:
             if isinstance(obj, torch.optim.Optimizer):
                 for group in obj.param_groups:
@@ -305,7 +301,7 @@ class Accelerator(_AccelerateAccelerator):
         and compilation; never Accelerate's DDP / FSDP wrappers. ``evaluation_mode=True`` (as in
         Accelerate: a model for inference only): tensor parallel and placed, without FSDP2
         sharding or gradient reductions."""
-        if not upstream.is_prepared(model) and self._parts_of(model) is None:
+        if not upstream.is_prepared(model) and self.laid_out.parts_of(model) is None:
             self._lay_out(model, evaluation=evaluation_mode)
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
 
@@ -324,7 +320,7 @@ class Accelerator(_AccelerateAccelerator):
         from ..parallel.pipeline import PipelineRunner
 
         stages_per_rank = stages_per_rank or (2 if schedule == "interleaved_1f1b" else 1)
-        parts = self._lay_out(model, pipeline=True, stages_per_rank=stages_per_rank, seq_len=seq_len,
+        parts, _ = self._lay_out(model, pipeline=True, stages_per_rank=stages_per_rank, seq_len=seq_len,
                               **self._dynamo_settings())
         vocab = model.config.vocab_size
         return PipelineRunner(parts, schedule, micro_batches, self.device, loss_fn=loss_fn, vocab_size=vocab,
@@ -358,8 +354,7 @@ class Accelerator(_AccelerateAccelerator):
         """Accelerate's optimizer wrapper, whose ``step`` first reduces the step's gradients."""
         if upstream.is_prepared(optimizer):
             return super().prepare_optimizer(optimizer, device_placement)
-        stale = sum(1 for g in optimizer.param_groups for p in g["params"]
-                    if (ref := self._replaced.get(id(p))) is not None and ref() is p)
+        stale = self.laid_out.replaced_in(optimizer)
         if stale:
             raise ValueError(
                 f"the optimizer holds {stale} parameter(s) that prepare() replaced by their tensor-parallel shards; "
@@ -368,7 +363,7 @@ class Accelerator(_AccelerateAccelerator):
             )
         if device_placement is None:
             device_placement = self.device_placement
-        prepared = StepOptimizer(optimizer, self._finish_gradients, self._step_done,
+        prepared = StepOptimizer(optimizer, self._finish_gradients, self.laid_out.step_done,
                                   device_placement=device_placement, scaler=self.scaler)
         upstream.add_prepared(self, "optimizer", prepared)
         return prepared
@@ -404,38 +399,27 @@ class Accelerator(_AccelerateAccelerator):
         return {"compile": plugin.backend.value.lower(),
                 "compile_options": {"mode": plugin.mode, "fullgraph": plugin.fullgraph, "dynamic": plugin.dynamic}}
 
-    def _lay_out(self, model: nn.Module, **pipeline) -> ModelParts:
-        """`distribute` ``model`` over the mesh (emulated TP in one process), keeping its parts and
-        which parameters it replaced; ``pipeline``: `distribute`'s pipeline and evaluation arguments."""
+    def _lay_out(self, model: nn.Module, **pipeline) -> tuple[ModelParts, dict[int, nn.Parameter]]:
+        """`distribute` ``model`` over the mesh (emulated TP in one process), kept in `laid_out`;
+        its parts and the new parameter of each replaced one (`LaidOutModels.add`).
+        ``pipeline``: `distribute`'s pipeline and evaluation arguments."""
         precision.check_precision(self.mixed_precision, model, bool(pipeline.get("pipeline")))
         if self.emulated_tp > 1:
             self._emulate(model)
-        before = {id(p): p for p in model.parameters()}
+        before = dict(model.named_parameters())
         parts = distribute(model, self._taco_mesh, self.parallel_dims, compression=self.compression,
                            grad_compression=self.grad_compression,
                            sequence_parallel=self.sequence_parallel, logits=self.logits,
                            device=self.device if self.device_placement or pipeline else None,
                            param_dtype=precision.fsdp_param_dtype(self.parallel_dims, self.mixed_precision),
                            **pipeline)
-        now = {id(p) for p in model.parameters()}
-        self._replaced.update({i: weakref.ref(p) for i, p in before.items() if i not in now})
-        self._parts.append((model, parts))
-        return parts
-
-    def _parts_of(self, model: nn.Module) -> ModelParts | None:
-        model = getattr(model, "_orig_mod", model)  # torch.compile
-        return next((parts for m, parts in self._parts if m is model), None)
+        return parts, self.laid_out.add(model, parts, before)
 
     def _finish_gradients(self) -> None:
         """Reduce the step's gradients (once; `ModelParts.finish_gradients`), unless inside an
         accumulation that has not reached its optimizer step."""
         if self.sync_gradients:
-            for _, parts in self._parts:
-                parts.finish_gradients()
-
-    def _step_done(self) -> None:
-        for _, parts in self._parts:
-            parts.step_done()
+            self.laid_out.finish_gradients()
 
     # -- gradients --------------------------------------------------------------------------
     def no_sync(self, model):
@@ -450,7 +434,7 @@ class Accelerator(_AccelerateAccelerator):
             raise ValueError(f"norm_type={norm_type!r}: taco_accel clips by the 2-norm only; use norm_type=2")
         params = list(parameters)
         self.unscale_gradients()
-        owners = owners_of(params, [parts for _, parts in self._parts])
+        owners = self.laid_out.owners_of(params)
         # inside an accumulation (sync_gradients False): the local gradients as they are, as
         # Accelerate's DDP under no_sync; the reduction waits for the step
         return clip_grad_norm_(owners, params, max_norm, finish=self.sync_gradients).float()  # fp32, as Accelerate
@@ -481,13 +465,13 @@ class Accelerator(_AccelerateAccelerator):
     def comm_ledgers(self, model: nn.Module | None = None) -> list:
         """The statistics ledgers of ``model``'s communication sites (None: of every model prepared
         here), each once (`comm.stats.pop_ledgers` reads them)."""
-        return statistics.ledgers_of([parts for _, parts in self._parts] if model is None else [self._parts_of(model)])
+        return self.laid_out.ledgers(model)
 
     def compression_decisions(self) -> dict[str, dict]:
         """Every communication site of the prepared models, over all pipeline stages: its mode
         and, for ``"auto"`` sites that have run, the timing decision (`SiteTable.decisions`).
         JSON-ready, for a run's record. A collective."""
-        return statistics.compression_decisions([parts for _, parts in self._parts])
+        return statistics.compression_decisions(self.laid_out.parts)
 
     # -- saving -----------------------------------------------------------------------------
     def get_state_dict(self, model, unwrap: bool = True):

@@ -4,16 +4,12 @@ backward, so that accumulation needs no communication.
 - `StepOptimizer`: Accelerate's optimizer wrapper whose real step first reduces the step's
   gradients over the mesh (unless clipping already has) and then opens the next step;
 - `FsdpNoSync`: ``no_sync`` for such models: FSDP2 modules skip their per-micro-batch
-  reduce-scatter; the others have nothing to skip;
-- `owners_of`: the prepared models whose gradients a clip reduces and measures.
+  reduce-scatter; the others have nothing to skip.
 """
 
 from __future__ import annotations
 
 from accelerate.optimizer import AcceleratedOptimizer
-from torch import nn
-
-from ..parallel import ModelParts
 
 
 class StepOptimizer(AcceleratedOptimizer):
@@ -56,18 +52,3 @@ class FsdpNoSync:
     def __exit__(self, *exc):
         for m in self.modules:
             m.set_requires_gradient_sync(True, recurse=False)
-
-
-def owners_of(params: list[nn.Parameter], prepared: list[ModelParts]) -> list[ModelParts]:
-    """The parts of ``prepared`` that hold any of ``params``; a ValueError if one of ``params``
-    belongs to none of them (a model the accelerator did not prepare)."""
-    chosen = {id(p) for p in params}
-    owners = [parts for parts in prepared if any(id(p) in chosen for p in parts.parameters())]
-    known = {id(p) for parts in owners for p in parts.parameters()}
-    stray = [p for p in params if id(p) not in known]
-    if stray:
-        raise ValueError(
-            f"clip_grad_norm_ got {len(stray)} parameter(s) of no model prepared by this accelerator; pass "
-            "model.parameters() of the prepared model"
-        )
-    return owners

@@ -40,7 +40,7 @@ class Checkpoints:
         state = ckpt.TrainingState.of(accelerator)
         weights = [ckpt.model_weights(parts) for parts in state.parts]
         for hook in upstream.save_state_pre_hooks(accelerator):
-            hook([model for model, _ in accelerator._parts], weights, str(output_dir))
+            hook(accelerator.laid_out.models, weights, str(output_dir))
         folder = ckpt.save(output_dir, state, accelerator.torch_device_mesh, accelerator.parallel_dims,
                            run=self.run_identity(), weights=weights)
         accelerator.project_configuration.iteration += 1
@@ -65,11 +65,10 @@ class Checkpoints:
         if unused and accelerator.is_main_process:
             logger.warning("load_state ignores %s: Accelerate passes them to DeepSpeed's load_checkpoint, which "
                            "taco_accel does not use", unused)
-        prepared = accelerator._parts
-        models = [model for model, _ in prepared]
+        models = accelerator.laid_out.models  # a hook removes those it restored itself
         for hook in upstream.load_state_pre_hooks(accelerator):
             hook(models, str(input_dir))
-        keep = [i for i, (model, _) in enumerate(prepared) if any(model is m for m in models)]
+        keep = [i for i, model in enumerate(accelerator.laid_out.models) if any(model is m for m in models)]
         record = ckpt.load(input_dir, ckpt.TrainingState.of(accelerator), mesh, accelerator.parallel_dims,
                            models=keep, strict=strict)
         self.run = record.get("run") or self.run

@@ -1,7 +1,7 @@
 """The communication figures of the models a `taco_accel.Accelerator` prepared: what their
-collectives sent (`compression_stats`, for ``accelerator.log``), the ledgers that count it
-(`ledgers_of`) and each site's compression decision (`compression_decisions`, for a run's
-record). The totals and decisions are collectives over every process."""
+collectives sent (`compression_stats`, for ``accelerator.log``) and each site's compression
+decision (`compression_decisions`, for a run's record). The totals and decisions are
+collectives over every process."""
 
 from __future__ import annotations
 
@@ -10,19 +10,6 @@ import torch.distributed as dist
 
 from ..comm.stats import pop_ledgers
 from ..parallel import ModelParts
-from ..parallel.stage import site_tables
-
-
-def ledgers_of(chosen: list[ModelParts | None]) -> list:
-    """The statistics ledgers of the communication sites of ``chosen`` (the parts of prepared
-    models), each once; a ValueError if one is None (a model the accelerator did not prepare)."""
-    if None in chosen:
-        raise ValueError("compression_stats(model=...): this model was not prepared by this Accelerator; pass "
-                         "the model that accelerator.prepare returned, or no model (every prepared one)")
-    ledgers = []
-    for parts in chosen:
-        ledgers += [ledger for ledger in parts.ledgers() if all(ledger is not seen for seen in ledgers)]
-    return ledgers
 
 
 def compression_stats(ledgers: list, device: torch.device) -> dict[str, float]:
@@ -44,11 +31,8 @@ def compression_decisions(prepared: list[ModelParts]) -> dict[str, dict]:
     JSON-ready. A collective."""
     mine = {}
     for parts in prepared:
-        for module in parts.modules:
-            for table in site_tables(module):  # the TP sites and the pipeline boundaries'
-                mine.update(table.decisions())
-        if parts.grad_sites is not None:
-            mine.update(parts.grad_sites.decisions())
+        for table in parts.site_tables():
+            mine.update(table.decisions())
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return {site: record for part in everyone for site, record in part.items()}

@@ -75,14 +75,17 @@ class ModelParts:
     _reduced: bool = False  # finished, and the optimizer has not stepped (or zeroed) since
     _handles: list = field(default_factory=list, repr=False)
 
-    def ledgers(self) -> list:
-        """The statistics ledgers of this model's sites (TP, pipeline boundaries, compressed
-        gradients), each once: where this model's communication figures are read."""
+    def site_tables(self) -> list:
+        """The site tables of this model's communication (TP, pipeline boundaries, compressed
+        gradients): where its settings, auto decisions and statistics ledgers are."""
         tables = [table for module in self.modules for table in site_tables(module)]
-        if self.grad_sites is not None:
-            tables.append(self.grad_sites)
+        return tables if self.grad_sites is None else [*tables, self.grad_sites]
+
+    def ledgers(self) -> list:
+        """The statistics ledgers of this model's sites, each once: where this model's
+        communication figures are read."""
         out = []
-        for table in tables:
+        for table in self.site_tables():
             if all(table.ledger is not seen for seen in out):
                 out.append(table.ledger)
         return out

@@ -44,7 +44,7 @@ class TrainingState:
     @classmethod
     def of(cls, accelerator) -> "TrainingState":
         lists = [upstream.prepared(accelerator, kind) for kind in ("optimizer", "scheduler", "dataloader", "custom")]
-        return cls([parts for _, parts in accelerator._parts], *lists, accelerator.scaler, accelerator)
+        return cls(accelerator.laid_out.parts, *lists, accelerator.scaler, accelerator)
 
 
 def save(folder: str | os.PathLike, state: TrainingState, mesh, dims: ParallelDims, *, run: str | None = None,
