@@ -2,14 +2,15 @@
 
 The only layer that knows Accelerate and peft: `Accelerator` (``accelerate.Accelerator`` for
 TACO tensor-parallel models, adapting Accelerate's methods to a module per concern: the mesh's
-sizes, ``sizes.py``; fp16 scaling and precision checks, ``precision.py``; gradient reduction
-and clipping over the mesh, ``gradients.py``; ``gather`` / ``reduce`` over the replicas,
-``replicas.py``; reshardable ``save_state`` / ``load_state``, ``saving.py`` over `checkpoint`;
-the communication figures, ``statistics.py``; what ``accelerate launch`` hands a process,
-``launch.py``); the full transformers export of a model split into pipeline stages
-(`export_pretrained`); peft LoRA on the parallel layers (`get_peft_model`, `save_adapter`,
-`load_adapter`, `export_merged`); `taco_trainer`, transformers' ``Trainer`` (and TRL's
-trainers) on `Accelerator`. The recipes' runs built on these are `taco_accel.training`.
+sizes, ``sizes.py``; the models laid out on it, ``laid_out.py``; fp16 scaling and precision
+checks, ``precision.py``; gradient reduction and clipping over the mesh, ``gradients.py``;
+``gather`` / ``reduce`` over the replicas, ``replicas.py``; reshardable ``save_state`` /
+``load_state``, ``saving.py`` over `checkpoint`; the communication figures, ``statistics.py``;
+what ``accelerate launch`` hands a process, ``launch.py``); the full transformers export of a
+model split into pipeline stages (`export_pretrained`); peft LoRA on the parallel layers
+(`get_peft_model`, `save_adapter`, `load_adapter`, `export_merged`); `taco_trainer`,
+transformers' ``Trainer`` (and TRL's trainers) on `Accelerator`. The recipes' runs built on
+these are `taco_accel.training`.
 """
 
 from .accelerator import Accelerator
