@@ -6,24 +6,20 @@ sizes, ``sizes.py``; the models laid out on it, ``laid_out.py``; fp16 scaling an
 checks, ``precision.py``; gradient reduction and clipping over the mesh, ``gradients.py``;
 ``gather`` / ``reduce`` over the replicas, ``replicas.py``; reshardable ``save_state`` /
 ``load_state``, ``saving.py`` over `checkpoint`; the communication figures, ``statistics.py``;
-what ``accelerate launch`` hands a process, ``launch.py``); the full transformers export of a
-model split into pipeline stages (`export_pretrained`); peft LoRA on the parallel layers
+what ``accelerate launch`` hands a process, ``launch.py``); peft LoRA on the parallel layers
 (`get_peft_model`, `save_adapter`, `load_adapter`, `export_merged`); `taco_trainer`,
 transformers' ``Trainer`` (and TRL's trainers) on `Accelerator`. The recipes' runs built on
 these are `taco_accel.training`.
 """
 
 from .accelerator import Accelerator
-from .export import export_pretrained, gather_full_state_dict
 from .hf_trainer import taco_trainer
 from .lora import export_merged, gather_adapter_state_dict, get_peft_model, load_adapter, save_adapter
 
 __all__ = [
     "Accelerator",
     "export_merged",
-    "export_pretrained",
     "gather_adapter_state_dict",
-    "gather_full_state_dict",
     "get_peft_model",
     "load_adapter",
     "save_adapter",

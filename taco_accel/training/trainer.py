@@ -34,8 +34,9 @@ import torch.distributed as dist
 from accelerate.utils import parse_flag_from_env
 
 from ..comm.policy import DEFAULT_COMPRESSION, Compression, CompressionLike
-from ..parallel import SCHEDULES, ParallelDims, collective_timeout, compile_backend, enable_activation_checkpointing
-from ..integrations import Accelerator, export_pretrained
+from ..parallel import (SCHEDULES, ParallelDims, collective_timeout, compile_backend, enable_activation_checkpointing,
+                        export_pretrained)
+from ..integrations import Accelerator
 from .ranks import global_rank, main_first, usable_trackers
 from .loop import TrainingLoop, comm_fields, comm_text, comm_totals, lr_lambda
 from .metrics import flops_per_token, plot_losses

@@ -1,4 +1,5 @@
-"""Final export: gather a pp x dp x tp model into one transformers checkpoint.
+"""Final export: gather a pp x dp x tp model (the modules of its `ModelParts`) into one transformers
+checkpoint.
 
 Each pipeline stage's (dp 0) ranks first gather their TP shards into full tensors (a collective
 over tp), then the stages send their parts to global rank 0 (over the pp group), which loads them
