@@ -36,8 +36,9 @@ What differs from ``accelerate.Accelerator``, and why:
   communication; ``clip_grad_norm_`` returns the norm of the whole model over every shard.
 - ``gather`` / ``gather_for_metrics`` / ``reduce`` run over the dp ranks; ``save_state`` /
   ``load_state`` write and read taco_accel's checkpoint (every rank's shards, atomic,
-  checksummed, resumable on another mesh; the folder's other files untouched); ``save_model`` / ``get_state_dict`` gather the full model: a plain
-  transformers checkpoint. ``compression_stats()`` gives the TACO byte counts for ``log``.
+  checksummed, resumable on another mesh; the folder's other files untouched); ``save_model`` /
+  ``get_state_dict`` gather the full model: a plain transformers checkpoint.
+  ``compression_stats()`` gives the TACO byte counts for ``log``.
 - **num_processes** has two meanings, one per kind of caller, because each caller's own arithmetic
   is right under one of them only:
 
@@ -68,10 +69,8 @@ What differs from ``accelerate.Accelerator``, and why:
 - **Outputs**: ``outputs.logits`` has the full vocabulary, as transformers returns it; the loss
   is vocab-parallel inside. ``logits="local"`` / ``"none"`` opt out (`taco_accel.models.loss`).
 
-This module adapts Accelerate's methods; each concern lives in its own module of this package:
-the mesh's sizes (`sizes`), fp16 scaling and precision checks (`precision`), when gradients are
-reduced (`gradients`), the evaluation collectives over the replicas (`replicas`), what is saved
-and loaded (`saving`, over `checkpoint`) and the communication figures (`statistics`).
+This module adapts Accelerate's methods; each concern lives in its own module of this package
+(the package doc lists them).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models import context_of, gather_state_dict
-from ..models.state import shard_specs
+from ..models.state import shard_specs, write_on_main
 from ..tp import ColumnParallelLinear, RowParallelLinear, SiteTable, copy_to_tp_region, sum_replica_grads
 from ..upstream import peft as upstream_peft
 
@@ -305,14 +305,9 @@ def save_adapter(peft_model: nn.Module, path: str | os.PathLike, selected_adapte
     state = {}
     for name in names:
         state.update(gather_adapter_state_dict(peft_model, name))
-    distributed = dist.is_available() and dist.is_initialized()
-    if is_main_process is None:
-        is_main_process = not distributed or dist.get_rank() == 0
-    if is_main_process:  # peft's own method (the instance attribute is this function)
-        save = type(peft_model).save_pretrained
-        save(peft_model, os.fspath(path), selected_adapters=names, state_dict=state, **kwargs)
-    if distributed:
-        dist.barrier()
+    save = type(peft_model).save_pretrained  # peft's own method (the instance attribute is this function)
+    write_on_main(lambda: save(peft_model, os.fspath(path), selected_adapters=names, state_dict=state, **kwargs),
+                  is_main_process)
 
 
 def _read_adapter(source) -> dict[str, torch.Tensor]:

@@ -87,11 +87,16 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, is_main_process: 
     ``max_shard_size``); all ranks wait for the write to finish.
     """
     state_dict = gather_state_dict(model)
+    write_on_main(lambda: type(model).save_pretrained(model, path, state_dict=state_dict, is_main_process=True,
+                                                      **kwargs), is_main_process)
+
+
+def write_on_main(write: Callable[[], None], is_main_process: bool | None = None) -> None:
+    """``write()`` on the main process (``is_main_process``; default: global rank 0), then every
+    rank waits for it to finish (a barrier when distributed)."""
     distributed = dist.is_available() and dist.is_initialized()
-    if is_main_process is None:
-        is_main_process = not distributed or dist.get_rank() == 0
-    if is_main_process:
-        type(model).save_pretrained(model, path, state_dict=state_dict, is_main_process=True, **kwargs)
+    if is_main_process if is_main_process is not None else not distributed or dist.get_rank() == 0:
+        write()
     if distributed:
         dist.barrier()
 
