@@ -41,7 +41,7 @@ from ..codec.api import SUPPORTED_DTYPES, raise_mismatches
 from ..codec.layout import length_tag
 from ..errors import NonFiniteError, WireFormatError
 from . import agreement
-from .compressed import Message, acquire, release
+from .compressed import Message, acquire
 from .dist_ops import DONE
 from .kinds import Kind, gather_by_rank_plain, scatter_by_rank_plain
 from .pieces import Pipeline
@@ -171,8 +171,8 @@ class Call:
 
     def _pieces(self, x, out: torch.Tensor | None, residual: torch.Tensor | None, device) -> Pipeline:
         self._workspace = acquire(self.link, device)  # send / receive / sum buffers reused from call to call
-        return Pipeline.of(list(self.kind.pieces(x, out, propagating_codec(self.codec), self.link, self.message,
-                                                 self._workspace, self.piece_bytes, residual)))
+        return Pipeline.of(self.kind.pieces(x, out, propagating_codec(self.codec), self.link, self.message,
+                                            self._workspace, self.piece_bytes, residual))
 
     # -- the per-rank kinds: one rank's part at a time ----------------------------------------
 
@@ -308,7 +308,7 @@ class Call:
         """`NonFiniteError` on every rank if a rank's message held NaN or Inf: on the flag every
         rank holds alike (a replicated result), or agreed by one MAX all-reduce."""
         link = self.link
-        flag = self.message.any_nonfinite() if self.compressed else ~torch.isfinite(out).all()
+        flag = torch.stack(self.message.nonfinite_flags).any() if self.compressed else ~torch.isfinite(out).all()
         if not self.kind.replicated and link.world > 1:
             flag = flag.to(torch.int32).view(1)
             link.all_reduce(flag, "max").wait()
@@ -322,7 +322,7 @@ class Call:
 
     def _release(self) -> None:
         if self._workspace is not None:
-            release(self._workspace)
+            self._workspace.busy = False
             self._workspace = None
 
     def _fail(self, error: Exception):

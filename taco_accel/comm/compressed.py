@@ -34,6 +34,7 @@ rounding), so that its result is exactly the sum of what the ranks sent (to fp32
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -69,11 +70,6 @@ class Message:
         if self.check_nonfinite:
             self.nonfinite_flags.append(~torch.isfinite(layout.scales(buffer)).all())
 
-    def any_nonfinite(self) -> torch.Tensor:
-        """0-d bool tensor: some checked buffer had a non-finite group (no host sync)."""
-        return torch.stack(self.nonfinite_flags).any()
-
-
 class TwoShot(NamedTuple):
     """The views one piece of a two-shot collective works through (all-to-all, then each rank
     sums its chunk), made once per workspace slot and layout (a view costs host time)."""
@@ -94,7 +90,7 @@ class Workspace:
     staging buffer.
 
     One per group and device (the group's `dist_ops.Link` owns it), shared by the group's call sites: collectives of a model run one after another,
-    and a call holds the workspace from its start to its result (`acquire` / `release`; a
+    and a call holds the workspace from its start to its result (`acquire`, then ``busy = False``; a
     second call in flight meanwhile, or a CUDA graph capture, gets a workspace of its own). A
     piece uses slot ``index % 3``: at most three pieces are in flight (`pieces`). Each buffer
     grows to the largest message seen and stays. Reuse is safe
@@ -124,27 +120,16 @@ class Workspace:
         key = (role, slot % self.SLOTS, shape, dtype)
         view = self._views.get(key)
         if view is None:
-            numel = 1
-            for n in shape:
-                numel *= n
+            numel = math.prod(shape)
             raw = self._grown(role, slot % self.SLOTS, numel * dtype.itemsize, device)
             view = self._views[key] = raw[: numel * dtype.itemsize].view(dtype).view(shape)
         return view
-
-    def headers(self, role: str, slot: int, layout: WireLayout, buffer: torch.Tensor, row: int = -1) -> torch.Tensor:
-        """The `WireLayout.headers` view of ``buffer`` (the buffer ``role`` of ``slot``, or its
-        row ``row``), made once per layout (it is what the length tag is written through)."""
-        key = (role, slot % self.SLOTS, layout, row, "headers")
-        found = self._views.get(key)
-        if found is None:
-            found = self._views[key] = layout.headers(buffer)
-        return found
 
     def header_views(self, role: str, slot: int, layout: WireLayout, buffer: torch.Tensor,
                      row: int = -1) -> api.HeaderViews:
         """The `codec.api.HeaderViews` of ``buffer`` (the buffer ``role`` of ``slot``, or its row
         ``row``), made once per layout: what `codec.api.compare_headers` checks a received chunk
-        through."""
+        through, and (``.headers``) what a sent chunk's length tag is written through."""
         key = (role, slot % self.SLOTS, layout, row, "views")
         found = self._views.get(key)
         if found is None:
@@ -198,10 +183,6 @@ def acquire(link, device: torch.device) -> Workspace:
     return workspace
 
 
-def release(buffers: Workspace) -> None:
-    buffers.busy = False
-
-
 def all_reduce_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, message: Message,
                      buffers: Workspace, slot: int) -> Iterator:
     """out <- compressed two-shot sum over the ranks of src (same numel, both contiguous)."""
@@ -242,19 +223,18 @@ def reduce_scatter_piece(blocks: torch.Tensor, out: torch.Tensor | None, codec: 
     encode_into(blocks, wire.send, layout, codec, tag=message.tag, headers=wire.send_headers)
     work = link.all_to_all(recv, wire.send)
     if residual is not None:  # while the chunks travel: what they do not carry of blocks
-        sent = buffers.typed("decoded", slot, (world, width), torch.float32, device)
-        decode_into(wire.send, layout, codec, sent, check=False)  # this rank's own bytes
-        residual.copy_(blocks.reshape(world, width)[:, :cols]).sub_(sent[:, :cols])
+        decoded = buffers.typed("decoded", slot, (world, width), torch.float32, device)  # [P, width]
+        decode_into(wire.send, layout, codec, decoded, check=False)  # this rank's own bytes
+        residual.copy_(blocks.reshape(world, width)[:, :cols]).sub_(decoded[:, :cols])
     yield
     work.wait()
     message.sent += (world - 1) * layout.chunk_bytes
-    if residual is not None:  # exactly the sum of what was sent: every chunk decoded, summed in fp32
-        got = buffers.typed("decoded", slot, (world, width), torch.float32, device)  # [P, width], row p: peer p's
+    if residual is not None:  # exactly the sum of what was sent: every chunk decoded (row p: peer p's), fp32 sum
         message.check(recv, layout, codec, buffers.header_views("recv", slot, layout, recv))
-        decode_into(recv, layout, codec, got, check=False)
+        decode_into(recv, layout, codec, decoded, check=False)
         message.note(layout, recv)
         if out is not None:
-            out.copy_(got.sum(0)[:cols].view(out.shape))
+            out.copy_(decoded.sum(0)[:cols].view(out.shape))
         return
     mine = _sum_received(wire, codec, message)
     own = WireLayout.for_tensor(cols, codec)
@@ -279,7 +259,8 @@ def all_gather_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecCo
     world, device, cols = link.world, src.device, src.numel()
     layout = WireLayout.for_tensor(cols, codec)  # one chunk of gpc = ceil(c/G) groups
     send = buffers.buffer("send", slot, layout.total_bytes, device)
-    encode_into(src, send, layout, codec, tag=message.tag, headers=buffers.headers("send", slot, layout, send))
+    headers = buffers.header_views("send", slot, layout, send).headers
+    encode_into(src, send, layout, codec, tag=message.tag, headers=headers)
     full = buffers.buffer("recv", slot, world * layout.total_bytes, device)  # [P * cb]
     work = link.all_gather(full, send)
     if residual is not None:  # while the buffer travels: what it does not carry of src
@@ -299,10 +280,22 @@ def all_gather_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecCo
     if width == cols and out.is_contiguous():
         decode_into(full, whole, codec, out, check=False)
     else:
-        decoded = buffers.typed("stage", slot, (world, width), out.dtype, device)
-        decode_into(full, whole, codec, decoded, check=False)
-        rows = out.view(world, cols) if out.is_contiguous() else out  # [P, c]
-        rows.copy_(decoded[:, :cols])
+        decode_rows(full, whole, codec, out.view(world, cols) if out.is_contiguous() else out, buffers, slot)
+
+
+def decode_rows(buffer: torch.Tensor, whole: WireLayout, codec: CodecConfig, out: torch.Tensor, buffers: Workspace,
+                slot: int, tag: int = 0, check: bool = False) -> None:
+    """``out`` [P, c] (may be a strided view) <- the P chunks of ``buffer`` (layout ``whole``, each
+    chunk c values padded to whole groups), through the staging buffer of ``slot`` where the
+    padding or the stride needs it; ``tag``, ``check``: as `codec.api.decode_into`'s."""
+    world, cols = out.shape
+    width = whole.padded_numel // world
+    if width == cols and out.is_contiguous():
+        decode_into(buffer, whole, codec, out, tag=tag, check=check)
+        return
+    decoded = buffers.typed("stage", slot, (world, width), out.dtype, buffer.device)
+    decode_into(buffer, whole, codec, decoded, tag=tag, check=check)
+    out.copy_(decoded[:, :cols])
 
 
 def all_gather_by_rank_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, message: Message,
@@ -317,13 +310,12 @@ def all_gather_by_rank_piece(src: torch.Tensor, out: torch.Tensor | None, codec:
     cb = layout.total_bytes
     wires = buffers.buffer("recv", 0, world * cb, device, (world, cb))  # row r: rank r's wire
     encode_into(src, wires[rank], layout, codec, tag=message.tag,
-                headers=buffers.headers("recv", 0, layout, wires[rank], rank))
+                headers=buffers.header_views("recv", 0, layout, wires[rank], rank).headers)
     works = [link.broadcast(wires[r], r) for r in range(world)]
     parts = None if out is None else out.view(world, cols)
     for r in (rank, *range(rank), *range(rank + 1, world)):
         if r != rank:  # this rank's own broadcast is waited for last: its part is here already
             works[r].wait()
-        if r != rank:
             message.check(wires[r], layout, codec, buffers.header_views("recv", 0, layout, wires[r], r))
         if parts is not None:  # this rank's part too: every rank decodes the same bytes
             decode_into(wires[r], layout, codec, parts[r], check=False)
@@ -348,7 +340,8 @@ def reduce_scatter_by_rank_piece(parts: list, out: torch.Tensor | None, codec: C
     received = buffers.rows("recv", 0, world, cb, device)  # row p: rank p's part for this rank
     works = []
     for r in range(world):
-        encode_into(parts[r], send[r], layout, codec, tag=message.tag, headers=buffers.headers("send", 0, layout, send[r], r))
+        headers = buffers.header_views("send", 0, layout, send[r], r).headers
+        encode_into(parts[r], send[r], layout, codec, tag=message.tag, headers=headers)
         parts[r] = None  # encoded: the caller's tensor is free
         works.append(link.gather(received if r == rank else None, send[r], r))
         yield r
@@ -365,7 +358,8 @@ def reduce_scatter_by_rank_piece(parts: list, out: torch.Tensor | None, codec: C
         decode_into(mine, layout, codec, out, check=False)
 
 
-# --- one call as pieces: views of the input and output, cut at group boundaries --------------
+# --- one call as pieces: views of the input and output, cut at group boundaries, each piece's
+# generator in a list (`kinds.Kind.pieces`, what `pieces.Pipeline.of` runs) --------------------
 
 
 def all_reduce_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, message: Message,
@@ -376,11 +370,10 @@ def all_reduce_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecCon
     step = piece_length(piece_bytes, x.element_size(), link.world * codec.group_size)
     bounds = piece_bounds(x.numel(), step)
     if len(bounds) == 1:  # one piece: the tensors as they are (each view costs host time)
-        yield all_reduce_piece(x, out, codec, link, message, buffers, 0)
-        return
+        return [all_reduce_piece(x, out, codec, link, message, buffers, 0)]
     src, dst = x.view(-1), None if out is None else out.view(-1)  # [n]
-    for slot, (a, b) in enumerate(bounds):
-        yield all_reduce_piece(src[a:b], None if dst is None else dst[a:b], codec, link, message, buffers, slot)
+    return [all_reduce_piece(src[a:b], None if dst is None else dst[a:b], codec, link, message, buffers, slot)
+            for slot, (a, b) in enumerate(bounds)]
 
 
 def reduce_scatter_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, message: Message,
@@ -392,13 +385,11 @@ def reduce_scatter_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: Code
     bounds = piece_bounds(x.numel() // world, step)
     lost = None if residual is None else residual.view(world, -1)  # [P, k]
     if len(bounds) == 1:
-        yield reduce_scatter_piece(x, out, codec, link, message, buffers, 0, lost)
-        return
+        return [reduce_scatter_piece(x, out, codec, link, message, buffers, 0, lost)]
     blocks = x.view(world, -1)  # [P, k] (row r: the rows of rank r)
     dst = None if out is None else out.view(-1)  # [k]
-    for slot, (a, b) in enumerate(bounds):
-        yield reduce_scatter_piece(blocks[:, a:b], None if dst is None else dst[a:b], codec, link, message, buffers,
-                                   slot, None if lost is None else lost[:, a:b])
+    return [reduce_scatter_piece(blocks[:, a:b], None if dst is None else dst[a:b], codec, link, message, buffers,
+                                 slot, None if lost is None else lost[:, a:b]) for slot, (a, b) in enumerate(bounds)]
 
 
 def all_gather_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, message: Message,
@@ -409,25 +400,17 @@ def all_gather_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecCon
     bounds = piece_bounds(x.numel(), step)
     lost = None if residual is None else residual.view(-1)  # [k]
     if len(bounds) == 1:
-        yield all_gather_piece(x, out, codec, link, message, buffers, 0, lost)
-        return
+        return [all_gather_piece(x, out, codec, link, message, buffers, 0, lost)]
     src = x.view(-1)  # [k]
     blocks = None if out is None else out.view(link.world, -1)  # [P, k] (row p: rank p's x)
-    for slot, (a, b) in enumerate(bounds):
-        yield all_gather_piece(src[a:b], None if blocks is None else blocks[:, a:b], codec, link, message, buffers,
-                               slot, None if lost is None else lost[a:b])
+    return [all_gather_piece(src[a:b], None if blocks is None else blocks[:, a:b], codec, link, message, buffers,
+                             slot, None if lost is None else lost[a:b]) for slot, (a, b) in enumerate(bounds)]
 
 
-def all_gather_by_rank_pieces(x: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, message: Message,
-                              buffers: Workspace, piece_bytes: int = 0, residual: None = None):
-    """all_gather cut per rank: one piece (a rank's part is the unit that overlaps compute)."""
-    assert residual is None, "the per-rank kinds take no residual"
-    yield all_gather_by_rank_piece(x, out, codec, link, message, buffers)
-
-
-def reduce_scatter_by_rank_pieces(parts: list, out: torch.Tensor | None, codec: CodecConfig, link, message: Message,
-                                  buffers: Workspace, piece_bytes: int = 0, residual: None = None):
-    """reduce_scatter cut per destination rank: one piece, ``parts[r]`` (the part for rank r) put
-    there by the caller before step r."""
-    assert residual is None, "the per-rank kinds take no residual"
-    yield reduce_scatter_by_rank_piece(parts, out, codec, link, message, buffers)
+def per_rank_pieces(piece):
+    """The pieces of a per-rank kind whose one piece is ``piece``: the whole message (a rank's part,
+    not a piece, is the unit that overlaps compute); no residual (`kinds.Kind.no_residual`)."""
+    def pieces(x, out: torch.Tensor | None, codec: CodecConfig, link, message: Message, buffers: Workspace,
+               piece_bytes: int = 0, residual: None = None):
+        return [piece(x, out, codec, link, message, buffers)]
+    return pieces

@@ -10,9 +10,9 @@ the result's shape and the input checks (here), the plain ring bytes of the stat
 graph (`ops`: one op for every kind) and the kind's name in the agreement fingerprint
 (`agreement.NAME_WORDS`).
 
-Adding a collective is one `Kind` below, plus the functions it names: its piece generator in
-`compressed` (emulated groups run it too, through an `emulated.EmulatedRank` method for each new
-`dist_ops.Link` method it calls) and its plain transfer here.
+Adding a collective is one `Kind` below, plus the functions it names: its pieces and piece
+generator in `compressed` (emulated groups run them too, through an `emulated.EmulatedRank`
+method for each new `dist_ops.Link` method they call) and its plain transfer here.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class Kind:
     ``scatters``: each rank keeps its own rows of the result (else every rank holds all of it, the
     same bytes: ``replicated``, which needs no exchange to agree on a flag, and an emulated group
     decodes once, for rank 0). ``in_place``: the result may be the input itself (an all-reduce's
-    ``inplace=True``). ``pieces``: the compressed path's piece generator. ``plain``: the
+    ``inplace=True``). ``pieces``: the compressed path's list of piece generators. ``plain``: the
     plain collective on a real group, ``(x, out, link) -> work`` (world > 1, non-finite values
     already handled; a per-rank kind's is its whole counterpart's, the float64 reference of a
     sampled call). ``per_rank``: the caller drives it one rank's part at a time, plain through
@@ -116,11 +116,7 @@ def scatter_by_rank_plain(parts: list, link) -> Iterator[int]:
         work.wait()
 
 
-def _register(*kinds: Kind) -> dict[str, Kind]:
-    return {kind.name: kind for kind in kinds}
-
-
-KINDS: dict[str, Kind] = _register(
+KINDS: dict[str, Kind] = {kind.name: kind for kind in (
     Kind("all_reduce", reduces=True, scatters=False, pieces=compressed.all_reduce_pieces, plain=_all_reduce,
          no_residual="all_reduce takes no residual (the two-shot's second encoding, of the sum, is no rank's "
                      "input): for error feedback, reduce_scatter with residual= and then all_gather with residual="),
@@ -128,11 +124,13 @@ KINDS: dict[str, Kind] = _register(
          plain=_reduce_scatter),
     Kind("all_gather", reduces=False, scatters=False, pieces=compressed.all_gather_pieces, plain=_all_gather),
     # the per-rank kinds of the sequence-parallel overlap: one piece each, a part per rank
-    Kind("all_gather_by_rank", reduces=False, scatters=False, pieces=compressed.all_gather_by_rank_pieces,
-         plain=_all_gather, per_rank=True, no_residual="the per-rank kinds take no residual"),
-    Kind("reduce_scatter_by_rank", reduces=True, scatters=True, pieces=compressed.reduce_scatter_by_rank_pieces,
-         plain=_reduce_scatter, per_rank=True, no_residual="the per-rank kinds take no residual"),
-)
+    Kind("all_gather_by_rank", reduces=False, scatters=False,
+         pieces=compressed.per_rank_pieces(compressed.all_gather_by_rank_piece), plain=_all_gather, per_rank=True,
+         no_residual="the per-rank kinds take no residual"),
+    Kind("reduce_scatter_by_rank", reduces=True, scatters=True,
+         pieces=compressed.per_rank_pieces(compressed.reduce_scatter_by_rank_piece), plain=_reduce_scatter,
+         per_rank=True, no_residual="the per-rank kinds take no residual"),
+)}
 
 
 def kind_of(name: str) -> Kind:

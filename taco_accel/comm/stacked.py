@@ -25,7 +25,7 @@ import torch
 
 from ..codec import CodecConfig, WireLayout
 from ..codec.api import decode_into, encode_rows_into, sum_packed_into
-from .compressed import Workspace
+from .compressed import Workspace, decode_rows
 
 
 def run(kind, xs: torch.Tensor, codec: CodecConfig, tag: int, buffers: Workspace) -> tuple[torch.Tensor, int]:
@@ -61,7 +61,7 @@ def reduce_scatter(xs: torch.Tensor, codec: CodecConfig, tag: int, buffers: Work
     full = buffers.buffer("sum", 0, mine.total_bytes, device)
     sum_packed_into(send.view(world, world * chunk), mine, codec, full, tag=tag)
     out = torch.empty_like(xs[0])
-    _decode_rows(full, mine, codec, out.view(world, cols), tag, buffers)
+    decode_rows(full, mine, codec, out.view(world, cols), buffers, 0, tag, check=True)
     return out, (world - 1) * chunk
 
 
@@ -73,7 +73,7 @@ def all_gather(xs: torch.Tensor, codec: CodecConfig, tag: int, buffers: Workspac
     full = buffers.buffer("send", 0, world * layout.total_bytes, device)  # what every rank gathers
     whole = encode_rows_into(xs.view(world, cols), full, layout, codec, tag=tag, stage=_stage(buffers, world, layout, xs))
     out = xs.new_empty((world * xs.shape[1], *xs.shape[2:]))
-    _decode_rows(full, whole, codec, out.view(world, cols), tag, buffers)
+    decode_rows(full, whole, codec, out.view(world, cols), buffers, 0, tag, check=True)
     return out, (world - 1) * layout.total_bytes
 
 
@@ -83,15 +83,3 @@ def _stage(buffers: Workspace, rows: int, layout: WireLayout, xs: torch.Tensor) 
         return None
     return buffers.typed("stage", 0, (rows, layout.padded_numel), xs.dtype, xs.device)
 
-
-def _decode_rows(buffer: torch.Tensor, whole: WireLayout, codec: CodecConfig, out: torch.Tensor, tag: int,
-                 buffers: Workspace) -> None:
-    """``out`` [P, c] <- the P chunks of ``buffer`` (layout ``whole``, c values or more a chunk)."""
-    world, cols = out.shape
-    width = whole.padded_numel // world
-    if width == cols:
-        decode_into(buffer, whole, codec, out, tag=tag)
-        return
-    decoded = buffers.typed("decoded", 0, (world, width), out.dtype, buffer.device)
-    decode_into(buffer, whole, codec, decoded, tag=tag)
-    out.copy_(decoded[:, :cols])
