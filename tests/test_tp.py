@@ -103,13 +103,13 @@ def test_auto_sites_decide_once_and_record():
     assert small.decision.rule == "size" and not small.decision.compress and big.decision.compress
     assert small.compresses("all_reduce", at) and small.decision.compress  # the rule, per message
     assert not bwd.compresses("all_reduce", at) and bwd.decision is None  # under the floor: plain, untimed
-    assert not off.compresses("all_reduce", at) and off.mode == "off" and off.codec is None
+    assert not off.compresses("all_reduce", at) and off.mode == "off" and off.config is None
     record = {**table.decisions(), **floored.decisions()}
     assert record["a/fwd"]["compressed"] and record["b/fwd"] == {"mode": "off", "config": None, "compressed": False}
     assert record["a/bwd"]["compressed"] is None and bwd.mode == "auto"  # never decided
     assert "auto: compressed (size rule" in str(table) and "auto: undecided" in str(floored)
     table.set_group_sizes({"c/fwd": 32})  # calibration keeps the decision
-    assert big.compresses("all_reduce", at) and big.codec.group_size == 32
+    assert big.compresses("all_reduce", at) and big.config.group_size == 32
     assert not big.compresses("all_reduce", under) and not big.decision.compress  # the rule, per message
     assert bwd.compresses("all_reduce", torch.ones(floor // 4)) and bwd.decision.compress  # from the floor on
 

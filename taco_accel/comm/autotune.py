@@ -49,7 +49,7 @@ import torch
 
 from ..codec import CodecConfig
 from . import agreement, dist_ops, p2p
-from .call import Call
+from .call import Call, propagating_codec
 from .copies import SharesGroup
 from .kinds import kind_of
 from .pieces import PIECE_BYTES
@@ -87,18 +87,15 @@ def time_collective(
     (`agreement`) then guards the timed calls too; they record no statistics."""
     x = x.detach().contiguous()
     link = dist_ops.link(group)
-    codec = config.codec
-    if codec.nonfinite == "raise":  # no raise during a timing: a non-finite first step is for the real call
-        codec = codec.replace(nonfinite="propagate")
-    pieces = piece_bytes
+    codec = propagating_codec(config.codec)  # no raise during a timing: a non-finite first step is the real call's
     if record is not None and agreement.due(record):
-        agreement.check(kind, x.shape, x.dtype, x.device, link, config.codec, True, site or kind, pieces)
+        agreement.check(kind, x.shape, x.dtype, x.device, link, config.codec, True, site or kind, piece_bytes)
     if kind == p2p.KIND:  # the two ranks of a point-to-point link swap the message
         calls = p2p.timed_exchanges(x, link, codec)
     else:
         described = kind_of(kind)
-        calls = tuple(lambda on=on: Call(described, x, link, codec if on else None, on, pieces, None, site or kind)
-                      .start(x).wait() for on in (False, True))
+        calls = tuple(lambda on=on: Call(described, x, link, codec if on else None, on, piece_bytes, None,
+                                         site or kind).start(x).wait() for on in (False, True))
     for call in calls:  # warm-up: Triton compilation, first allocations, connection set-up
         call()
     times: tuple[list[float], list[float]] = ([], [])

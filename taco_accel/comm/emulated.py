@@ -134,7 +134,7 @@ def run_compressed(kind: str, xs: list[torch.Tensor], outs: list[torch.Tensor | 
     messages = [Message(tag=length_tag(xs[0].numel())) for _ in range(world)]
     lost = residuals if residuals is not None else [None] * world
     pipelines = [
-        Pipeline.of(list(pieces(x, out, codec, EmulatedRank(exchange, r), message, workspace, piece_bytes, residual)))
+        Pipeline.of(pieces(x, out, codec, EmulatedRank(exchange, r), message, workspace, piece_bytes, residual))
         for r, (x, out, message, workspace, residual) in enumerate(zip(xs, outs, messages, workspaces, lost))
     ]
     live = True
@@ -146,21 +146,10 @@ def run_compressed(kind: str, xs: list[torch.Tensor], outs: list[torch.Tensor | 
 
 
 def _sends_in_one_piece(kind: Kind, x: torch.Tensor, codec: CodecConfig, piece_bytes: int, world: int) -> bool:
-    """Whether ``kind`` sends ``x`` in one piece: its piece generator, asked for the pieces of a
-    rank without starting them, says so."""
+    """Whether ``kind`` sends ``x`` in one piece: its pieces of a rank, made without starting them,
+    say so."""
     rank = EmulatedRank(_Exchange(world), 0)
-    return len(list(kind.pieces(x, None, codec, rank, None, None, piece_bytes))) == 1
-
-
-def two_shot_all_reduce(partials: Sequence[torch.Tensor], config: CodecConfig,
-                        piece_bytes: int = PIECE_BYTES) -> tuple[torch.Tensor, int]:
-    """The TACO two-shot all-reduce of P partials (pieces of ``piece_bytes``); returns (sum, bytes
-    per rank)."""
-    xs = [p.contiguous() for p in partials]
-    out = torch.empty_like(xs[0])
-    sent = run_compressed("all_reduce", xs, [out] + [None] * (len(xs) - 1), config.codec, piece_bytes,
-                          [Workspace() for _ in xs])
-    return out, sent
+    return len(kind.pieces(x, None, codec, rank, None, None, piece_bytes)) == 1
 
 
 def plain_result(kind: Kind, xs: list[torch.Tensor]) -> torch.Tensor:
@@ -177,10 +166,10 @@ def plain_result(kind: Kind, xs: list[torch.Tensor]) -> torch.Tensor:
 class EmulatedGroup(SharesGroup):
     """P virtual ranks in one process; every collective takes one tensor per rank (a list).
 
-    ``reducer`` computes the compressed all-reduce (default: TACO's two-shot,
-    `two_shot_all_reduce`); reduce_scatter and all_gather always use the TACO path. A copy
-    (``copy.deepcopy`` of an emulated model) is a group of its own: its own handle, which its
-    compiled graphs' ``taco::emulated`` op finds, and its own workspaces.
+    ``reducer`` computes the compressed all-reduce (None: TACO's two-shot); reduce_scatter and
+    all_gather always use the TACO path. A copy (``copy.deepcopy`` of an emulated model) is a
+    group of its own: its own handle, which its compiled graphs' ``taco::emulated`` op finds, and
+    its own workspaces.
     """
 
     _fresh = ("handle", "_workspaces")
@@ -188,8 +177,8 @@ class EmulatedGroup(SharesGroup):
     def __init__(self, size: int, reducer: Reducer | None = None) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"EmulatedGroup(size={size!r}): use an int >= 1 (the tp degree)")
-        self.size = size
-        self.reducer = reducer or two_shot_all_reduce
+        self.world = size  # the number of virtual ranks (a `call.Call`'s link size)
+        self.reducer = reducer
         self._renew()
 
     def _copied(self, original: "EmulatedGroup") -> None:
@@ -200,15 +189,10 @@ class EmulatedGroup(SharesGroup):
         self._workspaces: dict[torch.device, list[Workspace]] = {}  # one per virtual rank: all are in flight
         self.handle = ops.register(self)  # how the compiled graph's op `taco::emulated` finds this group
 
-    @property
-    def world(self) -> int:
-        """The number of virtual ranks (a `call.Call`'s link size)."""
-        return self.size
-
     def __repr__(self) -> str:
         name = getattr(self.reducer, "__name__", repr(self.reducer))
-        custom = "" if self.reducer is two_shot_all_reduce else f", reducer={name}"
-        return f"EmulatedGroup(size={self.size}{custom})"
+        custom = "" if self.reducer is None else f", reducer={name}"
+        return f"EmulatedGroup(size={self.world}{custom})"
 
     def all_reduce(
         self, partials: Sequence[torch.Tensor], config: CodecConfig | None = None, *, site: str | None = None,
@@ -222,7 +206,7 @@ class EmulatedGroup(SharesGroup):
         piece_bytes: int = PIECE_BYTES,
     ) -> list[torch.Tensor]:
         """Each tensor has P*m rows along dim 0; returns ``[rank r's m rows of the sum]``."""
-        return list(self._public("reduce_scatter", partials, config, site, piece_bytes).chunk(self.size))
+        return list(self._public("reduce_scatter", partials, config, site, piece_bytes).chunk(self.world))
 
     def all_gather(
         self, shards: Sequence[torch.Tensor], config: CodecConfig | None = None, *, site: str | None = None,
@@ -250,11 +234,12 @@ class EmulatedGroup(SharesGroup):
         for x in xs:
             site.observe(x)
         if residuals is not None:
-            if len(residuals) != self.size:
-                raise ValueError(f"{kind}: {len(residuals)} residuals for an EmulatedGroup of {self.size} ranks")
+            if len(residuals) != self.world:
+                raise ValueError(f"{kind}: {len(residuals)} residuals for an EmulatedGroup of {self.world} ranks")
             residuals = [check_residual(described, x, r) for x, r in zip(xs, residuals)]
-        return self._call(described, xs, site.codec, site.compresses(kind, xs[0]), site.piece_bytes, site.record,
-                          site.name, residuals, together)
+        call = EmulatedCall(described, xs[0], self, site.config, site.compresses(kind, xs[0]), site.piece_bytes,
+                            site.record, site.name)
+        return call.run(xs, residuals, together).wait()
 
     def _public(self, kind: str, xs, config, site: str | None, piece_bytes: int) -> torch.Tensor:
         described = kind_of(kind)
@@ -262,37 +247,28 @@ class EmulatedGroup(SharesGroup):
         if config is not None:
             config = check_config(config, kind)
         name = site or kind
-        return self._call(described, xs, config, True, piece_bytes, DEFAULT.record(name), name)
+        call = EmulatedCall(described, xs[0], self, config, True, piece_bytes, DEFAULT.record(name), name)
+        return call.run(xs).wait()
 
     def _check(self, kind: Kind, xs: Sequence[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
         if isinstance(xs, torch.Tensor):
             xs = xs.unbind(0) if xs.dim() > 0 else ()  # stacked: rank p's tensor at [p]
-        if len(xs) != self.size or not all(isinstance(x, torch.Tensor) for x in xs):
+        if len(xs) != self.world or not all(isinstance(x, torch.Tensor) for x in xs):
             raise ValueError(
-                f"{kind.name} on an EmulatedGroup of {self.size} ranks needs {self.size} tensors, got {len(xs)}"
+                f"{kind.name} on an EmulatedGroup of {self.world} ranks needs {self.world} tensors, got {len(xs)}"
             )
         first = xs[0]
         if any(x.shape != first.shape or x.dtype != first.dtype or x.device != first.device for x in xs):
             raise ValueError(f"{kind.name}: every rank's tensor must have one shape, dtype and device")
-        kind.check(first, self.size)
+        kind.check(first, self.world)
         return [x.detach().contiguous() for x in xs]
-
-    def _call(self, kind: Kind, xs: list[torch.Tensor], codec: CodecConfig | None, compress: bool,
-              piece_bytes: int, record, site: str, residuals: list[torch.Tensor] | None = None,
-              together: torch.Tensor | None = None) -> torch.Tensor:
-        """The collective ``kind`` as a tensor (reduce_scatter: all ranks' rows stacked in rank
-        order), recorded like one rank would. ``together``: the ranks' tensors ``xs`` stacked, if
-        the caller has them so."""
-        x = xs[0]
-        call = EmulatedCall(kind, x, self, codec, compress, piece_bytes, record, site)
-        return call.run(xs, residuals, together).wait()
 
     def compressed(self, kind: Kind, xs: list[torch.Tensor], codec: CodecConfig, piece_bytes: int,
                    residuals: list[torch.Tensor] | None = None,
                    together: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
         """The compressed ``kind`` of every rank's tensor: (the result, bytes one rank sends)."""
-        world, x = self.size, xs[0]
-        if kind.name == "all_reduce" and self.reducer is not two_shot_all_reduce:
+        world, x = self.world, xs[0]
+        if self.reducer is not None and kind.name == "all_reduce":
             return self.reducer(xs, codec)
         if kind.replicated:
             out = x.new_empty(kind.output_shape(x.shape, world))
@@ -307,10 +283,10 @@ class EmulatedGroup(SharesGroup):
 
     def _workspaces_on(self, device: torch.device) -> list[Workspace]:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return [Workspace() for _ in range(self.size)]  # a captured graph owns its buffers (its memory pool)
+            return [Workspace() for _ in range(self.world)]  # a captured graph owns its buffers (its memory pool)
         found = self._workspaces.get(device)
         if found is None:
-            found = self._workspaces[device] = [Workspace() for _ in range(self.size)]
+            found = self._workspaces[device] = [Workspace() for _ in range(self.world)]
         return found
 
 
@@ -321,9 +297,10 @@ class EmulatedCall(Call):
 
     __slots__ = ()
 
-    def run(self, xs: list[torch.Tensor], residuals: list[torch.Tensor] | None,
-            together: torch.Tensor | None) -> "EmulatedCall":
-        """The transfer of every rank's ``xs`` (``together``: them stacked, if at hand)."""
+    def run(self, xs: list[torch.Tensor], residuals: list[torch.Tensor] | None = None,
+            together: torch.Tensor | None = None) -> "EmulatedCall":
+        """The transfer of every rank's ``xs`` (``together``: them stacked, if at hand); its
+        result (reduce_scatter: all ranks' rows stacked in rank order) is `wait`'s."""
         kind, codec, group = self.kind, self.codec, self.link
         if self._exact_in is not None:
             self._exact_in.extend(xs)  # never decoded over: no copy needed

@@ -73,11 +73,6 @@ def decode(wire: torch.Tensor, codec: CodecConfig, out: torch.Tensor) -> torch.T
     return out
 
 
-def wire_bytes(numel: int, codec: CodecConfig) -> int:
-    """Bytes on the wire for a compressed message of ``numel`` values."""
-    return WireLayout.for_tensor(numel, codec).total_bytes
-
-
 class Channel:
     """One direction of a link, from one end; see the module docstring.
 
@@ -122,7 +117,7 @@ class Channel:
         """The tensor to send for ``x`` (kept alive here until the slot is used again): x itself,
         its wire buffer, or (``"zero"`` / ``"raise"``, plain) a copy without non-finite values.
         Recorded in the site's record: the bytes sent against the message's own size."""
-        record, codec = self.site.record, self.site.codec
+        record, codec = self.site.record, self.site.config
         nbytes = x.numel() * x.element_size()
         out, compressed = x, False
         if codec is not None and x.is_floating_point():
@@ -149,12 +144,12 @@ class Channel:
     def incoming(self, buffer: torch.Tensor, slot) -> torch.Tensor:
         """The tensor to receive the message for ``buffer`` into: buffer itself (plain), or a wire
         buffer that `land` decodes into it."""
-        codec = self.site.codec
+        codec = self.site.config
         if codec is None or not buffer.is_floating_point() or not self.compresses(buffer.shape, buffer.dtype,
                                                                                   buffer.device):
             return buffer
         codec = zeroing_codec(codec)
-        size = wire_bytes(buffer.numel(), codec)
+        size = WireLayout.for_tensor(buffer.numel(), codec).total_bytes
         wire = self._wires.get(slot)
         if wire is None or wire.numel() != size:
             wire = self._wires[slot] = torch.empty(size, dtype=torch.uint8, device=buffer.device)
@@ -182,7 +177,7 @@ class Channel:
         site and what differs. A collective of the two ranks."""
         site = self.site
         if agreement.due(site.record):
-            agreement.check(KIND, torch.Size([0]), torch.float32, device, site.link, site.codec, False, site.name,
+            agreement.check(KIND, torch.Size([0]), torch.float32, device, site.link, site.config, False, site.name,
                             site.piece_bytes, mode=site.mode)
 
     def settle(self) -> None:
@@ -207,18 +202,18 @@ def round_trip_message(site, x: torch.Tensor) -> torch.Tensor:
         raise nonfinite_error(site.name)
     if out is x or out.dtype == x.dtype:
         return out
-    return decode(out, zeroing_codec(site.codec), torch.empty(x.shape, dtype=x.dtype, device=x.device))
+    return decode(out, zeroing_codec(site.config), torch.empty(x.shape, dtype=x.dtype, device=x.device))
 
 
 def timed_exchanges(x: torch.Tensor, link, codec: CodecConfig) -> tuple[Callable, Callable]:
     """``(plain, compressed)``: calls that each swap ``x`` between the two ranks of ``link`` (each
     sends its x to the other and receives the other's), the compressed one encoding before and
-    decoding after: the path of one boundary message, for `autotune`."""
+    decoding after: the path of one boundary message, for `autotune` (``codec``: its settings, with
+    no "raise": `call.propagating_codec`)."""
     if link.world != 2:
         raise ValueError(f"a point-to-point timing runs on a group of 2 ranks, got {link.world}")
     group = link.group
     peer = dist.get_global_rank(group, 1 - link.rank) if group is not None else 1 - link.rank
-    codec = codec if codec.nonfinite != "raise" else codec.replace(nonfinite="propagate")
     got = torch.empty_like(x)
     sent = encode(x, codec)
     wire = torch.empty_like(sent)

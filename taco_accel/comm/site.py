@@ -41,12 +41,12 @@ class Site(SharesGroup):
     """One communication site; see the module docstring."""
 
     __slots__ = ("name", "group", "world", "handle", "handle_tensor", "decider", "decision", "record", "samples", "_max_elements",
-                 "_config", "codec", "piece_bytes", "_threshold", "_link", "__weakref__")
+                 "_config", "piece_bytes", "threshold_bytes", "_link", "__weakref__")
 
     def __init__(self, name: str, group, config: TacoConfig | None, decider=None, ledger: Ledger | None = None,
                  *, threshold_bytes: int = 0, piece_bytes: int = PIECE_BYTES):
         self.name, self.group, self.decider, self.decision = name, group, decider, None
-        self._threshold, self.piece_bytes = threshold_bytes, piece_bytes
+        self.threshold_bytes, self.piece_bytes = threshold_bytes, piece_bytes
         self.world = dist_ops.group_size(group)
         self.record = (ledger or DEFAULT).record(name)
         self.handle = ops.register(self)  # how the compiled graph's custom ops find this site
@@ -73,7 +73,6 @@ class Site(SharesGroup):
         if value is not None and not isinstance(value, CodecConfig):
             raise TypeError(f"Site {self.name!r}: config={value!r} must be a TacoConfig or None")
         self._config = value
-        self.codec = value
 
     @property
     def link(self):
@@ -104,10 +103,10 @@ class Site(SharesGroup):
         described = kind_of(kind)
         described.check(x, link.world)
         if self.decider is None:  # the size floor, inline: this is every plain site's path
-            compress = not self._threshold or x.numel() * x.element_size() >= self._threshold
+            compress = not self.threshold_bytes or x.numel() * x.element_size() >= self.threshold_bytes
         else:
             compress = self.compresses(kind, x)
-        call = Call(described, x, link, self.codec, compress, self.piece_bytes, self.record, self.name)
+        call = Call(described, x, link, self._config, compress, self.piece_bytes, self.record, self.name)
         call.start(x, inplace, check_residual(described, x, residual))
         return call if async_op else call.wait()
 
@@ -119,7 +118,7 @@ class Site(SharesGroup):
         x = x.detach()
         if not x.is_contiguous():
             x = x.contiguous()
-        return Call(kind_of("all_gather_by_rank"), x, self._link or self.link, self.codec,
+        return Call(kind_of("all_gather_by_rank"), x, self._link or self.link, self._config,
                     self.compresses("all_gather", x), self.piece_bytes, self.record, self.name).gather(x, out)
 
     def scatter_by_rank(self, shape, dtype: torch.dtype, device) -> Call:
@@ -130,7 +129,7 @@ class Site(SharesGroup):
         link = self._link or self.link
         parts = Parts(torch.Size((link.world * shape[0], *shape[1:])), dtype, torch.device(device))
         compress = self.compresses_like("reduce_scatter", parts.shape, dtype, device)
-        return Call(kind_of("reduce_scatter_by_rank"), parts, link, self.codec, compress, self.piece_bytes,
+        return Call(kind_of("reduce_scatter_by_rank"), parts, link, self._config, compress, self.piece_bytes,
                     self.record, self.name).scatter(shape, dtype, parts.device)
 
     # -- the decision ------------------------------------------------------------------------
@@ -138,7 +137,7 @@ class Site(SharesGroup):
     def floor_allows(self, nbytes: int, dtype: torch.dtype) -> bool:
         """The floor: a message of ``nbytes`` from ``threshold_bytes`` on may be compressed, if
         `call.compresses` allows it (codec settings, bytes, a dtype the codec encodes)."""
-        return nbytes >= self._threshold and compresses(self.codec, nbytes, dtype)
+        return nbytes >= self.threshold_bytes and compresses(self._config, nbytes, dtype)
 
     def compresses(self, kind: str, x: torch.Tensor) -> bool:
         """Whether sending ``x`` through ``kind`` from this site is compressed.
@@ -189,15 +188,10 @@ class Site(SharesGroup):
             return "auto"
         return "off" if self.config is None else "on"
 
-    @property
-    def threshold_bytes(self) -> int:
-        """The size floor: smaller messages stay plain."""
-        return self._threshold
-
     def describe(self) -> str:
         """One line: the codec and whether it is used."""
-        codec, mode = describe(self.config), self.mode
-        floor = f", messages from {self._threshold / 2**20:g} MiB" if self._threshold and mode != "off" else ""
+        codec, mode, threshold = describe(self.config), self.mode, self.threshold_bytes
+        floor = f", messages from {threshold / 2**20:g} MiB" if threshold and mode != "off" else ""
         if mode == "auto":
             return f"{codec}{floor}, auto: {'undecided' if self.decision is None else self.decision}"
         return codec + floor
@@ -209,7 +203,7 @@ class Site(SharesGroup):
             out["compressed"] = None if self.decision is None else self.decision.compress
             out["decision"] = None if self.decision is None else self.decision.to_dict()
         else:
-            out["compressed"] = False if self.config is None else (True if self._threshold == 0 else None)
+            out["compressed"] = False if self.config is None else (True if self.threshold_bytes == 0 else None)
         return out
 
     def __repr__(self) -> str:

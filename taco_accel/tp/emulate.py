@@ -54,13 +54,13 @@ def _all_reduce(group: EmulatedGroup, xs: list[torch.Tensor], site: Site) -> tor
 
 def _all_gather_seq(group: EmulatedGroup, x: torch.Tensor, site: Site, dim: int) -> torch.Tensor:
     """Every rank's block of ``x`` through the all-gather; whole again (the blocks in rank order)."""
-    stacked = x.contiguous().view(group.size, -1, x.shape[-1])  # (tp, b*s/tp, h): rank r's block at [r]
+    stacked = x.contiguous().view(group.world, -1, x.shape[-1])  # (tp, b*s/tp, h): rank r's block at [r]
     return group.collective("all_gather", stacked, site).view(x.shape)
 
 
 def _reduce_scatter_seq(group: EmulatedGroup, xs: list[torch.Tensor], site: Site, dim: int) -> torch.Tensor:
     """The sum of the tp partials through the reduce-scatter: every rank's block, whole again."""
-    rows = torch.stack(xs).view(group.size, group.size, -1, xs[0].shape[-1])  # [rank, block, b*s/tp, h]
+    rows = torch.stack(xs).view(group.world, group.world, -1, xs[0].shape[-1])  # [rank, block, b*s/tp, h]
     return group.collective("reduce_scatter", rows, site).view(xs[0].shape)
 
 
@@ -74,7 +74,7 @@ class _FanOut(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group: EmulatedGroup, bwd: Site, dim: int | None):
         ctx.group, ctx.bwd, ctx.dim = group, bwd, dim
-        return tuple(x.view_as(x) for _ in range(group.size))
+        return tuple(x.view_as(x) for _ in range(group.world))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -201,7 +201,7 @@ class EmulatedEntry:
         self.group, self.fwd, self.bwd, self.sequence = group, fwd, bwd, sequence
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        if self.group.size == 1:
+        if self.group.world == 1:
             return [x]
         if self.sequence is not None and self.sequence.active:
             x = _GatherSequence.apply(x, self.group, self.fwd, SEQ_DIM)  # shards -> (b, s, h) decoded
@@ -217,7 +217,7 @@ class EmulatedExit:
         self.group, self.fwd, self.bwd, self.sequence = group, fwd, bwd, sequence
 
     def __call__(self, partials: Sequence[torch.Tensor]) -> torch.Tensor:
-        if self.group.size == 1:
+        if self.group.world == 1:
             return partials[0]
         if self.sequence is not None and self.sequence.active:
             return _ReduceScatterSequence.apply(self.group, self.fwd, self.bwd, SEQ_DIM, *partials)
@@ -305,7 +305,7 @@ class _EmulatedLinear(nn.Module):
     def __init__(self, module: nn.Module, split: ShardSpec, group: EmulatedGroup) -> None:
         super().__init__()
         self.in_features, self.out_features, self.conv1d = linear_layout(module)
-        self.group, self.tp, self.split = group, group.size, split
+        self.group, self.tp, self.split = group, group.world, split
         self.weight_parts = RankParts(split)
         self.weight = module.weight
         if module.bias is None:
@@ -386,7 +386,7 @@ class EmulatedVocabParallelEmbedding(nn.Module):
 
     def __init__(self, module: nn.Embedding, group: EmulatedGroup, *, reduce: EmulatedExit) -> None:
         super().__init__()
-        tp = group.size
+        tp = group.world
         if module.num_embeddings < tp:
             raise ValueError(f"a vocabulary of {module.num_embeddings} cannot be split over tp={tp} ranks")
         self.num_embeddings, self.embedding_dim = module.num_embeddings, module.embedding_dim
