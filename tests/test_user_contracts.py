@@ -10,7 +10,8 @@
   between clipping and the step raises.
 - Accelerate's conventions: ``num_processes`` / ``process_index`` are the data-parallel ones and
   a prepared scheduler steps ``num_processes`` times per optimizer step; a schedule that ends
-  long before the run is warned about; ``prepare_model(..., evaluation_mode=True)`` lays the
+  long before the run is warned about; an optimizer made before its model was prepared (and
+  not passed with it) is refused; ``prepare_model(..., evaluation_mode=True)`` lays the
   model out without data-parallel machinery. (The sizes read from a ``ParallelismConfig``, by
   Accelerate's rules: tests/test_accelerator_sizes.py, in one process.)
 
@@ -200,9 +201,17 @@ def _conventions() -> dict:
         stray = None
     except ValueError as e:
         stray = str(e)
+    early = tiny_model(ARCH)
+    early_opt = torch.optim.SGD(early.parameters(), lr=1.0)  # holds the full weights prepare() replaces
+    acc.prepare(early)
+    try:  # refused before any collective, on every rank
+        acc.prepare(early_opt)
+        stale = None
+    except ValueError as e:
+        stale = str(e)
     return {"num_processes": acc.num_processes, "process_index": acc.process_index, "world": acc.state.num_processes,
             "dp_rank": acc.data_parallel_rank, "scheduler_steps": counts,
-            "warnings": [m for m in warnings.messages if "schedule" in m], "stray_clip": stray}
+            "warnings": [m for m in warnings.messages if "schedule" in m], "stray_clip": stray, "stale": stale}
 
 
 class _Collect(logging.Handler):
@@ -302,6 +311,11 @@ def test_num_processes_is_the_data_parallel_view(measured):
 def test_clipping_the_parameters_of_a_model_not_prepared_here_raises(measured):
     for r in _case(measured, "conventions"):
         assert "2 parameter(s) of no model prepared by this accelerator" in (r["stray_clip"] or ""), r
+
+
+def test_an_optimizer_made_before_its_model_was_prepared_alone_raises(measured):
+    for r in _case(measured, "conventions"):
+        assert "that prepare() replaced by their tensor-parallel shards" in (r["stale"] or ""), r
 
 
 def test_evaluation_mode_lays_out_without_data_parallelism(measured):
