@@ -57,14 +57,15 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from ..models import context_of, parallelize
+from ..models import context_of
 from ..models.loss import logits_mode
 from ..comm.policy import DEFAULT_COMPRESSION
 from ..tp import ColumnParallelLinear, Compression, gather_from_tp_region
 from ..upstream import accelerate as upstream_accelerate
 from ..upstream import transformers as upstream_transformers
 from ..upstream import trl as upstream_trl
-from .accelerator import Accelerator, TrainerAccelerator
+from .accelerator import TrainerAccelerator
+from .lora import tensor_parallel_lora
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,9 @@ class _TacoTrainer(upstream_transformers.TrainerCounts):
         if self.model is None:  # model_init: the model comes with train()
             return
         if self.accelerator.parallel_dims.world_size > 1:
-            self.model = self.model_wrapped = _tensor_parallel_lora(self.model, self.accelerator)
+            acc = self.accelerator
+            self.model = self.model_wrapped = tensor_parallel_lora(self.model, acc.torch_device_mesh["tp"],
+                                                                   acc.compression, acc.sequence_parallel)
         _gather_fused_head(self.model)
         if getattr(self, "ref_model", None) is not None:  # TRL's DPO: the reference model's fused head too
             _gather_fused_head(self.ref_model)
@@ -310,30 +313,3 @@ def _full_output_embeddings(model: nn.Module):
         yield
     finally:
         del model.get_output_embeddings
-
-
-# -- LoRA ------------------------------------------------------------------------------------------
-def _tensor_parallel_lora(model: nn.Module, accelerator: Accelerator) -> nn.Module:
-    """A peft model whose plain LoRA layers sit on an unparallelised base (peft's ``get_peft_model``,
-    ``SFTTrainer(peft_config=...)``) -> the same adapter values on tensor-parallel LoRA layers;
-    any other model is returned as it is. The global RNG is left as it was."""
-    from .lora import get_peft_model, load_adapter
-
-    try:
-        from peft import PeftModel, get_peft_model_state_dict
-    except ImportError:
-        return model
-    if not isinstance(model, PeftModel) or getattr(model.get_base_model(), "taco", None) is not None:
-        return model
-    if len(model.peft_config) != 1:
-        raise ValueError(f"the peft model has adapters {sorted(model.peft_config)}; taco_accel trains one")
-    (name, config), = model.peft_config.items()
-    adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model, adapter_name=name).items()}
-    base = model.unload()  # the transformers model, each LoRA layer back to its base layer
-    parallelize(base, device_mesh=accelerator.torch_device_mesh["tp"], compression=accelerator.compression,
-                sequence_parallel=accelerator.sequence_parallel)
-    with torch.random.fork_rng(devices=[]):  # the new adapter's draws are overwritten below
-        tp_model = get_peft_model(base, config, adapter_name=name)
-    load_adapter(tp_model, adapter, adapter_name=name, is_trainable=True)
-    logger.info("LoRA adapter %r moved onto the tensor-parallel layers (tp=%d)", name, context_of(base).tp)
-    return tp_model

@@ -18,7 +18,9 @@ Initialisation draws the *full* A and B exactly as peft does on one process (sam
 the same order), broadcasts them from the group's first rank and keeps this rank's slice: the
 same seed gives the same adapter as plain peft on the unparallelised model. `save_adapter`
 writes full shapes in peft's format, which ``PeftModel.from_pretrained`` loads on one process
-into the original model; `load_adapter` reads such an adapter back into a TP model.
+into the original model; `load_adapter` reads such an adapter back into a TP model, and
+`tensor_parallel_lora` moves a plain peft model's adapter onto TP layers (`taco_trainer`'s
+``SFTTrainer(peft_config=...)``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..models import context_of, gather_state_dict
+from ..models import context_of, gather_state_dict, parallelize
 from ..models.state import shard_specs, write_on_main
 from ..tp import ColumnParallelLinear, RowParallelLinear, SiteTable, copy_to_tp_region, sum_replica_grads
 from ..upstream import peft as upstream_peft
@@ -360,6 +362,31 @@ def load_adapter(model: nn.Module, source, adapter_name: str = "default", is_tra
         raise ValueError(f"the adapter has no tensor for {missing[:3]} ({len(missing)} missing); it was trained "
                          "with other target_modules")
     return model
+
+
+def tensor_parallel_lora(model: nn.Module, tp_mesh, compression, sequence_parallel: bool) -> nn.Module:
+    """A peft model whose plain LoRA layers sit on an unparallelised base (peft's ``get_peft_model``,
+    ``SFTTrainer(peft_config=...)``) -> its base parallelised over ``tp_mesh`` (`parallelize`'s
+    ``device_mesh``, with ``compression`` and ``sequence_parallel``) and the same adapter values
+    on tensor-parallel LoRA layers; any other model is returned as it is. The global RNG is left
+    as it was."""
+    try:
+        from peft import PeftModel, get_peft_model_state_dict
+    except ImportError:
+        return model
+    if not isinstance(model, PeftModel) or getattr(model.get_base_model(), "taco", None) is not None:
+        return model
+    if len(model.peft_config) != 1:
+        raise ValueError(f"the peft model has adapters {sorted(model.peft_config)}; taco_accel trains one")
+    (name, config), = model.peft_config.items()
+    adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model, adapter_name=name).items()}
+    base = model.unload()  # the transformers model, each LoRA layer back to its base layer
+    parallelize(base, device_mesh=tp_mesh, compression=compression, sequence_parallel=sequence_parallel)
+    with torch.random.fork_rng(devices=[]):  # the new adapter's draws are overwritten below
+        tp_model = get_peft_model(base, config, adapter_name=name)
+    load_adapter(tp_model, adapter, adapter_name=name, is_trainable=True)
+    logger.info("LoRA adapter %r moved onto the tensor-parallel layers (tp=%d)", name, context_of(base).tp)
+    return tp_model
 
 
 def export_merged(peft_model: nn.Module, path: str | os.PathLike, **kwargs) -> nn.Module:
