@@ -97,16 +97,10 @@ class Channel:
         """Whether a message of ``shape`` and ``dtype`` is compressed now (the same answer on both
         ends); an undecided auto site says plain and remembers the message for `settle`."""
         site = self.site
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        if not site.floor_allows(nbytes, dtype):
-            return False
-        decider = site.decider
-        if decider is None:
-            return True
-        covered = None if site.decision is None else site.decision.covers(nbytes)
-        if covered is not None:
-            return covered
-        if not decider.timed:  # no link to time: the size rule, taken on the spot
+        settled = site.settled(torch.Size(shape).numel() * dtype.itemsize, dtype)
+        if settled is not None:
+            return settled
+        if not site.decider.timed:  # no link to time: the size rule, taken on the spot
             return site.compresses_like(KIND, shape, dtype, device)
         self.pending = (tuple(shape), dtype, device)
         return False

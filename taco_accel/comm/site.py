@@ -134,11 +134,6 @@ class Site(SharesGroup):
 
     # -- the decision ------------------------------------------------------------------------
 
-    def floor_allows(self, nbytes: int, dtype: torch.dtype) -> bool:
-        """The floor: a message of ``nbytes`` from ``threshold_bytes`` on may be compressed, if
-        `call.compresses` allows it (codec settings, bytes, a dtype the codec encodes)."""
-        return nbytes >= self.threshold_bytes and compresses(self._config, nbytes, dtype)
-
     def compresses(self, kind: str, x: torch.Tensor) -> bool:
         """Whether sending ``x`` through ``kind`` from this site is compressed.
 
@@ -148,24 +143,33 @@ class Site(SharesGroup):
         timed size on (smaller ones were never shown to pay). Without a group to time, each
         message follows the auto mode's size rule (`policy.UNTIMED_BYTES`).
         """
-        return self._decide(kind, x.numel() * x.element_size(), x.dtype, lambda: x)
+        nbytes = x.numel() * x.element_size()
+        settled = self.settled(nbytes, x.dtype)
+        return self._decide(kind, nbytes, lambda: x) if settled is None else settled
 
     def compresses_like(self, kind: str, shape, dtype: torch.dtype, device) -> bool:
         """`compresses` for a message of ``shape`` and ``dtype`` sent in parts (the per-rank
         kinds, a pipeline boundary); a timing, if one is due, runs on zeros of that shape."""
         nbytes = torch.Size(shape).numel() * dtype.itemsize
-        return self._decide(kind, nbytes, dtype, lambda: torch.zeros(shape, dtype=dtype, device=device))
+        settled = self.settled(nbytes, dtype)
+        if settled is None:
+            return self._decide(kind, nbytes, lambda: torch.zeros(shape, dtype=dtype, device=device))
+        return settled
 
-    def _decide(self, kind: str, nbytes: int, dtype: torch.dtype, message: Callable[[], torch.Tensor]) -> bool:
-        allowed = self.floor_allows(nbytes, dtype)
+    def settled(self, nbytes: int, dtype: torch.dtype) -> bool | None:
+        """Whether a message of ``nbytes`` in ``dtype`` is compressed by what is settled already:
+        the floor (``threshold_bytes``), `call.compresses` (codec settings, bytes, a dtype the
+        codec encodes) and an auto decision that covers it; None: an auto decision is due."""
+        allowed = nbytes >= self.threshold_bytes and compresses(self._config, nbytes, dtype)
         if not allowed or self.decider is None:
             return allowed
-        compress = None if self.decision is None else self.decision.covers(nbytes)
-        if compress is None:
-            self.decision = self.decider.decide(self, kind, nbytes, message)
-            self.decider.decided()
-            compress = self.decision.covers(nbytes)
-        return compress
+        return None if self.decision is None else self.decision.covers(nbytes)
+
+    def _decide(self, kind: str, nbytes: int, message: Callable[[], torch.Tensor]) -> bool:
+        """The auto decision for a message of ``nbytes`` (``message()``: the tensor to time), kept."""
+        self.decision = self.decider.decide(self, kind, nbytes, message)
+        self.decider.decided()
+        return self.decision.covers(nbytes)
 
     # -- calibration and reports -------------------------------------------------------------
 
