@@ -159,6 +159,14 @@ def fp32_bound(terms: int, magnitude: float) -> float:
     return 2 * gamma * magnitude
 
 
+# a tiny model (taco_accel.models.tiny_model: hidden 64, MLP 128, vocabulary 128-130, 16 tokens)
+# against the same model another way (over ranks, emulated, fused, reloaded), the same products
+# with their sums split or reordered: sums of at most 256 terms (the MLP's inner size; 16 tokens of
+# a weight gradient; the head's input gradient over the vocabulary) whose magnitudes add up to a
+# few units in these models
+TINY_MODEL_FP32 = fp32_bound(256, 10.0)
+
+
 @contextlib.contextmanager
 def timed_verdicts(rule: Callable[[str, Any, Any], bool]):
     """In a rank: the auto compression mode's timings (`comm.autotune.AutoDecider.timer`, its

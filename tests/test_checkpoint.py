@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from harness import case, fp32_bound, per_case, run_ranks
+from harness import TINY_MODEL_FP32, case, per_case, run_ranks
 
 import taco_accel
 from taco_accel.models.state import gather_state_dict, shard_specs
@@ -102,9 +102,8 @@ def _worker(root: str) -> dict:
     return per_case(cases)
 
 
-# a loaded model against the one it came from, the same weights, its sums split over other ranks:
-# fp32 sums of n <= 256 terms whose magnitudes add up to a few units in these tiny models
-FP32 = fp32_bound(256, 10.0)
+# a loaded model against the one it came from, the same weights, its sums split over other ranks
+FP32 = TINY_MODEL_FP32
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import pytest
 import torch
 import functools
 
-from harness import case, fp32_bound, per_case, run_ranks, timed_verdicts
+from harness import TINY_MODEL_FP32, case, per_case, run_ranks, timed_verdicts
 
 import taco_accel
 from taco_accel import comm
@@ -263,10 +263,9 @@ def test_compressed_training_step_in_a_cuda_graph():
         assert replayed == pytest.approx(expected, rel=1e-3), losses
 
 
-# parallel against one process, compression off, as tests/test_parallelize.py: sums of n <= 256
-# terms whose magnitudes add up to a few units in these tiny models, split over the ranks;
-# aot_eager runs the same aten ops, and the checkpointed recompute reproduces the forward exactly
-FP32 = fp32_bound(256, 10.0)
+# parallel against one process, compression off, as tests/test_parallelize.py; aot_eager runs the
+# same aten ops, and the checkpointed recompute reproduces the forward exactly
+FP32 = TINY_MODEL_FP32
 
 
 def test_activation_checkpointing_on_a_compiled_parallel_model_matches_the_plain_model(measured):

@@ -17,7 +17,7 @@ import copy
 import pytest
 import torch
 from harness import UNIT as FP32_UNIT
-from harness import fp32_bound, lm_batch
+from harness import TINY_MODEL_FP32, fp32_bound, lm_batch
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -33,11 +33,9 @@ TOKENS, HIDDEN, VOCAB = 23, 16, 40
 # log-sum-exps of O(1) logits over VOCAB entries; a gradient a sum of TOKENS (weight) or VOCAB
 # (input) products: sums of at most 64 terms whose magnitudes add up to less than 100
 FP32 = fp32_bound(64, 100.0)
-# a tiny model (`tiny_model`: hidden 64, MLP 128, vocabulary 128-130, 16 tokens) fused against the
-# plain one, as tests/test_parallelize.py bounds a parallel model against one process: sums of at
-# most 256 terms (the head's input gradient over the vocabulary, a weight gradient over the
-# tokens, the MLP's inner sums, split over emulated ranks) whose magnitudes add up to a few units
-MODEL_FP32 = fp32_bound(256, 10.0)
+# a tiny model fused against the plain one, as tests/test_parallelize.py bounds a parallel model
+# against one process
+MODEL_FP32 = TINY_MODEL_FP32
 
 
 def _problem(ranks: int, bias: bool, seed: int = 0):

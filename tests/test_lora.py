@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from harness import case, fp32_bound, per_case, refusals, run_ranks
+from harness import TINY_MODEL_FP32, case, per_case, refusals, run_ranks
 
 import taco_accel
 from taco_accel.models.state import shard_specs
@@ -150,9 +150,8 @@ def _worker(folders: dict, root: str) -> dict:
     return per_case(cases)
 
 
-# TP LoRA against peft on one process, compression off: sums split over the ranks, of n <= 256
-# terms whose magnitudes add up to a few units in these tiny models
-FP32 = fp32_bound(256, 10.0)
+# TP LoRA against peft on one process, compression off: sums split over the ranks
+FP32 = TINY_MODEL_FP32
 
 
 @pytest.fixture(scope="module")
