@@ -275,27 +275,25 @@ def all_gather_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecCo
     message.sent += (world - 1) * layout.total_bytes
     message.check(full, whole, codec, buffers.header_views("recv", slot, whole, full))
     message.note(whole, full)
-    if out is None:
-        return
-    if width == cols and out.is_contiguous():
-        decode_into(full, whole, codec, out, check=False)
-    else:
-        decode_rows(full, whole, codec, out.view(world, cols) if out.is_contiguous() else out, buffers, slot)
+    if out is not None:
+        decode_rows(full, whole, codec, out, cols, buffers, slot)
 
 
-def decode_rows(buffer: torch.Tensor, whole: WireLayout, codec: CodecConfig, out: torch.Tensor, buffers: Workspace,
-                slot: int, tag: int = 0, check: bool = False) -> None:
-    """``out`` [P, c] (may be a strided view) <- the P chunks of ``buffer`` (layout ``whole``, each
-    chunk c values padded to whole groups), through the staging buffer of ``slot`` where the
-    padding or the stride needs it; ``tag``, ``check``: as `codec.api.decode_into`'s."""
-    world, cols = out.shape
+def decode_rows(buffer: torch.Tensor, whole: WireLayout, codec: CodecConfig, out: torch.Tensor, cols: int,
+                buffers: Workspace, slot: int, tag: int = 0, check: bool = False) -> None:
+    """``out`` (a strided [P, cols] view, or any contiguous tensor of P * cols values) <- the P
+    chunks of ``buffer`` (layout ``whole``, each chunk ``cols`` values padded to whole groups):
+    straight into ``out`` where it is contiguous and no chunk is padded (no view made: a view
+    costs host time), else through the staging buffer of ``slot``; ``tag``, ``check``: as
+    `codec.api.decode_into`'s."""
+    world = whole.chunks
     width = whole.padded_numel // world
     if width == cols and out.is_contiguous():
         decode_into(buffer, whole, codec, out, tag=tag, check=check)
         return
     decoded = buffers.typed("stage", slot, (world, width), out.dtype, buffer.device)
     decode_into(buffer, whole, codec, decoded, tag=tag, check=check)
-    out.copy_(decoded[:, :cols])
+    (out.view(world, cols) if out.is_contiguous() else out).copy_(decoded[:, :cols])
 
 
 def all_gather_by_rank_piece(src: torch.Tensor, out: torch.Tensor | None, codec: CodecConfig, link, message: Message,

@@ -61,7 +61,7 @@ def reduce_scatter(xs: torch.Tensor, codec: CodecConfig, tag: int, buffers: Work
     full = buffers.buffer("sum", 0, mine.total_bytes, device)
     sum_packed_into(send.view(world, world * chunk), mine, codec, full, tag=tag)
     out = torch.empty_like(xs[0])
-    decode_rows(full, mine, codec, out.view(world, cols), buffers, 0, tag, check=True)
+    decode_rows(full, mine, codec, out, cols, buffers, 0, tag, check=True)
     return out, (world - 1) * chunk
 
 
@@ -73,7 +73,7 @@ def all_gather(xs: torch.Tensor, codec: CodecConfig, tag: int, buffers: Workspac
     full = buffers.buffer("send", 0, world * layout.total_bytes, device)  # what every rank gathers
     whole = encode_rows_into(xs.view(world, cols), full, layout, codec, tag=tag, stage=_stage(buffers, world, layout, xs))
     out = xs.new_empty((world * xs.shape[1], *xs.shape[2:]))
-    decode_rows(full, whole, codec, out.view(world, cols), buffers, 0, tag, check=True)
+    decode_rows(full, whole, codec, out, cols, buffers, 0, tag, check=True)
     return out, (world - 1) * layout.total_bytes
 
 

@@ -95,7 +95,9 @@ def write_on_main(write: Callable[[], None], is_main_process: bool | None = None
     """``write()`` on the main process (``is_main_process``; default: global rank 0), then every
     rank waits for it to finish (a barrier when distributed)."""
     distributed = dist.is_available() and dist.is_initialized()
-    if is_main_process if is_main_process is not None else not distributed or dist.get_rank() == 0:
+    if is_main_process is None:
+        is_main_process = not distributed or dist.get_rank() == 0
+    if is_main_process:
         write()
     if distributed:
         dist.barrier()
