@@ -51,7 +51,7 @@ def _refusal(call) -> str:
 
 # package: (a version outside the range, the range as the error names it)
 OUTSIDE = {"transformers": ("5.9.0", ">=5.10,<5.26"), "accelerate": ("1.14.0", ">=1.15,<1.17"),
-           "trl": ("1.17.0", ">=1.16,<1.17"), "peft": ("0.16.0", f">={up_peft.SUPPORTED[0]},<0.22")}
+           "trl": ("1.17.0", ">=1.16,<1.17"), "peft": ("0.16.0", f">={up_peft.SUPPORTED[0]},<0.23")}
 
 
 @pytest.mark.parametrize("package", list(OUTSIDE))
@@ -238,14 +238,8 @@ def test_a_model_with_peft_adapters_says_so():
 
     model = tiny_model("qwen2")
     assert isinstance(model, PeftAdapterMixin) and not up_transformers.has_peft_adapters(model)
-    try:
-        model.add_adapter(LoraConfig(r=2, target_modules=["q_proj"]))
-    except ValueError as e:  # transformers 5.25 asks for peft >= 0.22, newer than the newest stack's
-        assert "version of PEFT" in str(e), e
-        for method in (PeftAdapterMixin.add_adapter, PeftAdapterMixin.load_adapter):  # what each would mark
-            assert "self._hf_peft_config_loaded = True" in inspect.getsource(method), method
-    else:
-        assert up_transformers.has_peft_adapters(model)
+    model.add_adapter(LoraConfig(r=2, target_modules=["q_proj"]))  # transformers 5.25 asks for peft >= 0.22
+    assert up_transformers.has_peft_adapters(model)
 
 
 # -- peft -------------------------------------------------------------------------------------

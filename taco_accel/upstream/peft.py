@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .versions import check_range
 
-SUPPORTED = ("0.20", "0.22")  # the lowest that passes tests/test_lora.py with transformers 5.10 and 5.25
+SUPPORTED = ("0.20", "0.23")  # from the lowest that passes tests/test_lora.py with transformers 5.10; 0.22 with 5.25
 
 
 def check_version() -> str | None:
@@ -31,7 +31,7 @@ class BaseLayerSizes:
     """Put in front of a peft LoRA layer class: its ``in_features`` / ``out_features`` are its base
     layer's own attributes (a parallel linear's full sizes, on which peft draws A and B), read
     without the guess (and its "Unsupported layer type" warning) that peft's
-    ``_get_in_out_features`` (0.20-0.21) makes for a layer type it does not know."""
+    ``_get_in_out_features`` (0.20-0.22) makes for a layer type it does not know."""
 
     def _get_in_out_features(self, module):
         return module.in_features, module.out_features
