@@ -162,6 +162,12 @@ def run_checkpointed(args) -> dict:
     return run_trainer(args, "checkpointed", **{flag: True})
 
 
+def run_unaveraged(args) -> dict:
+    """The Trainer with ``average_tokens_across_devices=False`` (each process normalises the loss by
+    its own token count: at tp=2 that of the one batch its replica reads), evaluated at steps 2 and 4."""
+    return run_trainer(args, "unaveraged", average_tokens_across_devices=False, eval_strategy="steps", eval_steps=2)
+
+
 def run_liger(args) -> dict:
     """taco_trainer(Trainer) with use_liger_kernel=True: refused when the Trainer is built."""
     from transformers import Trainer, TrainingArguments
@@ -368,6 +374,7 @@ def main() -> None:
         "patched": lambda: run_patched(args),
         "checkpointed": lambda: run_checkpointed(args),
         "liger": lambda: run_liger(args),
+        "unaveraged": lambda: run_unaveraged(args),
         "dpo": lambda: run_dpo(args, "dpo", ref="passed"),
         "dpo_path": lambda: run_dpo(args, "dpo_path", ref="path"),
         "dpo_lora": lambda: run_dpo(args, "dpo_lora", ref="lora"),

@@ -30,7 +30,7 @@ BATCH, ACCUM = 2, 2  # the worker's per-device batch and accumulation
 LOSS_TOL, NORM_RTOL = 2e-5, 1e-5
 LAUNCHES = {  # name: (dp, runs)
     "tp2": (1, "trainer,resume,compressed,sft,lora,plain_checkpoint,patched,"
-               "dpo,dpo_path,dpo_lora,dpo_compressed,checkpointed,liger"),
+               "dpo,dpo_path,dpo_lora,dpo_compressed,checkpointed,liger,unaveraged"),
     # resume of dp replicas: test_accelerator; bf16 and fp16 (tp=2, dp=2 x tp=2): test_entry_matrix
     "dp2_tp2": (2, "trainer,sft,pipeline_sizes,dpo"),
 }
@@ -112,6 +112,15 @@ def test_activation_checkpointing_flag_trains_like_one_process(results):
     the replayed layers give the same losses as one process without it (compression off: fp32)."""
     got, ref = run_of(results, "tp2", "checkpointed")
     assert_same_training(got, ref)
+
+
+def test_unaveraged_token_counts_train_like_one_process(results):
+    """average_tokens_across_devices=False: each process's loss is its own tokens' mean (at tp=2 the
+    batch of its replica, as one process's), not tp times it (transformers divides the count by tp
+    whether or not it was gathered: upstream.transformers.TrainerCounts)."""
+    got, ref = run_of(results, "tp2", "unaveraged")
+    assert_same_training(got, ref)
+    assert got["evals"] == pytest.approx(ref["evals"], abs=LOSS_TOL)  # evaluation counts the same way
 
 
 def test_use_liger_kernel_is_refused_at_construction(results):

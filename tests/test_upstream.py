@@ -192,6 +192,40 @@ def test_the_trainer_builds_its_accelerator_from_its_modules_name_and_counts_tok
     assert trainer.state.num_input_tokens_seen == 15
 
 
+class _Describing:
+    """A Trainer's accelerator that describes ``sizes`` (an Accelerate ``ParallelismConfig``) as
+    its mesh, as the taco trainer's does; everything else the wrapped one's."""
+
+    def __init__(self, accelerator, sizes) -> None:
+        self._accelerator, self.parallelism_config = accelerator, sizes
+
+    def __getattr__(self, name):
+        return getattr(self._accelerator, name)
+
+
+@pytest.mark.parametrize("averaged", [False, True])
+def test_the_trainer_divides_a_token_count_by_the_processes_sharing_a_batch_gathered_or_not(tmp_path, averaged):
+    """What `TrainerCounts._get_num_items_in_batch` undoes: with averaging off the count is this
+    process's own, and every supported transformers still divides it by tp (5.25 exactly, 5.10
+    rounding down), so the loss would be tp times its mean. The taco trainer's count is the
+    process's own there, and transformers' division where the count was gathered over every process."""
+    from accelerate import ParallelismConfig
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                             average_tokens_across_devices=averaged)
+    labels = torch.tensor([[-100, 1, 2, 3, 4, 5, -100]])  # 5 scored tokens, shifted (5.25) or not (5.10)
+    counts = {}
+    for name, cls in (("plain", Trainer), ("taco", type("Counted", (up_transformers.TrainerCounts, Trainer), {}))):
+        trainer = cls(model=tiny_model("qwen2"), args=args)
+        trainer.accelerator = _Describing(trainer.accelerator, ParallelismConfig(tp_size=2))
+        counts[name] = float(trainer._get_num_items_in_batch([{"labels": labels}], torch.device("cpu")))
+    assert trainer.get_tp_size() == 2  # the taco trainer's, read from the accelerator on every version
+    # one process: nothing gathered even with averaging on (world size 1); transformers divides by tp
+    assert counts["plain"] in (2.0, 2.5), counts
+    assert counts["taco"] == (counts["plain"] if averaged else 5.0), counts
+
+
 def test_training_arguments_set_devices_up_in_a_cached_property(tmp_path):
     from accelerate.state import PartialState
     from transformers import TrainingArguments

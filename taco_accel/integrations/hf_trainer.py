@@ -16,8 +16,9 @@ a subclass of the given class that changes the Trainer through its own extension
   (``num_processes`` and ``gather`` over every process) and the mesh as ``parallelism_config``,
   from which the Trainer's own arithmetic is right: the loss scale ``num_processes // tp``, the
   token count gathered over every process divided by tp, the total batch of ``world // tp``
-  replicas (`upstream.transformers.TrainerCounts` fixes the tp size 5.10-5.18 read and the
-  input-token count; `upstream.trl.count_tokens_once` TRL's token count). ``prepare`` makes the
+  replicas (`upstream.transformers.TrainerCounts` fixes the tp size 5.10-5.18 read, the
+  input-token count and the division of an ungathered token count,
+  ``average_tokens_across_devices=False``; `upstream.trl.count_tokens_once` TRL's token count). ``prepare`` makes the
   model tensor parallel, the DataLoaders are sharded over dp only.
 - checkpoints (``save_steps``, ``resume_from_checkpoint``): the model goes through ``save_model``
   on every rank (the gathered, plain transformers checkpoint that ``from_pretrained`` loads on one

@@ -16,7 +16,7 @@
   reads the one set on the model (a user's own) and installs ours (5.10-5.25);
 - ``_hf_peft_config_loaded``, which ``PeftAdapterMixin.add_adapter`` / ``load_adapter`` set on a
   model that holds peft adapters (`has_peft_adapters`; 5.10-5.25);
-- `TrainerCounts`: the two counts of the Trainer that are wrong under tensor parallelism even
+- `TrainerCounts`: the counts of the Trainer that are wrong under tensor parallelism even
   when its accelerator reports Accelerate's own process counts.
 
 ``SUPPORTED`` starts at 5.10: 5.0-5.9 multiply the loss by ``accelerator.num_processes`` with no
@@ -41,6 +41,7 @@ TRAINER_METHODS = {
     "_load_best_model": ("self",),
     "_load_optimizer_and_scheduler": ("self", "checkpoint"),
     "_track_num_input_tokens": ("self", "inputs"),
+    "_get_num_items_in_batch": ("self", "batch_samples", "device"),
 }
 BUILDER = "create_accelerator_and_postprocess"  # the Trainer method that builds its accelerator
 
@@ -148,7 +149,7 @@ class TrainerCounts:
     The taco trainer's accelerator reports Accelerate's own counts (``num_processes`` = every
     process, ``parallelism_config`` = the mesh, ``gather`` over every process), from which
     transformers >= 5.10 scales the loss (``num_processes // tp``) and normalises it by the
-    gathered token count (divided by tp) right by itself. Two counts are still wrong there:
+    gathered token count (divided by tp) right by itself. Three counts are still wrong there:
 
     - ``get_tp_size``: 5.10-5.18 read it from transformers' own TP only (the model's
       ``config.distributed_config`` or ``_tp_size``), never from the accelerator's
@@ -156,15 +157,44 @@ class TrainerCounts:
       ``train_samples_per_second``) counted each tp rank as a replica, and TRL's SFT loss scale
       (``num_processes // get_tp_size()``) trained on tp times the gradient. Here it is the
       accelerator's tp size on every version.
+    - ``num_items_in_batch`` with ``average_tokens_across_devices=False``: the count is this
+      process's own, never gathered, yet every version divides it by the processes that share a
+      batch (5.10: ``parallelism_config.non_data_parallel_size``, rounding down; 5.25:
+      ``get_tp_size() * get_cp_size() * get_sp_size()``), so the loss came out tp times its mean
+      (and so its gradient). Here the ungathered count is counted with an accelerator that
+      describes no processes sharing a batch (`_OwnBatchOnly`), so nothing divides it.
     - ``num_input_tokens_seen`` adds ``accelerator.gather(tokens).sum()`` over every process (every
       version): each batch counted once per tp rank that reads it. Here each batch counts once.
     """
 
     def get_tp_size(self) -> int:
-        return self.accelerator.parallelism_config.tp_size  # the TrainerAccelerator's, set once it is built
+        sizes = self.accelerator.parallelism_config  # the TrainerAccelerator's mesh, set once it is built
+        return 1 if sizes is None else sizes.tp_size
+
+    def _get_num_items_in_batch(self, batch_samples: list, device):
+        if self.args.average_tokens_across_devices:  # gathered over every process: dividing by tp is right
+            return super()._get_num_items_in_batch(batch_samples, device)
+        accelerator, self.accelerator = self.accelerator, _OwnBatchOnly(self.accelerator)
+        try:
+            return super()._get_num_items_in_batch(batch_samples, device)
+        finally:
+            self.accelerator = accelerator
 
     def _track_num_input_tokens(self, inputs) -> None:
         before = self.state.num_input_tokens_seen
         super()._track_num_input_tokens(inputs)
         copies = self.accelerator.parallelism_config.non_data_parallel_size  # processes sharing a batch
         self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // copies
+
+
+class _OwnBatchOnly:
+    """A Trainer's accelerator seen without its ``parallelism_config`` (None: no processes share a
+    batch), everything else its own; what `TrainerCounts` counts an ungathered token count with."""
+
+    parallelism_config = None
+
+    def __init__(self, accelerator) -> None:
+        self._accelerator = accelerator
+
+    def __getattr__(self, name: str):
+        return getattr(self._accelerator, name)
