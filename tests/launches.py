@@ -10,8 +10,10 @@ the session's shared temporary folder) and read the same results.
 
 In the launch (``accelerate launch --config_file M.yaml tests/launches.py --job NAME MODULE ARG ...
 --job ...``): each job is ``MODULE.main()`` with ``ARG ...`` as its command line, in a fresh
-Accelerate state (a job's mixed precision is fixed once per state; the process group stays). A job
-that raises is reported on stderr and the next one runs; its test then finds no results.
+Accelerate state (a job's mixed precision is fixed once per state; the process group stays); a
+MODULE ending in ``.py`` is a script's path, run as ``python SCRIPT ARG ...`` would run it (the
+documented examples, tests/test_docs.py). A job that raises is reported on stderr and the next one
+runs; its test then finds no results.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import contextlib
 import fcntl
 import json
 import os
+import runpy
 import socket
 import subprocess
 import sys
@@ -141,9 +144,13 @@ def main() -> None:
     for name, module, args in _jobs(sys.argv[1:]):
         AcceleratorState._reset_state()
         GradientState._reset_state()
-        sys.argv = [f"{module}.py", *args]
+        script = module.endswith(".py")
+        sys.argv = [module if script else f"{module}.py", *args]
         try:
-            importlib.import_module(module).main()
+            if script:
+                runpy.run_path(module, run_name="__main__")
+            else:
+                importlib.import_module(module).main()
         except Exception:  # noqa: BLE001 - the next job runs; this one's test finds no results
             failed.append(name)
             print(f"job {name} ({module}) failed on rank {os.environ.get('RANK')}:\n{traceback.format_exc()}",

@@ -7,11 +7,11 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from doc_commands import documented
 from harness import run_command, run_ranks
 
 from taco_accel.data import build_tokenizer
@@ -166,9 +166,8 @@ def test_resume_repeats_the_uninterrupted_losses(base_checkpoint, tmp_path):
 def _launch(recipe: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    config = str(ROOT / "recipes/configs/cpu_tp2.yaml")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, str(ROOT / "recipes" / recipe),
-           "--steps", "3", "--eval-every", "3", "--max-len", "96", "--micro-batch-size", "2",
+    launch = documented(f"accelerate launch --config_file recipes/configs/cpu_tp2.yaml recipes/{recipe}")  # docs/finetune.md's
+    cmd = [*launch, "--steps", "3", "--eval-every", "3", "--max-len", "96", "--micro-batch-size", "2",
            "--max-eval-examples", "8", "--no-progress", "--device", "cpu", *args]
     done = run_command(cmd, env=env, cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]

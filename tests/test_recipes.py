@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
+from doc_commands import documented
 from harness import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,15 +115,15 @@ def test_the_simple_launchers_ignored_process_count_is_detected():
 
 @pytest.mark.slow
 def test_tiny_recipe_through_accelerate_launch(tmp_path, token_cache):
-    """`accelerate launch` with the CPU tp=2 config: 3 steps of the nano preset, evaluation,
-    tensorboard, the loss curve and an export that transformers loads."""
+    """The README's laptop command (`accelerate launch` with the CPU tp=2 config), shortened to 3
+    steps of the nano preset: evaluation, tensorboard, the loss curve and an export that
+    transformers loads."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes/configs/cpu_tp2.yaml"),
-        str(ROOT / "recipes/qwen_pretrain.py"), "--preset", "nano", "--steps", "3", "--eval-every", "3",
-        "--eval-batches", "1", "--seq-len", "32", "--output-dir", str(tmp_path / "run"), "--cache-dir", token_cache,
-        "--no-progress", "--device", "cpu",
+    cmd = [  # the README's laptop command, shortened
+        *documented("accelerate launch --config_file recipes/configs/cpu_tp2.yaml recipes/qwen_pretrain.py"),
+        "--preset", "nano", "--steps", "3", "--eval-every", "3", "--eval-batches", "1", "--seq-len", "32",
+        "--output-dir", str(tmp_path / "run"), "--cache-dir", token_cache, "--no-progress", "--device", "cpu",
     ]
     done = run_command(cmd, env=env, cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
