@@ -157,6 +157,76 @@ def bf16() -> dict:
     return out
 
 
+WIRE_STEP = 2  # the optimizer step whose collectives meet a chunk of another config
+HOST_READS = ("__bool__", "item", "tolist", "__float__", "__int__", "nonzero")  # what makes the host wait for a GPU
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """How many host reads of tensors the torch calls inside it made (``count``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += getattr(func, "__name__", "") in HOST_READS
+        return func(*args, **(kwargs or {}))
+
+
+def wire_errors() -> dict:
+    """A compressed chunk of another config at optimizer step WIRE_STEP (rank 1, of the first tp
+    group, changes a forward site's format: the wire size stays), the header reads deferred as on
+    a GPU (`codec.api.READ_AT_ONCE` emptied, as TACO_DEFER_HEADER_READS=1 does): per case (with
+    or without clipping; fp16), every rank's outcome: where the error came, the host reads of
+    clipping and the optimizer step of each step before, whether the failing step left the
+    weights alone."""
+    from accelerate.state import AcceleratorState
+    from taco_accel.codec import api
+
+    saved, api.READ_AT_ONCE = api.READ_AT_ONCE, ()
+    out = {}
+    try:
+        for case, clip, precision in (("clip", True, "no"), ("no_clip", False, "no"), ("fp16", True, "fp16")):
+            AcceleratorState._reset_state()
+            mine = _wire_run(clip, precision)
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
+            out[case] = every
+    finally:
+        api.READ_AT_ONCE = saved
+        AcceleratorState._reset_state()
+    return out
+
+
+def _wire_run(clip: bool, precision: str) -> dict:
+    acc = taco_accel.Accelerator(compression=taco_accel.TacoConfig(group_size=32), mixed_precision=precision)
+    model = fresh_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)  # no host reads of its own
+    model, opt, data = acc.prepare(model, opt, loader())
+    got = {"reads": [], "step": None, "type": None, "message": None}
+    for step, (ids,) in enumerate(data):
+        if step == WIRE_STEP and dist.get_rank() == 1:
+            site = acc.unwrap_model(model).taco.sites["layers.0.mlp.down_proj/fwd"]
+            site.config = site.config.replace(format="e5m2")
+        loss = model(input_ids=ids, labels=ids).loss
+        acc.backward(loss)
+        weight = next(model.parameters()).detach().clone()
+        try:
+            with HostReads() as reads:
+                if clip:
+                    acc.clip_grad_norm_(model.parameters(), CLIP)
+                opt.step()
+            opt.zero_grad()
+        except Exception as error:  # noqa: BLE001 - the outcome is what the test reads
+            got.update(step=step, type=type(error).__name__, message=str(error), nan_loss=bool(loss.isnan()),
+                       unchanged=torch.equal(weight, next(model.parameters()).detach()))
+            break
+        got["reads"].append(reads.count)
+        if step == WIRE_STEP + 1:
+            break
+    return got
+
+
 def resume(tmp: str) -> dict:
     folder = os.path.join(tmp, "ckpt")
     _, _, straight = train(None, save=folder)
@@ -241,6 +311,8 @@ def main() -> None:
         run("metrics", metrics)
     if "refusals" in checks:
         run("refusals", refusals)
+    if "wire" in checks:
+        run("wire", wire_errors)
     if "bf16" in checks:  # last: it changes Accelerate's process state
         run("bf16", bf16)
     if dist.get_rank() == 0:

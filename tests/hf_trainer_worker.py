@@ -137,6 +137,41 @@ def run_trainer(args, name: str, compression=None, resume: str | None = None, se
     return out
 
 
+def run_wire(args) -> dict:
+    """taco_trainer(Trainer), compressed, whose collectives meet a chunk of another config at
+    optimizer step 2 (rank 1 changes a forward site's format: the wire size stays; the header
+    reads deferred as on a GPU, `codec.api.READ_AT_ONCE` emptied as TACO_DEFER_HEADER_READS=1
+    does), logging only after the run: every rank's error, and the step it came at."""
+    import torch.distributed as dist
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    import taco_accel
+    from taco_accel.codec import api
+
+    class Drift(TrainerCallback):
+        def on_step_begin(self, targs, state, control, model=None, **kwargs):
+            if state.global_step == 2 and dist.get_rank() == 1:
+                site = taco_accel.models.context_of(model).sites["layers.0.mlp.down_proj/fwd"]
+                site.config = site.config.replace(format="e5m2")
+
+    cls = trainer_class(args, Trainer, compression=taco_accel.TacoConfig(group_size=32))
+    settings = common(args, "wire", logging_steps=STEPS + 1)  # no log, and so no statistics' pop, in the run
+    trainer = cls(model=tiny(), args=TrainingArguments(**settings), train_dataset=lm_rows(STEPS * BATCH * ACCUM * args.dp, 1),
+                  callbacks=[Drift()])
+    saved, api.READ_AT_ONCE = api.READ_AT_ONCE, ()
+    try:
+        trainer.train()
+        mine = {"type": None, "message": None}
+    except Exception as error:  # noqa: BLE001 - the outcome is what the test reads
+        mine = {"type": type(error).__name__, "message": str(error)}
+    finally:
+        api.READ_AT_ONCE = saved
+    mine["step"] = trainer.state.global_step
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {"ranks": every}
+
+
 def LogitsSeen():
     """A TrainerCallback that records, per forward of the trained model, (training, has logits)."""
     from transformers import TrainerCallback
@@ -375,6 +410,7 @@ def main() -> None:
         "checkpointed": lambda: run_checkpointed(args),
         "liger": lambda: run_liger(args),
         "unaveraged": lambda: run_unaveraged(args),
+        "wire": lambda: run_wire(args),
         "dpo": lambda: run_dpo(args, "dpo", ref="passed"),
         "dpo_path": lambda: run_dpo(args, "dpo_path", ref="path"),
         "dpo_lora": lambda: run_dpo(args, "dpo_lora", ref="lora"),

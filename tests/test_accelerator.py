@@ -15,7 +15,7 @@ import pytest
 
 # The 4-process launch runs dp=2 x tp=2 with the launch config's sizes, then FSDP2 dp=2 x tp=2
 # with sizes given as Accelerator(parallelism_config=...)
-CHECKS = {"tp2": "parity,resume,metrics,refusals,bf16", "dp2_tp2": "parity,fsdp_parity,resume,metrics"}
+CHECKS = {"tp2": "parity,resume,metrics,refusals,wire,bf16", "dp2_tp2": "parity,fsdp_parity,resume,metrics,wire"}
 MESHES = list(CHECKS)
 # (launch, its checks of compression off and on) of each mesh
 PARITY = {"tp2": ("tp2", "off", "on"), "dp2_tp2": ("dp2_tp2", "off", "on"), "fsdp2_tp2": ("dp2_tp2", "fsdp_off", "fsdp_on")}
@@ -114,6 +114,28 @@ def test_unsafe_paths_fail_loudly(run):
     assert plain is not None and "tensor-parallel" in plain and "from taco_accel import Accelerator" in plain, plain
     assert "taco_accel.taco_trainer(Trainer)" in plain, plain  # the door for a Trainer user (--multi_gpu)
     assert mismatch is not None and "tp=2" in mismatch and "tp=1" in mismatch, mismatch
+
+
+@pytest.mark.parametrize("case", ["clip", "no_clip", "fp16"])
+def test_a_wire_error_reaches_the_loop_at_the_optimizer_step_on_every_rank(run, case):
+    """A compressed chunk of another config (one rank changed a site's format at step 2; the
+    header reads deferred as on a GPU): the optimizer step of that step raises a WireFormatError
+    on every rank, before it uses the NaN values (fp16: the scaler does not skip it silently),
+    naming the site where a rank received the chunk (the other tp group's ranks: another rank's);
+    each step before reads the host once in clipping and the step together (fp16: the scaler's
+    own read)."""
+    name, result = run
+    ranks = _check(result, "wire")[case]
+    for rank, got in enumerate(ranks):
+        assert got["step"] == 2 and got["type"] == "WireFormatError", (rank, got)
+        assert got["unchanged"] and got["reads"] == [1, 1], (rank, got)  # the weights kept
+        assert got["nan_loss"] == (rank < 2), (rank, got)  # the other replica's loss is its own
+        if rank < 2:  # the tp group that exchanged the chunk
+            assert got["message"].startswith("layers.0.mlp.down_proj/fwd: "), (rank, got)
+            assert "another TacoConfig" in got["message"] and "values were read as NaN" in got["message"], got
+        else:
+            assert "another rank received" in got["message"], (rank, got)
+        assert "every rank must send the same shape" in got["message"], got
 
 
 # bf16 autocast, 6 AdamW steps, against one process under the same autocast. The bound is

@@ -494,7 +494,7 @@ def _headers_on_device(device: str = "cpu") -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     if device == "cuda":
         torch.cuda.set_device(0)
-    saved = api.READ_AT_ONCE
+    saved = api.read_at_once()
     api.READ_AT_ONCE = tuple(t for t in saved if t != device)
     out = {}
     try:

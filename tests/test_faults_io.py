@@ -406,8 +406,8 @@ def _run(out: str, **changes):
 
     values = dict(family="qwen2", preset="nano", seq_len=32, micro_batch_size=2, micro_batches=1, steps=2, lr=1e-2,
                   warmup_steps=0, eval_every=0, trackers=(), progress=False, export=False, plot=False,
-                  compression=None, output_dir=out, device="cpu", tp=2, save_every=1, **changes)
-    return Trainer(TrainConfig(**values))
+                  compression=None, output_dir=out, device="cpu", tp=2, save_every=1)
+    return Trainer(TrainConfig(**(values | changes)))
 
 
 def _cli(argv: list[str], error_file: str) -> dict:
@@ -481,6 +481,7 @@ def _ranks(root: str, data: str) -> dict:
     out["rerun"] = _outcome(lambda: _run(f"{root}/tok", data=data).train())
     # Accelerate's save_state / load_state contracts, with the user's own files in the folder
     out["accelerate"] = _outcome(lambda: _accelerate_contracts(root_path / "myrun"))
+    out["wire"] = _wire_error(f"{root}/wire", data)
     # command lines (last: the error ends the process group, as it ends the process)
     error_file = f"{root}/error{rank}.json"
     out["cli_tp"] = _cli(["--preset", "nano", "--tp", "3", "--output-dir", f"{root}/cli", "--trackers", "none"],
@@ -488,6 +489,32 @@ def _ranks(root: str, data: str) -> dict:
     out["cli_compression"] = _cli(["--compression", "maybe"], error_file + "b")
     out["cli_data"] = _cli(["--data", f"{root}/missing.jsonl"], error_file + "c")
     return out
+
+
+def _wire_error(out: str, data: str) -> dict:
+    """The recipes' loop, compressed, whose collectives meet a chunk of another config at step 3
+    (rank 1 changes a forward site's format: the wire size stays; the header reads deferred as on
+    a GPU, `codec.api.READ_AT_ONCE` emptied as TACO_DEFER_HEADER_READS=1 does): where it stops."""
+    from taco_accel.codec import api
+
+    trainer = _run(out, data=data, steps=4, save_every=0, compression=taco_accel.TacoConfig(group_size=32))
+    step = trainer.train_step
+
+    def drifting() -> dict:
+        if trainer.step == 2 and dist.get_rank() == 1:
+            sites = next(t for t in trainer.parts.site_tables() if "layers.0.mlp.down_proj/fwd" in t)
+            site = sites["layers.0.mlp.down_proj/fwd"]
+            site.config = site.config.replace(format="e5m2")
+        return step()
+
+    trainer.train_step = drifting
+    saved, api.READ_AT_ONCE = api.READ_AT_ONCE, ()
+    try:
+        got = _outcome(trainer.train)
+    finally:
+        api.READ_AT_ONCE = saved
+    weight = next(trainer.parts.parameters())
+    return {**got, "step": trainer.step, "rows": len(trainer.history), "finite_weights": bool(weight.isfinite().all())}
 
 
 def _shape_exchanges(model, batches: list) -> list[int]:
@@ -628,6 +655,14 @@ def test_a_batch_of_another_shape_on_one_rank_raises_on_every_rank(ranks):
     # rank 0's shape agreed before, rank 1's new: the check of every forward sees it
     _every_rank(ranks, "seen_and_new", "ValueError", "input_ids of different shapes ([[2, 8], [2, 6]]")
     assert _every_rank(ranks, "after", None) == [128, 128]
+
+
+def test_a_wire_error_stops_the_recipes_loop_before_its_optimizer_step(ranks):
+    # the step's one host read (loss, figures, gradient norm) carries the wire check: step 3's
+    # optimizer step never runs, the weights stay finite
+    for rank, got in enumerate(r["wire"] for r in ranks):
+        assert got["type"] == "WireFormatError" and got["step"] == got["rows"] == 2, (rank, got)
+        assert got["message"].startswith("layers.0.mlp.down_proj/fwd: ") and got["finite_weights"], (rank, got)
 
 
 def test_resuming_with_another_tokenizer_of_the_same_vocabulary_size_is_refused(ranks):

@@ -30,7 +30,7 @@ BATCH, ACCUM = 2, 2  # the worker's per-device batch and accumulation
 LOSS_TOL, NORM_RTOL = 2e-5, 1e-5
 LAUNCHES = {  # name: (dp, runs)
     "tp2": (1, "trainer,resume,compressed,sft,lora,plain_checkpoint,patched,"
-               "dpo,dpo_path,dpo_lora,dpo_compressed,checkpointed,liger,unaveraged"),
+               "dpo,dpo_path,dpo_lora,dpo_compressed,checkpointed,liger,unaveraged,wire"),
     # resume of dp replicas: test_accelerator; bf16 and fp16 (tp=2, dp=2 x tp=2): test_entry_matrix
     "dp2_tp2": (2, "trainer,sft,pipeline_sizes,dpo"),
 }
@@ -126,6 +126,16 @@ def test_unaveraged_token_counts_train_like_one_process(results):
 def test_use_liger_kernel_is_refused_at_construction(results):
     got, _ = run_of(results, "tp2", "liger")
     assert got["refused"] and "use_liger_kernel=True" in got["refused"] and "\n" not in got["refused"], got
+
+
+def test_a_wire_error_stops_training_at_its_optimizer_step_on_every_rank(results):
+    """A compressed chunk of another config at optimizer step 2, with no log in the run (the
+    statistics' pop, where the error used to come, never runs): train() raises a WireFormatError
+    on every rank at that step, naming the site, before the optimizer takes it (global_step 2)."""
+    got, _ = run_of(results, "tp2", "wire")
+    for rank, r in enumerate(got["ranks"]):
+        assert r["type"] == "WireFormatError" and r["step"] == 2, (rank, r)
+        assert r["message"].startswith("layers.0.mlp.down_proj/fwd: ") and "another TacoConfig" in r["message"], r
 
 
 @pytest.mark.parametrize("launch", list(LAUNCHES))

@@ -189,3 +189,70 @@ def test_header_flags_keep_a_mismatch_until_read(monkeypatch):
         for _ in range(calls):
             api.compare_headers(stack, layout, BASE, length_tag(4000), flags, views)
         assert not api.any_mismatch([flags])
+
+
+def _received(tags: list[int], layout: WireLayout) -> torch.Tensor:
+    """Two ranks' buffers as one rank receives them, each chunk tagged with the length in ``tags``."""
+    from taco_accel.codec import api
+    from taco_accel.codec.layout import length_tag
+
+    stack = torch.empty(len(tags), layout.total_bytes, dtype=torch.uint8)
+    for row, tag in zip(stack, tags):
+        api.encode_into(torch.ones(4096), row, layout, BASE, tag=length_tag(tag))
+    return stack
+
+
+def test_one_flag_for_many_sites_is_read_once_and_settled(monkeypatch):
+    """`codec.api.mismatch_flag` / `settle_flags` and `comm.stats.WireCheck`, what a training step
+    folds into a host read it makes anyway: one device flag for every site's comparisons since
+    their last read; nothing compared since, nothing covered; a clean read marks them read (the
+    comparisons written after it stay to be read); a set flag raises naming the site, and a flag
+    set by another rank (a sum over ranks) raises saying so."""
+    from taco_accel.codec import api
+    from taco_accel.codec.layout import length_tag
+    from taco_accel.comm.stats import WireCheck
+
+    monkeypatch.setattr(api, "READ_AT_ONCE", ())
+    layout = WireLayout.for_tensor(4096, BASE, 2)
+    good, bad = _received([4000, 4000], layout), _received([4000, 4090], layout)
+    ledger = comm.Ledger()
+    sites = [ledger.record(f"layers.{i}/fwd").header_flags for i in range(3)]
+
+    def compare(site: int, stack: torch.Tensor) -> None:
+        api.compare_headers(stack, layout, BASE, length_tag(4000), sites[site], api.header_views(stack, layout))
+
+    check = WireCheck([ledger], "cpu")
+    assert check.empty and float(check.flag) == 0.0  # nothing compared yet: nothing to read
+    for site in range(3):
+        compare(site, good)
+    check = WireCheck([ledger], "cpu")
+    assert not check.empty and float(check.flag) == 0.0
+    compare(1, bad)  # after the flag was taken: not covered by it, not marked read by its settle
+    check.settle(False)
+    assert [len(flags.pending()) for flags in sites] == [0, 1, 0]
+    check = WireCheck([ledger], "cpu")
+    assert float(check.flag) == 1.0
+    with pytest.raises(WireFormatError, match=r"^layers.1/fwd: .*message of another length"):
+        check.settle(True)
+    assert WireCheck([ledger], "cpu").empty  # read, and raised: started afresh
+    for site in range(3):
+        compare(site, good)
+    check = WireCheck([ledger], "cpu")
+    with pytest.raises(WireFormatError, match="another rank received .* that rank's error names the site"):
+        check.settle(True)  # this rank's chunks were fine; a peer's were not
+    assert ledger.pop() == {}  # the flags were read: the pop reads nothing more, and raises nothing
+
+
+@pytest.mark.parametrize("value,deferred", [("1", True), ("true", True), ("0", False), ("", False)])
+def test_defer_header_reads_is_a_switch(monkeypatch, value, deferred):
+    """``TACO_DEFER_HEADER_READS=1`` runs the GPU's deferred header reads on the CPU (read at first
+    use, as the ranks set it after the import); anything but a switch names the valid values."""
+    from taco_accel.codec import api
+
+    monkeypatch.setattr(api, "READ_AT_ONCE", None)
+    monkeypatch.setenv(api.DEFER_ENV, value)
+    assert api.read_at_once() == (() if deferred else ("cpu",))
+    monkeypatch.setattr(api, "READ_AT_ONCE", None)
+    monkeypatch.setenv(api.DEFER_ENV, "later")
+    with pytest.raises(ValueError, match="TACO_DEFER_HEADER_READS='later' is not a switch; set it to 1"):
+        api.read_at_once()

@@ -17,19 +17,22 @@ message of another length fails the same check. They check every chunk they rece
 device instead (`compare_headers`, then ``check=False`` on the read): no host sync, on every
 call and every device; a chunk whose header differs has its scales set to NaN (its values
 decode and sum to NaN, never to plausible numbers) and is counted in the caller's mismatches,
-which the caller reads at its next host sync (`raise_mismatches`); on the CPU, where reading
-costs nothing, at once (`READ_AT_ONCE`).
+which the caller reads at its next host sync (`raise_mismatches`, or one read for many callers:
+`mismatch_flag` and `settle_flags`); on the CPU, where reading costs nothing, at once
+(`read_at_once`), unless ``TACO_DEFER_HEADER_READS=1`` defers the CPU's reads too (the GPU's
+path, run on the CPU: how its tests run it).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from ..errors import ConfigTypeError, GroupOverflowError, NonFiniteError, WireFormatError
+from ..errors import ConfigTypeError, EnvironmentSettingError, GroupOverflowError, NonFiniteError, WireFormatError
 from . import dispatch
 from .config import CodecConfig
 from .layout import WireLayout, describe_header, signed_header, tag_difference
@@ -144,7 +147,7 @@ def check_wire(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig, ta
         if (word ^ expected) & 0xFFFF == 0 and tag:  # the settings agree; the tag, or the sign seed, does not
             raise WireFormatError(
                 f"{place} of the buffer belongs to {tag_difference(config)} (bytes 2-3 of its header "
-                f"{(word >> 16) & 0xFFFF:#06x}, expected {(expected >> 16) & 0xFFFF:#06x}): {_SIZES_DIFFER}"
+                f"{(word >> 16) & 0xFFFF:#06x}, expected {(expected >> 16) & 0xFFFF:#06x}): {SIZES_DIFFER}"
             )
         raise WireFormatError(
             f"{place} of the buffer was written with {describe_header(word)}, but is read with "
@@ -153,9 +156,25 @@ def check_wire(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig, ta
         )
 
 
-_SIZES_DIFFER = ("the ranks of a collective sent messages of different sizes (or settings); every rank must send "
+SIZES_DIFFER = ("the ranks of a collective sent messages of different sizes (or settings); every rank must send "
                  "the same shape at each call (pad the batch to one length on every rank of the group)")
-READ_AT_ONCE = ("cpu",)  # devices whose headers `compare_headers` reads at once (no host sync to pay)
+DEFER_ENV = "TACO_DEFER_HEADER_READS"
+READ_AT_ONCE: tuple[str, ...] | None = None  # `read_at_once`'s answer, once read (tests may set it)
+
+
+def read_at_once() -> tuple[str, ...]:
+    """The device types whose received headers `compare_headers` reads at once, where a read costs
+    no host sync: the CPU, unless ``TACO_DEFER_HEADER_READS=1`` defers its reads as a GPU's are
+    (the same code on CPU tensors). Read from the environment at first use (a process's ranks
+    are started before they set it), kept in `READ_AT_ONCE`."""
+    global READ_AT_ONCE
+    if READ_AT_ONCE is None:
+        text = os.environ.get(DEFER_ENV, "").strip().lower()
+        if text not in ("", "0", "1", "false", "true", "no", "yes", "off", "on"):
+            raise EnvironmentSettingError(f"{DEFER_ENV}={text!r} is not a switch; set it to 1 (read the wire headers "
+                                          "of CPU collectives at the next host sync, as on a GPU) or 0 / unset it")
+        READ_AT_ONCE = () if text in ("1", "true", "yes", "on") else ("cpu",)
+    return READ_AT_ONCE
 
 
 class HeaderViews(NamedTuple):
@@ -179,12 +198,12 @@ def header_views(buffer: torch.Tensor, layout: WireLayout) -> HeaderViews:
 
 class HeaderFlags:
     """The header comparisons of one caller (a site) since its last read, kept on their device
-    (`compare_headers` writes them, `raise_mismatches` and `any_mismatch` read them): per header
-    shape, a ring of `RING` bool rows. Each comparison is written straight into the next row
-    (the comparison is the flag: no second operation to or it into one); a read that finds them
-    all False starts the ring over, and a ring used up between reads has its rows or-ed into
-    row 0 (two operations). A comparison captured in a CUDA graph, which each replay writes
-    again, is or-ed into row 0 instead."""
+    (`compare_headers` writes them; `raise_mismatches`, `any_mismatch` and `mismatch_flag` read
+    them): per header shape, a ring of `RING` bool rows. Each comparison is written straight into
+    the next row (the comparison is the flag: no second operation to or it into one); a read that
+    finds them all False starts the ring over, and a ring used up between reads has its rows
+    or-ed into row 0 (two operations). A comparison captured in a CUDA graph, which each replay
+    writes again, is or-ed into row 0 instead (such a ring is read at every read)."""
 
     RING = 64
     __slots__ = ("rings",)
@@ -200,6 +219,7 @@ class HeaderFlags:
         if views.captured:
             differs = torch.ne(views.headers, expected)
             ring.rows[0].logical_or_(differs)
+            ring.captured = True
             return differs
         used = ring.used
         if used == self.RING:
@@ -209,6 +229,10 @@ class HeaderFlags:
         ring.used = used + 1
         return torch.ne(views.headers, expected, out=ring.rows[used])
 
+    def pending(self) -> list["_Ring"]:
+        """The rings written since their last read (no host read: Python counters)."""
+        return [ring for ring in self.rings.values() if ring.used > 1 or ring.captured]
+
     def __bool__(self) -> bool:
         return bool(self.rings)
 
@@ -217,11 +241,12 @@ class HeaderFlags:
 
 
 class _Ring:
-    __slots__ = ("stack", "rows", "folded", "used")
+    __slots__ = ("stack", "rows", "folded", "used", "captured")
 
     def __init__(self, shape: torch.Size, device: torch.device, length: int) -> None:
         self.stack = torch.zeros((length, *shape), dtype=torch.bool, device=device)
         self.rows, self.folded, self.used = self.stack.unbind(0), torch.empty(shape, dtype=torch.bool, device=device), 1
+        self.captured = False
 
 
 def compare_headers(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig, tag: int, flags: HeaderFlags,
@@ -237,7 +262,7 @@ def compare_headers(buffer: torch.Tensor, layout: WireLayout, config: CodecConfi
     if views is None:
         views = header_views(buffer, layout)
     expected = _header_tensor(config, tag)
-    if views.device.type in READ_AT_ONCE:
+    if views.device.type in (READ_AT_ONCE if READ_AT_ONCE is not None else read_at_once()):
         if bool(torch.ne(views.headers, expected).any()):
             check_wire(buffer, layout, config, tag)  # raises, naming the chunk and its settings
         return
@@ -260,26 +285,59 @@ def raise_mismatches(flags: HeaderFlags, where: str) -> None:
         flags.clear()
         raise WireFormatError(
             f"{where}: a chunk received since the last check did not carry this rank's header (another TacoConfig, "
-            f"or a message of another length or sign_seed; its values were read as NaN): {_SIZES_DIFFER}"
+            f"or a message of another length or sign_seed; its values were read as NaN): {SIZES_DIFFER}"
         )
 
 
 def any_mismatch(flag_sets: list[HeaderFlags]) -> bool:
     """Whether a chunk compared by `compare_headers` into any of ``flag_sets`` (each a caller's
-    `HeaderFlags`) differed: one host read per device for all of them, none while a CUDA graph
-    is captured (False then). For callers holding many sites' flags (`raise_mismatches` each
-    one only where this is True)."""
-    rings = [ring for flags in flag_sets for ring in flags.rings.values()]
+    `HeaderFlags`) since their last read differed: one host read for all of them (none when
+    nothing was compared since, nor while a CUDA graph is captured: False then). For callers
+    holding many sites' flags (`raise_mismatches` each one only where this is True)."""
+    rings = [ring for flags in flag_sets for ring in flags.pending()]
     if not rings or (rings[0].stack.is_cuda and torch.cuda.is_current_stream_capturing()):
         return False
+    flag, marks = mismatch_flag(flag_sets, rings[0].stack.device)
+    found = bool(flag)
+    settle_flags(marks, found)
+    return found
+
+
+class FlagMarks(NamedTuple):
+    """What `mismatch_flag` covered: each ring it read and how far it was written then."""
+
+    rings: list
+    used: list[int]
+
+
+def mismatch_flag(flag_sets: list[HeaderFlags], device) -> tuple[torch.Tensor, FlagMarks]:
+    """A 0-d float32 tensor on ``device``, 1.0 where a chunk compared into any of ``flag_sets``
+    since their last read differed, else 0.0, without a host read: for a caller to fold into a
+    collective or a host read it makes anyway; then `settle_flags` with what it read. Reads the
+    rings written since their last read only (a few operations per device, whatever the number
+    of sites)."""
+    rings = [ring for flags in flag_sets for ring in flags.pending()]
+    marks = FlagMarks(rings, [ring.used for ring in rings])
+    flag = torch.zeros((), dtype=torch.float32, device=device)
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for ring in rings:
-        by_device.setdefault(ring.stack.device, []).append(ring.stack.any())
-    if any(bool(same[0] if len(same) == 1 else torch.stack(same).any()) for same in by_device.values()):
-        return True
-    for ring in rings:
-        ring.used = 1  # every row read False: written over again
-    return False
+        by_device.setdefault(ring.stack.device, []).append(ring.stack.view(-1))
+    for stacks in by_device.values():
+        found = (stacks[0] if len(stacks) == 1 else torch.cat(stacks)).any()
+        flag = torch.maximum(flag, found.to(device=device, dtype=torch.float32))
+    return flag, marks
+
+
+def settle_flags(marks: FlagMarks, found: bool) -> None:
+    """After a caller read `mismatch_flag`'s value (``found``: it was set, on this rank or, for a
+    value reduced over ranks, on any): where none was found, the rings it covered are read and
+    written over again, unless written since; where one was, the caller raises
+    (`raise_mismatches` names the site)."""
+    if found:
+        return
+    for ring, used in zip(marks.rings, marks.used):
+        if ring.used == used:
+            ring.used = 1
 
 
 def _check_wire_where_cheap(buffer: torch.Tensor, layout: WireLayout, config: CodecConfig, tag: int = 0) -> None:

@@ -15,6 +15,12 @@ Recording is Python integer arithmetic on shapes: no device work, no host sync.
 every live model's, added up where two ledgers hold a site of the same name) and starts them
 afresh; ``Ledger.pop`` does that for one ledger (``model.taco.sites.pop_stats()``).
 
+Each record also keeps the device-side comparisons of the wire headers its site received
+(`codec.api.compare_headers`; on a GPU, or on the CPU with ``TACO_DEFER_HEADER_READS=1``): a pop
+reads those written since their last read and raises a `WireFormatError` naming the site; a
+training step reads them earlier, once per optimizer step, in a host read it makes anyway
+(`WireCheck`: taken for every site of a model, its flag folded into that read, then settled).
+
 Error sampling is off by default. ``set_error_sampling(N)`` makes every N-th *compressed*
 call of each site also run the plain collective in float64 and keep
 ``||compressed - exact|| / ||exact||`` as a device tensor; it is read (one sync) only when the
@@ -32,7 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codec.api import HeaderFlags, any_mismatch, raise_mismatches
+from ..codec.api import SIZES_DIFFER, HeaderFlags, any_mismatch, mismatch_flag, raise_mismatches, settle_flags
+from ..errors import WireFormatError
 
 
 def ring_bytes(kind, nbytes: int, world: int) -> int:
@@ -144,18 +151,60 @@ class Ledger:
             found = self._records[site] = SiteRecord()
         return found
 
-    def pop(self) -> dict[str, CommStats]:
+    def pop(self, check: bool = True) -> dict[str, CommStats]:
         """The figures of every site that was called since the last pop, by name; then zero them.
-        A `WireFormatError` naming the site if a chunk it received since had another header (a
-        host sync: the flags of every site are read here at once)."""
-        flagged = [(name, record.header_flags) for name, record in self._records.items() if record.header_flags]
-        if any_mismatch([flags for _, flags in flagged]):
-            for name, flags in flagged:
-                raise_mismatches(flags, name)
+        ``check``: a `WireFormatError` naming the site if a chunk it received since the last read
+        of its header flags had another header (one host read for every site's flags, none when
+        none was compared since). ``check=False`` leaves them to a `WireCheck`."""
+        if check:
+            flagged = self.header_flags()
+            if any_mismatch([flags for _, flags in flagged]):
+                for name, flags in flagged:
+                    raise_mismatches(flags, name)
         return {name: rec.pop() for name, rec in self._records.items() if rec.calls or rec.errors}
+
+    def header_flags(self) -> list[tuple[str, HeaderFlags]]:
+        """``(site, its HeaderFlags)`` of every site that has compared a received header."""
+        return [(name, record.header_flags) for name, record in self._records.items() if record.header_flags]
 
     def __repr__(self) -> str:
         return f"Ledger({len(self._records)} sites)"
+
+
+class WireCheck:
+    """The header flags of the sites of some ledgers (a model's) compared since their last read, as
+    one device flag, for a caller to read along with values it reads anyway (or to sum over ranks
+    in a collective it makes anyway), then `settle` with what it read: no host read of its own.
+
+    ``flag``: a 0-d float32 tensor on ``device``, 1.0 where a chunk that one of the sites received
+    had another header (its values read as NaN), else 0.0. What the training steps use to raise
+    such an error at the optimizer step that would use the values (`taco_accel.Accelerator`)."""
+
+    __slots__ = ("named", "flag", "_marks")
+
+    def __init__(self, ledgers, device) -> None:
+        self.named = [named for ledger in ledgers for named in ledger.header_flags()]
+        self.flag, self._marks = mismatch_flag([flags for _, flags in self.named], device)
+
+    @property
+    def empty(self) -> bool:
+        """Whether no site compared a header since the last read (``flag`` is 0 then)."""
+        return not self._marks.rings
+
+    def settle(self, found: bool) -> None:
+        """After the caller read ``flag`` (or its sum over ranks: ``found``, whether it was set): a
+        `WireFormatError` naming this rank's first site with such a chunk (reading each site's
+        flags: the error path), or saying a peer's site had one; else the flags are marked read."""
+        settle_flags(self._marks, found)
+        if not found:
+            return
+        for name, flags in self.named:
+            raise_mismatches(flags, name)
+        raise WireFormatError(
+            "a chunk that another rank received in this step's collectives did not carry its header (another "
+            f"TacoConfig, or a message of another length or sign_seed; its values were read as NaN), and that rank's "
+            f"error names the site: {SIZES_DIFFER}"
+        )
 
 
 class _Sampling:
@@ -180,14 +229,14 @@ def set_error_sampling(every: int) -> None:
     _sampling.generation += 1
 
 
-def pop_ledgers(ledgers) -> dict[str, CommStats]:
+def pop_ledgers(ledgers, check: bool = True) -> dict[str, CommStats]:
     """The figures of the sites of ``ledgers`` (one model's) since their last pop, keyed by site
     name (added up where two ledgers hold a site of one name), then reset: what one model's
     consumers read (`taco_accel.Accelerator.compression_stats`, the training loops), leaving
-    every other model's figures alone."""
+    every other model's figures alone. ``check``: `Ledger.pop`'s."""
     out: dict[str, CommStats] = {}
     for ledger in ledgers:
-        for name, figures in ledger.pop().items():
+        for name, figures in ledger.pop(check).items():
             out[name] = out[name] + figures if name in out else figures
     return out
 

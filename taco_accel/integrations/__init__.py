@@ -3,7 +3,8 @@
 The only layer that knows Accelerate and peft: `Accelerator` (``accelerate.Accelerator`` for
 TACO tensor-parallel models, adapting Accelerate's methods to a module per concern: the mesh's
 sizes, ``sizes.py``; the models laid out on it, ``laid_out.py``; fp16 scaling and precision
-checks, ``precision.py``; gradient reduction and clipping over the mesh, ``gradients.py``;
+checks, ``precision.py``; gradient reduction and clipping over the mesh, ``gradients.py``; the
+wire-header errors of a step, raised at its optimizer step, ``wire.py``;
 ``gather`` / ``reduce`` over the replicas, ``replicas.py``; reshardable ``save_state`` /
 ``load_state``, ``saving.py`` over `checkpoint`; the communication figures, ``statistics.py``;
 what ``accelerate launch`` hands a process, ``launch.py``); peft LoRA on the parallel layers

@@ -95,6 +95,7 @@ from . import precision, replicas, saving, sizes, statistics
 from .gradients import FsdpNoSync, StepOptimizer
 from .laid_out import LaidOutModels
 from .launch import launch_notes, without_parallelism_config
+from .wire import StepWire
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +186,9 @@ class Accelerator(_AccelerateAccelerator):
         self.compression, self.sequence_parallel, self.logits = compression, sequence_parallel, logits
         self.grad_compression = grad_compression
         self.laid_out = LaidOutModels()  # the models prepared here, each with its ModelParts
+        self.step_wire = StepWire(self.laid_out.ledgers, self.device, world,
+                                  compression.mode != "off" or grad_compression.mode != "off",
+                                  self.scaler if self.mixed_precision == "fp16" else None)
         self._checkpoints = saving.Checkpoints()
         if self.is_main_process:
             for note in launch_notes(world):
@@ -362,8 +366,8 @@ class Accelerator(_AccelerateAccelerator):
             )
         if device_placement is None:
             device_placement = self.device_placement
-        prepared = StepOptimizer(optimizer, self._finish_gradients, self.laid_out.step_done,
-                                  device_placement=device_placement, scaler=self.scaler)
+        prepared = StepOptimizer(optimizer, self._finish_gradients, self._step_done, self.step_wire,
+                                 device_placement=device_placement, scaler=self.scaler)
         upstream.add_prepared(self, "optimizer", prepared)
         return prepared
 
@@ -420,6 +424,11 @@ class Accelerator(_AccelerateAccelerator):
         if self.sync_gradients:
             self.laid_out.finish_gradients()
 
+    def _step_done(self) -> None:
+        """The optimizer stepped or zeroed the gradients: the next backward starts a new step."""
+        self.laid_out.step_done()
+        self.step_wire.step_done()
+
     # -- gradients --------------------------------------------------------------------------
     def no_sync(self, model):
         """Accumulate without reducing: the reduction happens once, before the optimizer step;
@@ -432,11 +441,24 @@ class Accelerator(_AccelerateAccelerator):
         if norm_type != 2:
             raise ValueError(f"norm_type={norm_type!r}: taco_accel clips by the 2-norm only; use norm_type=2")
         params = list(parameters)
-        self.unscale_gradients()
         owners = self.laid_out.owners_of(params)
+        # before the unscale: fp16's overflow check (and the wire check it carries) then covers
+        # every collective of the step, the data-parallel reduction's too
+        self._finish_gradients()
+        self.unscale_gradients()
         # inside an accumulation (sync_gradients False): the local gradients as they are, as
         # Accelerate's DDP under no_sync; the reduction waits for the step
-        return clip_grad_norm_(owners, params, max_norm, finish=self.sync_gradients).float()  # fp32, as Accelerate
+        wire = self.step_wire.fold() if self.sync_gradients else None  # summed in the norm's all-reduce
+        norm = clip_grad_norm_(owners, params, max_norm, finish=self.sync_gradients, extra=wire)
+        return norm.float()  # fp32, as Accelerate
+
+    def read_with_wire_check(self, values: torch.Tensor) -> list[float]:
+        """``values`` (a 1-D tensor on this device: the figures a training loop reads every step)
+        as floats, read together with the step's wire-header flag in one host transfer: a
+        `WireFormatError` on every rank if a compressed chunk of the step's collectives had
+        another header (its values read as NaN). Call it after ``clip_grad_norm_`` and before
+        ``optimizer.step()``, which then reads nothing more (`wire.StepWire`)."""
+        return self.step_wire.read_with(values)
 
     # -- evaluation -------------------------------------------------------------------------
     def gather(self, tensor):

@@ -2,7 +2,8 @@
 backward, so that accumulation needs no communication.
 
 - `StepOptimizer`: Accelerate's optimizer wrapper whose real step first reduces the step's
-  gradients over the mesh (unless clipping already has) and then opens the next step;
+  gradients over the mesh (unless clipping already has), raises the step's wire-header errors
+  (`wire.StepWire`) and then opens the next step;
 - `FsdpNoSync`: ``no_sync`` for such models: FSDP2 modules skip their per-micro-batch
   reduce-scatter; the others have nothing to skip.
 """
@@ -14,11 +15,13 @@ from accelerate.optimizer import AcceleratedOptimizer
 
 class StepOptimizer(AcceleratedOptimizer):
     """Accelerate's optimizer wrapper whose real steps first reduce the step's gradients (if
-    clipping has not) and then open the next step (``done``)."""
+    clipping has not), raise a wire-header error of the step's collectives on every rank before
+    the optimizer uses them (``wire``: the accelerator's `wire.StepWire`), and then open the next
+    step (``done``)."""
 
-    def __init__(self, optimizer, finish, done, **kwargs):
+    def __init__(self, optimizer, finish, done, wire, **kwargs):
         super().__init__(optimizer, **kwargs)
-        self._finish, self._done = finish, done
+        self._finish, self._done, self._wire = finish, done, wire
         self.steps = 0  # optimizer steps taken (not skipped): the training step a checkpoint records
 
     def step(self, closure=None):
@@ -26,7 +29,9 @@ class StepOptimizer(AcceleratedOptimizer):
             return super().step(closure)
         self._finish()
         try:
+            self._wire.before_step()
             out = super().step(closure)
+            self._wire.after_step(self.step_was_skipped)
             self.steps += not self.step_was_skipped
             return out
         finally:

@@ -177,7 +177,7 @@ class ModelParts:
 
 
 def clip_grad_norm_(parts: list[ModelParts], params: list[nn.Parameter], max_norm: float,
-                    finish: bool = True) -> torch.Tensor:
+                    finish: bool = True, extra: torch.Tensor | None = None) -> torch.Tensor:
     """Finish the gradients of ``parts`` (`ModelParts.finish_gradients`; ``finish=False``: clip
     them as they are, e.g. inside gradient accumulation), then clip ``params``
     (theirs, or a subset) by the norm of the whole unsharded model's gradient over the mesh,
@@ -185,7 +185,9 @@ def clip_grad_norm_(parts: list[ModelParts], params: list[nn.Parameter], max_nor
     returns the norm before clipping, a float64 0-d tensor on the gradients' device, without a
     host sync (the factor is 1 where the norm is within ``max_norm``). ``max_norm``: a number
     >= 0 (``0`` only measures, ``inf`` never clips); NaN or a negative value raises a
-    ValueError (torch's own clip would turn every gradient into NaN or flip its sign)."""
+    ValueError (torch's own clip would turn every gradient into NaN or flip its sign).
+    ``extra``: a small float tensor summed over the mesh in place, in the norm's all-reduce (a
+    step's flags: `comm.stats.WireCheck`)."""
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) and not (
             torch.is_tensor(max_norm) and max_norm.numel() == 1):
         raise TypeError(f"max_norm={max_norm!r}: pass a number (the largest gradient norm, e.g. 1.0)")
@@ -199,7 +201,13 @@ def clip_grad_norm_(parts: list[ModelParts], params: list[nn.Parameter], max_nor
         if finish:
             part.finish_gradients()
         total += part.grad_norm_sq(params).to(device)
-    dist.all_reduce(total)  # the default group spans the mesh
+    if extra is None:
+        dist.all_reduce(total)  # the default group spans the mesh
+    else:
+        both = torch.cat([total.view(1), extra.to(total).view(-1)])
+        dist.all_reduce(both)
+        total = both[0]
+        extra.copy_(both[1:].view_as(extra))
     norm = total.sqrt()
     if max_norm > 0:
         factor = torch.where(norm > max_norm, max_norm / (norm + 1e-6), torch.ones_like(norm))

@@ -333,7 +333,8 @@ class Finetuner(TrainingLoop):
             out.loss.backward()
             losses.append(out.loss.detach())
         loss = torch.stack(losses).double().sum()  # on the device: read with the step's other figures
-        grad_norm = self.accelerator.clip_grad_norm_(self.trainable, self.cfg.max_grad_norm).item()
+        grad_norm = self.accelerator.clip_grad_norm_(self.trainable, self.cfg.max_grad_norm)
+        grad_norm, = self.accelerator.read_with_wire_check(grad_norm.double().view(1))  # the step's wire check too
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()

@@ -267,14 +267,15 @@ class Trainer(TrainingLoop):
     def _reduce(self, loss: torch.Tensor, *extra: float, same: torch.Tensor | None = None) -> list[float]:
         """Global mean loss and summed extras, on every rank, in one all-reduce and one host
         transfer (which also waits for the step's device work); ``same``: a 0-d tensor every
-        rank already holds the global value of (the gradient norm), read in that transfer, last."""
+        rank already holds the global value of (the gradient norm), read in that transfer, last,
+        with the step's wire-header check (`Accelerator.read_with_wire_check`)."""
         counts = self.parts.has_last_stage and self.coords["tp"] == 0
         mine = loss / self.dims.dp if counts else torch.zeros_like(loss)
         values = torch.cat([mine.view(1), torch.tensor(extra, dtype=torch.float64).to(self.device)])
         dist.all_reduce(values)
-        if same is not None:
-            values = torch.cat([values, same.detach().to(values).view(1)])
-        return values.tolist()
+        if same is None:
+            return values.tolist()
+        return self.accelerator.read_with_wire_check(torch.cat([values, same.detach().to(values).view(1)]))
 
     def train_step(self) -> dict:
         """One optimizer step on the next global batch; returns its metrics (on every rank)."""
@@ -283,13 +284,14 @@ class Trainer(TrainingLoop):
         inputs, labels = self.batches.batch(self.step)
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.pipe.step(inputs, labels)  # in the accelerator's autocast (prepare_pipeline's runner)
-        grad_norm = acc.clip_grad_norm_(self.params, cfg.max_grad_norm)  # read with the loss: one host sync a step
+        grad_norm = acc.clip_grad_norm_(self.params, cfg.max_grad_norm)
+        # read with the loss and the wire check, before the optimizer uses the step: one host sync a step
+        loss, *traffic, grad_norm = self._reduce(loss, *comm_totals(self.parts.ledgers()), same=grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
         self.batches.step = self.step
-        loss, *traffic, grad_norm = self._reduce(loss, *comm_totals(self.parts.ledgers()), same=grad_norm)
         seconds = time.perf_counter() - start
         tokens = self.global_batch * cfg.seq_len
         return {
