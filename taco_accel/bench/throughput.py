@@ -41,10 +41,10 @@ is ``torch.cuda.max_memory_allocated`` over the timed steps; memory held is
 ``torch.cuda.memory_allocated`` after the last timed step returned (after its optimizer step:
 parameters, optimizer state and whatever the loop keeps until the next step). The losses are
 the first and the last step's mean token loss: the plain rows start from the same weights and
-batch, so their first losses differ by rounding alone. ``--rounds`` repeats the rows in turn
-(rows later in a call can read faster; compare interleaved rounds); the table gives each row's
-tokens/s per round and its mean over the fastest row not ours (``vs best plain``). A row that
-fails prints why.
+batch, so their first losses differ by rounding alone. ``--rounds`` repeats the rows in turn,
+every other round in reverse order (rows later in a call can read faster: no row is always
+first); the table gives each row's tokens/s per round and the ratio of its mean to the best mean
+of the rows not ours (``vs best plain``). A row that fails prints why, and is not run again.
 """
 
 from __future__ import annotations
@@ -371,7 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="0.5b", help="the recipes' Qwen2 preset (0.5b, 1.5b, 3b: Qwen2.5's shapes)")
     p.add_argument("--vocab", type=int, default=QWEN25_VOCAB, help="vocabulary size (default: Qwen2.5's)")
     p.add_argument("--rows", default=",".join(DEFAULT_ROWS), help="comma-separated rows, from " + ", ".join(ROWS))
-    p.add_argument("--rounds", type=int, default=1, help="run the rows in turn this many times (interleaved)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the rows in turn this many times, every other round in reverse order")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--micro-batches", type=int, default=2)
@@ -404,8 +405,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     child_argv = _without(argv, ("--rows", "--json", "--rounds"))
     caches = tempfile.mkdtemp(prefix="taco-bench-compile-")
     try:
-        for _ in range(args.rounds):
-            for row in (r for r in rows if r not in settled):
+        for round_ in range(args.rounds):
+            for row in (r for r in (rows[::-1] if round_ % 2 else rows) if r not in settled):
                 cache = os.path.join(caches, row)  # the row's own: cold in its first round, warm after
                 results.append(in_fresh_process("taco_accel.bench.throughput", "row", row, child_argv,
                                                 env={"TORCHINDUCTOR_CACHE_DIR": cache,
