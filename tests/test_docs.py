@@ -483,7 +483,7 @@ def test_the_marked_examples_run_as_one_process(tmp_path):
 
 def slug(heading: str) -> str:
     """GitHub's anchor of a heading."""
-    text = re.sub(r"[`*_]|\[|\]\([^)]*\)", "", heading.strip().lower())
+    text = re.sub(r"[`*]|\[|\]\([^)]*\)", "", heading.strip().lower())
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
