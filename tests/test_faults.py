@@ -422,3 +422,27 @@ def test_a_stalled_peer_fails_the_collective_with_its_site_named(tmp_path):
     assert r["type"] == "CollectiveTimeout", r
     assert "layers.0.mlp.down_proj/fwd" in r["message"] and "TACO_TIMEOUT_S" in r["message"], r["message"]
     assert peer["released"]  # rank 0 failed while its peer still was not answering
+
+
+def _shapes_at_a_later_step(mode: str) -> dict:
+    """TP ranks fed batches of different shapes at a later step, where one rank's shape was agreed
+    before and the other's is new: the new one is checked by its rank while the other rank goes on
+    to the model's collectives (``mode``: "plain" or "compressed"). A group of its own, whose
+    timeout is TACO_TIMEOUT_S."""
+    from taco_accel.parallel import ParallelDims, build_mesh
+
+    group = build_mesh(ParallelDims(tp=2), "cpu")["tp"].get_group()
+    compression = None if mode == "plain" else taco_accel.TacoConfig(group_size=32)
+    model = taco_accel.parallelize(tiny_model("qwen2"), compression=compression, device_mesh=group)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(ids)  # the first batch: compared, its shape agreed
+    return _error(lambda: model(ids if dist.get_rank() == 0 else ids[:, :7]))
+
+
+@pytest.mark.parametrize("mode", ["plain", "compressed"])
+def test_ranks_fed_other_shapes_at_a_later_step_name_the_shapes_on_every_rank(mode):
+    # the group's timeout: 3 s; the launch's FAST_S bounds the whole (no hang)
+    for rank, got in enumerate(run_ranks(_shapes_at_a_later_step, 2, mode, timeout=FAST_S, env={"TACO_TIMEOUT_S": "3"})):
+        assert got["type"] == "CollectiveMismatch", (rank, got)
+        assert "the TP ranks got input_ids of different shapes ({0: [2, 8], 1: [2, 7]}" in got["message"], (rank, got)
+        assert "same batch size and sequence length" in got["message"], (rank, got)

@@ -17,6 +17,7 @@ from taco_accel.errors import ConfigError
 from taco_accel.models.tiny import tiny_model
 from taco_accel.upstream import accelerate as up_accelerate
 from taco_accel.upstream import peft as up_peft
+from taco_accel.upstream import torch as up_torch
 from taco_accel.upstream import transformers as up_transformers
 from taco_accel.upstream import trl as up_trl
 from taco_accel.upstream.versions import check_range
@@ -29,7 +30,7 @@ def test_an_unsupported_version_names_the_supported_range():
                                           r"version in that range \(pip install 'torch>=0.1,<0.2'\)"):
         check_range("torch", "0.1", "0.2")
     assert check_range("no-such-package-taco", "0.1", "0.2") is None  # optional and absent: nothing to check
-    for module in (up_accelerate, up_transformers, up_peft, up_trl):  # the installed stack is supported
+    for module in (up_accelerate, up_transformers, up_peft, up_trl, up_torch):  # the installed stack is supported
         assert module.check_version() is not None, module.__name__
 
 
@@ -347,3 +348,27 @@ def test_trl_fused_head_takes_the_keyword():
     assert not up_trl.has_fused_head(model.__dict__.get("forward"))
     add_fused_lm_head(model)
     assert up_trl.has_fused_head(model.__dict__.get("forward"))
+
+
+def _group_stores() -> dict:
+    import torch.distributed as dist
+
+    from taco_accel.upstream.torch import group_store
+
+    group = dist.new_group([0, 1])
+    out = {}
+    for name, g in (("default", None), ("group", group)):
+        store = group_store(g)
+        store.set(f"note{dist.get_rank()}", name)
+        store.wait([f"note{1 - dist.get_rank()}"])
+        out[name] = store.get(f"note{1 - dist.get_rank()}").decode()
+    return out
+
+
+def test_a_process_groups_store_passes_notes_between_its_ranks():
+    """`upstream.torch.group_store`: the store a group was made with, where each rank reads what
+    another wrote (the default group's and a new group's, each with keys of its own)."""
+    from harness import run_ranks
+
+    assert up_torch.check_version() is not None
+    assert run_ranks(_group_stores, 2) == [{"default": "default", "group": "group"}] * 2

@@ -26,7 +26,14 @@ round trip (`python -m taco_accel.bench.collectives --host` prints it; benchmark
 the figure); under CUDA graph capture it is skipped.
 
 `named_timeouts` turns torch.distributed's timeout of a stalled peer into a `CollectiveTimeout`
-naming the site, the collective and the group's ranks.
+naming the site, the collective and the group's ranks; or, where the layer above noted what each
+rank fed the group in the forward under way (`note_input`: the models' input check notes the
+ids' shape at every forward, a dictionary write) and the ranks' notes differ, into the error that
+names the difference, on every rank: the ranks compare their notes through the group's store
+(`upstream.torch.group_store`), which answers when the group itself no longer can. The case: a
+rank whose batch shape is new checks it with its peers (`models.checks.InputIdsCheck`), while a
+peer whose shape was agreed before goes straight to the model's collectives; each waits for the
+other until the group's timeout.
 """
 
 from __future__ import annotations
@@ -36,12 +43,16 @@ import functools
 import hashlib
 import json
 import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from ..codec import CodecConfig
 from ..errors import CollectiveMismatch, CollectiveTimeout, EnvironmentSettingError
+from ..upstream.torch import group_store
 from . import dist_ops
 
 DEBUG_ENV = "TACO_CHECK_COLLECTIVES"
@@ -195,18 +206,63 @@ def named_timeouts(site: str, what: str, group):
         raise named from error
 
 
+class InputNote(NamedTuple):
+    """What this rank fed a group in the forward under way (`note_input`)."""
+
+    forward: int  # the group's forwards noted on this rank: the same count on every rank of it
+    value: tuple  # e.g. the ids' (batch, sequence)
+    explain: Callable[[dict[int, tuple], str], str]  # (every rank's value, the timeout in words) -> the error
+
+
+_notes: dict = {}  # group (None: the default one) -> its latest InputNote
+NOTES_WAIT_S = 10.0  # how long a timed-out rank waits for its peers' notes (their timeouts fire about as its own)
+
+
+def note_input(group, value: tuple, explain: Callable[[dict[int, tuple], str], str]) -> None:
+    """Keep ``value``, what this rank feeds ``group`` in the forward that starts, for a timeout of
+    the group to compare with its peers' (`timeout_error`); ``explain(values by rank, what timed
+    out)``: the error's message where they differ. A dictionary write per forward, nothing else."""
+    last = _notes.get(group)
+    _notes[group] = InputNote(0 if last is None else last.forward + 1, value, explain)
+
+
 def timeout_error(error: RuntimeError, site: str, what: str, group) -> Exception:
     """For a torch.distributed timeout, the `CollectiveTimeout` naming ``site``, ``what`` timed out
-    and the group's ranks (to raise ``from error``); ``error`` itself for any other error."""
+    and the group's ranks (to raise ``from error``), or the `CollectiveMismatch` that names what
+    the ranks fed the group differently (`note_input`); ``error`` itself for any other error."""
     text = str(error)
     if isinstance(error, CollectiveTimeout) or not any(k in text for k in ("imed out", "imeout")):
         return error
+    differing = _differing_notes(group)
+    if differing is not None:
+        values, explain = differing
+        return CollectiveMismatch(explain(values, f"{site}: {what} timed out"))
     ranks = dist.get_process_group_ranks(group) if group is not None else "all"
     return CollectiveTimeout(
         f"{site}: {what} over ranks {ranks} got no answer within the group's timeout: a peer stopped, "
         f"died, or runs another collective (its own error names it). Raise the timeout with TACO_TIMEOUT_S "
         f"or --timeout if a step is legitimately that slow. ({text.splitlines()[0][:300]})"
     )
+
+
+def _differing_notes(group) -> tuple[dict[int, tuple], Callable] | None:
+    """Every rank's note of the forward under way and its explanation, where the ranks of
+    ``group`` noted different values; None where they agree, this rank noted none, or a peer's note
+    did not come within `NOTES_WAIT_S` (a peer that died, or waits elsewhere). Through the group's
+    store: one write and one wait per rank, only on this error path."""
+    note = _notes.get(group)
+    store = group_store(group) if note is not None else None
+    if store is None:
+        return None
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    key = f"taco/input_notes/{note.forward}/"
+    try:
+        store.set(key + str(dist.get_rank()), json.dumps(list(note.value)))
+        store.wait([key + str(r) for r in ranks], timedelta(seconds=NOTES_WAIT_S))
+        values = {r: tuple(json.loads(store.get(key + str(r)))) for r in ranks}
+    except (RuntimeError, ValueError):  # a peer's note never came (the store's own timeout)
+        return None
+    return (values, note.explain) if len(set(values.values())) > 1 else None
 
 
 def _name_words(kind: str) -> list[int]:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm import agreement
 from ..comm.agreement import debug as check_every_call
 from ..comm.copies import SharesGroup
 from ..upstream.transformers import has_peft_adapters
@@ -332,10 +333,14 @@ class InputIdsCheck(SharesGroup):
 
     A shape checked once is not exchanged again: a training run pays one all-gather per batch
     shape, not one per forward. Ranks that later get different shapes are caught where the shape
-    is new on every rank (an uneven last batch); where one of them has seen its shape before, the
-    TP collectives of different sizes are left to the backend, as any collective whose length
-    changes after its first call is (`taco_accel.comm.agreement`): ``TACO_CHECK_COLLECTIVES=1``
-    checks the shape on every forward, and then every rank raises.
+    is new on every rank (an uneven last batch). Where it is new on some ranks only, those check it
+    while the others, whose shape was agreed before, go on to the model's collectives: both wait
+    until the group's timeout, and then every rank raises the same ValueError naming each rank's
+    shape (each forward notes its shape, `comm.agreement.note_input`, which the timed-out ranks
+    compare through the group's store). Where every rank's shape was agreed before, the TP
+    collectives of different sizes are left to the backend, as any collective whose length changes
+    after its first call is (`taco_accel.comm.agreement`; gloo aborts the process):
+    ``TACO_CHECK_COLLECTIVES=1`` checks the shape on every forward, and then every rank raises.
 
     Every TP rank sees the same ids, so a local range check makes them all raise. The range
     check costs one min/max pass over the ids (see `_out_of_range`): no host sync on an
@@ -360,6 +365,8 @@ class InputIdsCheck(SharesGroup):
             )
         check_not_under_ddp(self.group)  # before any collective: every rank raises alone
         if not torch.compiler.is_compiling():  # a compiled graph keeps no count and no shapes
+            if self.same_shape and self._size() > 1:
+                agreement.note_input(self.group, _leading_shape(ids), _shapes_differ_after_timeout)
             if self.same_batch_checks > 0:
                 self.same_batch_checks -= 1
                 self.check_same_batch(ids)  # first: a collective every rank reaches
@@ -377,19 +384,17 @@ class InputIdsCheck(SharesGroup):
         mine = torch.empty(2, dtype=torch.long, device=ids.device)
         mine[0], mine[1] = _leading_shape(ids)  # fills: no copy, no host sync
         every = [torch.empty_like(mine) for _ in range(size)]
-        dist.all_gather(every, mine, group=self.group)
+        with agreement.named_timeouts("input_ids", "the check that every tp rank got input_ids of one shape",
+                                      self.group):  # peers that agreed on their shape before never join it
+            dist.all_gather(every, mine, group=self.group)
         if ids.device.type != "cpu":
             torch._assert_async(torch.stack(every).eq(mine).all(), "the TP ranks got input_ids of different shapes")
             self.agreed.add(_leading_shape(ids))  # a difference fails the next synchronisation
             return
         shapes = [t.tolist() for t in every]
         if any(s != shapes[0] for s in shapes):
-            raise ValueError(
-                f"the TP ranks got input_ids of different shapes ({shapes}, by rank of the tp group). Every rank of "
-                "a TP group must get the same batch: shard the data over the data-parallel ranks only (with "
-                "Accelerate: `from taco_accel import Accelerator`), and give every rank the same batch size and "
-                "sequence length (drop or pad an uneven last batch on all ranks alike)"
-            )
+            raise ValueError(f"the TP ranks got input_ids of different shapes ({shapes}, by rank of the tp group). "
+                             f"{SAME_BATCH_FIX}")
         self.agreed.add(_leading_shape(ids))
 
     def check_same_batch(self, ids: torch.Tensor) -> None:
@@ -413,6 +418,20 @@ class InputIdsCheck(SharesGroup):
                 "not the global ones)"
             )
         self.agreed.add(_leading_shape(ids))
+
+
+SAME_BATCH_FIX = ("Every rank of a TP group must get the same batch: shard the data over the data-parallel ranks "
+                  "only (with Accelerate: `from taco_accel import Accelerator`), and give every rank the same batch "
+                  "size and sequence length (drop or pad an uneven last batch on all ranks alike)")
+
+
+def _shapes_differ_after_timeout(shapes: dict[int, tuple], timed_out: str) -> str:
+    """The error of TP ranks whose input_ids' shapes differed where some of them had agreed on
+    theirs before (`InputIdsCheck`): found when a collective of theirs timed out."""
+    shown = {rank: list(shape) for rank, shape in shapes.items()}
+    return (f"the TP ranks got input_ids of different shapes ({shown}: (batch, sequence) by global rank), found when "
+            f"{timed_out}: the ranks that had seen their shape before went on to the model's collectives while the "
+            f"others checked theirs, and each waited for the other. {SAME_BATCH_FIX}")
 
 
 def _leading_shape(ids: torch.Tensor) -> tuple[int, int]:

@@ -2,7 +2,7 @@
 
 taco_accel extends Accelerate, transformers (its models and its Trainer), peft and TRL where
 they offer no public extension point, and fixes their arithmetic where it is wrong under tensor
-parallelism; each private name it relies on is read or called here and nowhere else, so that a
+parallelism (and reads one private name of torch.distributed: a process group's store); each private name it relies on is read or called here and nowhere else, so that a
 new upstream version is checked in one place: each module's ``SUPPORTED`` range and
 ``check_version`` (a `ConfigError` naming the range), called by the entry points that need the
 library (`taco_accel.Accelerator`, `taco_trainer`, `parallelize` of a transformers model, the
