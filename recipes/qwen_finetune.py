@@ -2,7 +2,7 @@
 """Fine-tune a Qwen2 / Qwen2.5 / Qwen3 checkpoint with TP (TACO-compressed) x DP: LoRA or full.
 
     accelerate launch --config_file recipes/configs/cpu_tp2.yaml recipes/qwen_finetune.py
-    accelerate launch --config_file recipes/configs/node_tp8.yaml recipes/qwen_finetune.py \
+    accelerate launch --config_file recipes/configs/node_tp8.yaml recipes/qwen_finetune.py --tp 4 --dp 2 \
         --model Qwen/Qwen2.5-7B-Instruct --data tatsu-lab/alpaca --max-len 1024 --steps 500
     python recipes/qwen_finetune.py --model path/to/checkpoint --method full --steps 50   # one process
 

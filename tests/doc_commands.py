@@ -1,6 +1,6 @@
 """The commands and snippets of the user documentation, read from the pages themselves.
 
-`PAGES` are the pages a user reads (README.md, ARCHITECTURE.md, recipes/README.md, docs/*.md);
+`pages` are the pages a user reads (README.md, ARCHITECTURE.md, recipes/README.md, docs/*.md);
 `blocks` returns a page's fenced code blocks, `commands` the shell commands of a ``bash`` block
 (one a line, a trailing backslash continues it, ``#`` starts a comment). A test that runs a
 documented command takes it from here (`documented`), so that the page and the test cannot
@@ -119,6 +119,30 @@ def inline_commands(page: str) -> list[Command]:
                 continue
             if words and words[0] in PROGRAMS and any(w == "-m" or w.endswith((".py", ".sh")) for w in words[1:]):
                 out.append(Command(Block(page, number, "inline", span, None), number, shlex.join(words), tuple(words)))
+    return out
+
+
+def script_commands() -> list[Command]:
+    """The commands the recipes', the examples' and the launch configs' own headers show (a
+    docstring line indented 4 spaces, a YAML comment ``#   ``), which ``--help`` and a reader of
+    the file see."""
+    out = []
+    files = [*sorted((ROOT / "recipes").glob("*.py")), *sorted((ROOT / "examples").glob("*.py")),
+             *sorted((ROOT / "recipes/configs").glob("*.yaml"))]
+    for path in files:
+        page = path.relative_to(ROOT).as_posix()
+        lines = path.read_text().splitlines()
+        i = 0
+        while i < len(lines):
+            line = re.sub(r"^(#   |    )", "", lines[i], count=1) if lines[i].startswith(("#   ", "    ")) else ""
+            start = i
+            if line.split(" ", 1)[0] in PROGRAMS and not line.startswith("python -c"):
+                while line.rstrip().endswith("\\") and i + 1 < len(lines):
+                    i += 1
+                    line = line.rstrip()[:-1] + " " + re.sub(r"^#?\s*", "", lines[i])
+                words = shlex.split(line, comments=True)
+                out.append(Command(Block(page, start + 1, "header", line, None), start + 1, shlex.join(words), tuple(words)))
+            i += 1
     return out
 
 

@@ -1,4 +1,5 @@
-"""Every command and snippet of the user documentation, checked (issue 58).
+"""Every command and snippet of the user documentation, checked (issue 58): the pages'
+(`doc_commands.pages`), and the commands the recipes', examples' and launch configs' headers show.
 
 A bash command is checked against what it runs, without running it: ``accelerate launch`` and
 ``torchrun`` against their own argument parsers and the launch config it names (loaded by
@@ -39,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from doc_commands import ROOT, Block, Command, blocks, commands, every_block, every_command, pages
+from doc_commands import ROOT, Block, Command, blocks, commands, every_block, every_command, pages, script_commands
 
 PYTHONS = ("python", "python3", ".venv-oldest/bin/python")
 # the config.json of each hub checkpoint a page names (the tests reach no hub): what the layout needs
@@ -47,6 +48,7 @@ HUB_CONFIGS = {
     "Qwen/Qwen2.5-7B-Instruct": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944,
                                      num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                                      vocab_size=152064),
+    "openai-community/gpt2-large": dict(model_type="gpt2", n_embd=1280, n_layer=36, n_head=20, vocab_size=50257),
     "meta-llama/Llama-3.1-8B-Instruct": dict(model_type="llama", hidden_size=4096, intermediate_size=14336,
                                              num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                                              vocab_size=128256),
@@ -140,6 +142,9 @@ def parse_with(parser: argparse.ArgumentParser, args: list[str], what: str) -> a
 
 
 def check_command(words: list[str]) -> None:
+    """``words`` checked against what they run; a ``$VARIABLE`` stands for a number the user gives
+    (``--machine_rank $NODE_RANK``)."""
+    words = ["0" if re.fullmatch(r"\$\w+", w) else w for w in words]
     env = {}
     while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
         name, value = words.pop(0).split("=", 1)
@@ -257,6 +262,8 @@ def check_finetune(family: str, ns: argparse.Namespace) -> None:
     elif ns.model in HUB_CONFIGS:
         values = dict(HUB_CONFIGS[ns.model])
         model = AutoConfig.for_model(values.pop("model_type"), **values)
+    elif ns.model.startswith("path/to/"):  # a placeholder for the user's own checkpoint: shapes unknown
+        return
     else:
         assert (ROOT / ns.model).is_dir(), f"--model {ns.model}: name a checkpoint of HUB_CONFIGS or a folder"
         model = AutoConfig.from_pretrained(ROOT / ns.model)
@@ -266,23 +273,26 @@ def check_finetune(family: str, ns: argparse.Namespace) -> None:
 def check_layout(config, tp: int, stages: int) -> None:
     """The model of ``config`` splits over ``tp`` ranks (every shard of a layer) and its layers
     over ``stages`` pipeline stages: the checks `parallelize` and `apply_pp` make first."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from taco_accel.models.plan import plan_for
     from taco_accel.models.rewrite import check_tp
     from taco_accel.parallel.pipeline import split_layers
 
-    layers = config.num_hidden_layers
+    model = one_layer(config)
+    check_tp(model, plan_for(model), tp)
+    if stages > 1:
+        split_layers(config.num_hidden_layers, stages)
+
+
+def one_layer(config):
+    """The causal LM of ``config`` with one decoder layer, on the meta device (no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     values = config.to_dict()
     values.pop("layer_types", None)  # one per layer: rebuilt for the one layer
     values["n_layer" if "n_layer" in values else "num_hidden_layers"] = 1
-    one_layer = config.__class__(**values)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(one_layer)
-    check_tp(model, plan_for(model), tp)
-    if stages > 1:
-        split_layers(layers, stages)
+        return AutoModelForCausalLM.from_config(config.__class__(**values))
 
 
 def check_pytest(args: list[str]) -> None:
@@ -317,7 +327,7 @@ def check_bash(args: list[str], env: dict[str, str]) -> None:
         assert re.search(rf"\${{?{name}\b", source), f"{args[0]} reads no {name}"
 
 
-DOC_COMMANDS = every_command()
+DOC_COMMANDS = every_command() + script_commands()
 
 
 @pytest.mark.parametrize("command", DOC_COMMANDS, ids=[f"{c.where} {c.text[:60]}" for c in DOC_COMMANDS])
@@ -610,13 +620,12 @@ def test_troubleshooting_names_every_error_the_package_raises():
     assert not missing, f"docs/troubleshooting.md has no section for {missing}"
 
 
-# -- the support table -------------------------------------------------------------------------
+# -- the generated tables -------------------------------------------------------------------
 
-SUPPORT = ROOT / "docs/support.md"
-TABLE_START, TABLE_END = "<!-- support table: python tests/test_docs.py --write -->", "<!-- end of the support table -->"
 DOORS = {  # the entry matrix's entries as a user knows them
     "loop": "your own Accelerate loop", "trainer": "`taco_trainer(Trainer)`", "sft": "`taco_trainer(SFTTrainer)`",
-    "dpo": "`taco_trainer(DPOTrainer)`, reference passed", "dpo_path": "`taco_trainer(DPOTrainer)`, reference from the path",
+    "dpo": "`taco_trainer(DPOTrainer)`, reference passed",
+    "dpo_path": "`taco_trainer(DPOTrainer)`, reference from the path",
     "dpo_lora": "`taco_trainer(DPOTrainer)`, LoRA policy", "finetuner": "the fine-tuning recipes (`Finetuner`)",
     "recipes": "the pretraining recipes (`Trainer`)",
 }
@@ -632,9 +641,9 @@ def stack_versions(stack: str) -> str:
 
 
 def support_table() -> str:
-    """The table of docs/support.md: every cell of tests/test_entry_matrix.py (supported: trained
-    against one process there or by the test it names; refused: its one-line error asserted), on
-    both stacks, which CI runs the whole suite on; the doors outside it, not checked."""
+    """docs/support.md's table: every cell of tests/test_entry_matrix.py (supported: trained against
+    one process there or by the test it names; refused: its one-line error asserted), on both
+    stacks, which CI runs the whole suite on; the doors outside it, not checked."""
     import test_entry_matrix as matrix
 
     stacks = ("oldest", "newest")
@@ -652,7 +661,8 @@ def support_table() -> str:
                     row.append("refused")
                 else:
                     row.append("supported")
-            lines.append(f"| {DOORS.get(entry, entry)} | {PRECISIONS.get(precision, precision)} | " + " | ".join(row) + " |")
+            door, shown = DOORS.get(entry, entry), PRECISIONS.get(precision, precision)
+            lines.append(f"| {door} | {shown} | " + " | ".join(row) + " |")
     for door in NOT_CHECKED:
         lines.append(f"| {door} | any | " + " | ".join(["not checked"] * len(columns)) + " |")
     versions = [f"- {stack}: {stack_versions(stack)} ([scripts/stacks/{stack}.txt](../scripts/stacks/{stack}.txt))"
@@ -660,21 +670,62 @@ def support_table() -> str:
     return "\n".join([*versions, "", *lines])
 
 
-def _table_in_page() -> tuple[str, str, str]:
-    head, rest = SUPPORT.read_text().split(TABLE_START)
-    table, tail = rest.split(TABLE_END)
+TP_DEGREES = range(1, 65)
+
+
+def presets_table() -> str:
+    """docs/recipes.md's table: each pretraining preset's shapes and the tp degrees (up to 64) its
+    model splits over (`check_tp`: heads, kv heads, MLP and every other split)."""
+    from taco_accel.models.plan import plan_for
+    from taco_accel.models.rewrite import check_tp
+    from taco_accel.training.presets import FAMILY_PRESETS, model_config
+
+    lines = ["| script | `--preset` | hidden size | layers | heads (kv heads) | tp |", "| --- | --- | ---: | ---: | --- | --- |"]
+    for family, script in (("qwen2", "qwen_pretrain.py"), ("gpt2", "gpt_pretrain.py")):
+        for preset in FAMILY_PRESETS[family]:
+            config = model_config(family, preset, vocab_size=384, max_positions=128)
+            heads = config.num_attention_heads
+            kv = getattr(config, "num_key_value_heads", None) or heads
+            model, fits = one_layer(config), []
+            for tp in TP_DEGREES:
+                try:
+                    check_tp(model, plan_for(model), tp)
+                    fits.append(str(tp))
+                except ValueError:
+                    pass
+            lines.append(f"| {script} | {preset} | {config.hidden_size} | {config.num_hidden_layers} | "
+                         f"{heads} ({kv}) | {', '.join(fits)} |")
+    return "\n".join(lines)
+
+
+TABLES = {"support": ("docs/support.md", support_table), "presets": ("docs/recipes.md", presets_table)}
+
+
+def _marks(name: str) -> tuple[str, str]:
+    return f"<!-- generated table {name}: python tests/test_docs.py --write -->", f"<!-- end of table {name} -->"
+
+
+def _table_in_page(name: str) -> tuple[str, str, str]:
+    start, end = _marks(name)
+    head, rest = (ROOT / TABLES[name][0]).read_text().split(start)
+    table, tail = rest.split(end)
     return head, table.strip("\n"), tail
 
 
-def test_the_support_table_is_the_entry_matrix():
-    assert _table_in_page()[1] == support_table(), "docs/support.md's table is stale: python tests/test_docs.py --write"
+@pytest.mark.parametrize("name", TABLES)
+def test_the_generated_tables_are_current(name):
+    """docs/support.md's table is the entry matrix's cells; docs/recipes.md's the presets' tp degrees."""
+    page, make = TABLES[name]
+    assert _table_in_page(name)[1] == make(), f"{page}'s table is stale: python tests/test_docs.py --write"
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Rewrite the support table of docs/support.md from the entry matrix.")
-    parser.add_argument("--write", action="store_true", required=True, help="rewrite the table in the page")
+    parser = argparse.ArgumentParser(description="Rewrite the generated tables of docs/ (support, presets).")
+    parser.add_argument("--write", action="store_true", required=True, help="rewrite the tables in their pages")
     parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    head, _, tail = _table_in_page()
-    SUPPORT.write_text(f"{head}{TABLE_START}\n{support_table()}\n{TABLE_END}{tail}")
-    print(f"wrote the support table of {SUPPORT.relative_to(ROOT)}")
+    for name, (page, make) in TABLES.items():
+        head, _, tail = _table_in_page(name)
+        start, end = _marks(name)
+        (ROOT / page).write_text(f"{head}{start}\n{make()}\n{end}{tail}")
+        print(f"wrote the {name} table of {page}")
