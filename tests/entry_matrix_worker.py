@@ -5,7 +5,9 @@ launched with taco_accel or run as the same script on one process with the plain
 cells ``C`` (``entry/precision,...``) on the launch's mesh: every entry reads its sizes from the launch
 config, as a user's script does. ``python entry_matrix_worker.py --reference ...`` runs them on one
 process: accelerate's Accelerator, the plain Trainer / SFTTrainer / DPOTrainer, and taco_accel's own
-Finetuner and pretraining Trainer at tp=1. Each run trains STEPS optimizer steps on the same global
+Finetuner and pretraining Trainer at tp=1; a cell ``entry/precision/tp1`` runs taco_accel's classes
+on that one process (tp=1: the head and loss of `taco_accel.models.loss`, against the plain classes).
+Every cell records which chunked functions its losses called (`harness.loss_paths`). Each run trains STEPS optimizer steps on the same global
 batches of GLOBAL rows (each data-parallel replica GLOBAL / dp of them) and records its logged losses
 and gradient norms (DPO: the policy's mean log-probability sums of the chosen and rejected
 completions too), or its traceback. The reference also counts the roundings of one forward and
@@ -32,6 +34,7 @@ import os
 from pathlib import Path
 
 import torch
+from harness import loss_paths
 from hf_trainer_worker import VOCAB, guarded, history, lm_rows, preferences, texts, tiny
 
 STEPS, GLOBAL = 2, 4  # optimizer steps; rows per optimizer step, over every replica
@@ -51,16 +54,23 @@ class Run:
 
     def __init__(self, args) -> None:
         self.reference, self.root = args.reference, Path(args.dir)
+        self.plain = self.reference  # the plain classes (a tp1 cell of the reference: taco_accel's)
         self.dp = 1 if self.reference else int(os.environ["WORLD_SIZE"]) // 2  # tp=2 in every launch
         self.mesh = dict(tp=1, dp=1) if self.reference else {}  # {}: the launch config's sizes
         self.rank = int(os.environ.get("RANK", "0"))
+
+    def with_taco(self) -> "Run":
+        """This one process with taco_accel's classes (a ``tp1`` cell)."""
+        run = copy.copy(self)
+        run.plain = False
+        return run
 
     def folder(self, name: str) -> str:
         return str(self.root / name)
 
     def trainer_class(self, cls):
         """The plain class (reference), or taco_trainer's (compression off: this matrix is about precision)."""
-        if self.reference:
+        if self.plain:
             return cls
         import taco_accel
 
@@ -115,18 +125,18 @@ def _trained(trainer) -> dict:
 # -- the entries ---------------------------------------------------------------------------------
 
 def run_loop(run: Run, precision: str) -> dict:
-    """A user's own loop: taco_accel.Accelerator (accelerate's on one process), the batch size per
-    replica from ``num_processes``, the loss gathered over the replicas."""
+    """A user's own loop: taco_accel.Accelerator with ``logits="none"`` (accelerate's on one process),
+    the batch size per replica from ``num_processes``, the loss gathered over the replicas."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    if run.reference:
+    if run.plain:
         from accelerate import Accelerator
 
         accelerator = Accelerator(mixed_precision=MIXED_PRECISION[precision], cpu=True)
-    else:
+    else:  # the loss alone is read: the head and loss fused
         from taco_accel import Accelerator
 
-        accelerator = Accelerator(mixed_precision=MIXED_PRECISION[precision], compression=None)
+        accelerator = Accelerator(mixed_precision=MIXED_PRECISION[precision], compression=None, logits="none")
     model = tiny().to(_dtype(precision))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     rows = torch.stack([row["input_ids"] for row in lm_rows(STEPS * GLOBAL, 1)])
@@ -229,33 +239,10 @@ def run_recipes(run: Run, precision: str) -> dict:
     return {"losses": [row["loss"] for row in rows], "grad_norms": [row["grad_norm"] for row in rows]}
 
 
-def run_refusals(run: Run, what: str) -> dict:
-    """``fused_head``: TRL's fused head behind a wrapper without functools.wraps, on a tp=2 model;
-    called with fused_lm_head=True, every rank's refusal (`harness.refusals`)."""
-    from harness import refusals
-    from trl.trainer.utils import add_fused_lm_head
-
-    import taco_accel
-    from taco_accel.integrations.hf_trainer import _gather_fused_head
-
-    dist = process_group()
-    model = taco_accel.parallelize(tiny(), compression=None)
-    add_fused_lm_head(model)
-    fused = model.forward
-    model.forward = lambda *args, **kwargs: fused(*args, **kwargs)  # hides what it wraps
-    _gather_fused_head(model)
-    ids = torch.stack([row["input_ids"] for row in lm_rows(2, 1)])
-    mine = refusals({"hidden": lambda: model(input_ids=ids, labels=ids, fused_lm_head=True)})
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    return {"every_rank": every}
-
-
 ENTRIES = {
     "loop": run_loop, "trainer": run_trainer, "sft": run_sft,
     "dpo": functools.partial(run_dpo, ref="passed"), "dpo_path": functools.partial(run_dpo, ref="path"),
     "dpo_lora": functools.partial(run_dpo, ref="lora"), "finetuner": run_finetuner, "recipes": run_recipes,
-    "refusals": run_refusals,
 }
 
 
@@ -266,16 +253,18 @@ def run_cell(run: Run, cell: str) -> dict:
     from accelerate.state import AcceleratorState, GradientState
     from test_precision import _Roundings
 
-    entry, precision = cell.split("/")
+    entry, precision, *taco = cell.split("/")
+    run = run.with_taco() if taco else run
     AcceleratorState._reset_state()
     GradientState._reset_state()
     gc.freeze()  # what the process holds so far: the Trainer's gc.collect at train() scans this cell's objects only
-    if run.reference or precision not in LOW_DTYPE:
-        return ENTRIES[entry](run, precision)
-    count = _Roundings(LOW_DTYPE[precision])
-    with count:
-        figures = ENTRIES[entry](run, precision)
-    return {**figures, "low_precision_ops": count.count}
+    with loss_paths() as paths:
+        if run.reference or precision not in LOW_DTYPE:
+            return {**ENTRIES[entry](run, precision), "loss_paths": paths}
+        count = _Roundings(LOW_DTYPE[precision])
+        with count:
+            figures = ENTRIES[entry](run, precision)
+    return {**figures, "low_precision_ops": count.count, "loss_paths": paths}
 
 
 # -- what the test's bounds count -------------------------------------------------------------------
@@ -313,7 +302,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--dir", required=True)
-    p.add_argument("--cells", required=True, help="entry/precision,... (entries: ENTRIES)")
+    p.add_argument("--cells", required=True, help="entry/precision[/tp1],... (entries: ENTRIES)")
     p.add_argument("--reference", action="store_true", help="the plain classes (Finetuner, recipes: tp=1), one process")
     args = p.parse_args()
     run = Run(args)

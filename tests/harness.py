@@ -167,6 +167,37 @@ def fp32_bound(terms: int, magnitude: float) -> float:
 TINY_MODEL_FP32 = fp32_bound(256, 10.0)
 
 
+# the chunked functions of the head and loss (`taco_accel.models.loss`), by path: the fused head and
+# loss, TRL's per-token log-probabilities, the loss over given logits
+LOSS_PATHS = {"fused": ("taco_accel.tp.fused_cross_entropy", "_loss_and_grads"),
+              "log_probs": ("taco_accel.tp.fused_cross_entropy", "_token_stats"),
+              "logits": ("taco_accel.tp.cross_entropy", "_logits_loss")}
+
+
+@contextlib.contextmanager
+def loss_paths():
+    """Inside, ``{path: calls}`` of each chunked function of `LOSS_PATHS` (forwards that took it). The
+    functions run as they are; only their calls are counted."""
+    import importlib
+
+    counts = dict.fromkeys(LOSS_PATHS, 0)
+    originals = {}
+    for path, (module_name, name) in LOSS_PATHS.items():
+        module = importlib.import_module(module_name)
+        originals[path] = (module, name, getattr(module, name))
+
+        def counted(*args, _path=path, _function=originals[path][2], **kwargs):
+            counts[_path] += 1
+            return _function(*args, **kwargs)
+
+        setattr(module, name, counted)
+    try:
+        yield counts
+    finally:
+        for module, name, function in originals.values():
+            setattr(module, name, function)
+
+
 @contextlib.contextmanager
 def timed_verdicts(rule: Callable[[str, Any, Any], bool]):
     """In a rank: the auto compression mode's timings (`comm.autotune.AutoDecider.timer`, its

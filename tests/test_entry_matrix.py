@@ -10,7 +10,11 @@ as a user's script reads them); the one-process references run meanwhile in one 
 per (entry, precision), on the global batches both layouts share.
 
 A cell another test already runs against one process is skipped here, naming that test (`COVERED`);
-a cell an entry does not offer is a row asserting its one-line refusal (`REFUSED`).
+a cell an entry does not offer is a row asserting its one-line refusal (`REFUSED`). Every launched
+cell, and taco_accel's entries on one process (tp=1), compute their loss through the head and loss of
+`taco_accel.models.loss` (`PATHS`: the fused head and loss, or TRL's fused LM head's per-token
+log-probabilities, each counted by `harness.loss_paths`); on one process in fp32 they train as the
+plain classes do (`TP1`).
 
 Bounds. fp32: the project's fp32 tolerances of these trainings (tests/test_hf_trainer.py: the runs
 differ in the order of fp32 sums). Low precision: tests/test_precision.py's bound, two runs with N_a
@@ -92,6 +96,13 @@ REFUSED = {  # (entry, precision): the call a user makes, what it raises, a frag
     ("recipes", "bf16_params"): (_recipes_bf16_params, SystemExit, "2"),
 }
 CELLS = [(entry, precision, layout) for layout in LAYOUTS for entry in ENTRIES for precision in PRECISIONS]
+# the chunked function each entry's training loss takes: the fused head and loss (the loop asks for
+# logits="none"; the Trainer's compute_loss and the recipes' schedule use it), or the per-token
+# log-probabilities of TRL's fused LM head (SFT, DPO), vocab-parallel
+PATHS = {"loop": "fused", "trainer": "fused", "sft": "log_probs", "dpo": "log_probs", "dpo_path": "log_probs",
+         "dpo_lora": "log_probs", "finetuner": "fused", "recipes": "fused"}
+TP1 = ("loop", "trainer", "sft", "dpo")  # taco_accel's classes on one process too, in fp32
+OWN = ("finetuner", "recipes")  # taco_accel's own classes: their references run them at tp=1
 
 
 def _run_here(entry: str, precision: str, layout: str) -> bool:
@@ -99,14 +110,15 @@ def _run_here(entry: str, precision: str, layout: str) -> bool:
 
 
 def _launched(layout: str) -> list[str]:
-    cells = [f"{e}/{p}" for e, p, l in CELLS if l == layout and _run_here(e, p, l)]
-    return cells + (["refusals/fused_head"] if layout == "tp2" else [])
+    return [f"{e}/{p}" for e, p, l in CELLS if l == layout and _run_here(e, p, l)]
 
 
 def _referenced() -> list[str]:
-    """The reference cells, in ENTRIES order (the Finetuner and the recipes start a process group: last)."""
-    needed = {(e, REFERENCE_PRECISION.get(p, p)) for e, p, l in CELLS if _run_here(e, p, l)}
-    return [f"{e}/{p}" for e in ENTRIES for p in PRECISIONS if (e, p) in needed]
+    """The reference cells, in ENTRIES order, then taco_accel's on one process (they, the Finetuner and
+    the recipes start a process group: last)."""
+    needed = {(e, REFERENCE_PRECISION.get(p, p)) for e, p, l in CELLS if _run_here(e, p, l)} | {(e, "fp32") for e in TP1}
+    plain = [f"{e}/{p}" for e in ENTRIES for p in PRECISIONS if (e, p) in needed and e not in OWN]
+    return plain + [f"{e}/fp32/tp1" for e in TP1] + [f"{e}/{p}" for e in OWN for p in PRECISIONS if (e, p) in needed]
 
 
 for _layout in LAYOUTS:  # each a job of the launch the modules on that mesh share (tests/launches.py)
@@ -195,7 +207,34 @@ def test_covered_cells_name_tests_that_exist():
         assert hasattr(importlib.import_module(Path(path).stem), name), where
 
 
-# -- TRL's fused LM head: found under Accelerate's wrappers, refused where hidden -------------------
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_launched_cell_takes_the_head_and_loss_of_taco_accel(matrix, layout):
+    """tp=2 and dp=2 x tp=2: each entry's loss through its chunked function (`PATHS`), in every precision."""
+    cells = [(e, p) for e, p, l in CELLS if l == layout and _run_here(e, p, l)]
+    assert cells
+    for entry, precision in cells:
+        got = matrix[layout][f"{entry}/{precision}"]
+        assert "error" not in got, got["error"]
+        assert got["loss_paths"][PATHS[entry]] > 0, (entry, precision, got["loss_paths"])
+
+
+@pytest.mark.parametrize("entry", TP1 + OWN)
+def test_one_process_trains_through_the_head_and_loss_as_the_plain_classes(matrix, entry):
+    """tp=1 (no tensor parallelism): taco_accel's classes still compute the loss through the head and
+    loss of `taco_accel.models.loss`, and train as the plain classes on the same batches (fp32:
+    tests/test_hf_trainer.py's bounds). The Finetuner's and the recipes' references are theirs."""
+    ref = matrix["reference"]
+    got = ref[f"{entry}/fp32/tp1"] if entry in TP1 else ref[f"{entry}/fp32"]
+    assert "error" not in got, got["error"]
+    assert got["loss_paths"][PATHS[entry]] > 0, got["loss_paths"]
+    if entry in TP1:
+        plain = ref[f"{entry}/fp32"]
+        assert plain["loss_paths"] == {"fused": 0, "log_probs": 0, "logits": 0}, plain["loss_paths"]
+        assert got["losses"] == pytest.approx(plain["losses"], abs=LOSS_TOL), (got, plain)
+        assert got["grad_norms"] == pytest.approx(plain["grad_norms"], rel=NORM_RTOL), (got, plain)
+
+
+# -- TRL's fused LM head: found under Accelerate's wrappers and torch.compile ----------------------
 
 def test_trls_fused_head_is_found_under_accelerates_mixed_precision_wrappers():
     """What TRL's DPOTrainer does to its reference model inside __init__: Accelerate prepares it under
@@ -209,6 +248,8 @@ def test_trls_fused_head_is_found_under_accelerates_mixed_precision_wrappers():
 
     model = tiny_model("qwen2")
     add_fused_lm_head(model)
+    AcceleratorState._reset_state(True)  # a state an earlier test of this process left would refuse bf16
+    GradientState._reset_state()
     try:
         Accelerator(mixed_precision="bf16", cpu=True).prepare_model(model, evaluation_mode=True)
     finally:
@@ -219,27 +260,16 @@ def test_trls_fused_head_is_found_under_accelerates_mixed_precision_wrappers():
     assert upstream_trl.has_fused_head(forward)
 
 
-def test_trls_fused_head_is_found_inside_torch_compile():
-    """A reference model Accelerate prepared under torch_compile is an OptimizedModule around the
-    model TRL patched: the head is gathered on the model inside (its forward is what the compiled
-    module calls)."""
+def test_trls_fused_head_is_taken_over_inside_torch_compile():
+    """A model Accelerate prepared under torch_compile is an OptimizedModule around the model TRL
+    patched: the head and loss are installed on the model inside (its forward is what the compiled
+    module calls), with TRL's settings."""
     from trl.trainer.utils import add_fused_lm_head
 
-    from taco_accel.integrations.hf_trainer import GATHERS_HEAD, _gather_fused_head
+    from taco_accel.models.loss import install_head
     from taco_accel.models.tiny import tiny_model
 
     model = tiny_model("qwen2")
-    add_fused_lm_head(model)
-    _gather_fused_head(torch.compile(model))  # compiles nothing until called
-    assert getattr(model.__dict__["forward"], GATHERS_HEAD, False)
-
-
-def test_a_fused_head_hidden_from_taco_accel_is_refused_on_every_rank(matrix):
-    """A forward wrapped without functools.wraps hides TRL's fused head: called with
-    fused_lm_head=True at tp=2, every rank raises instead of scoring over its vocabulary slice."""
-    got = matrix["tp2"]["refusals/fused_head"]
-    assert "error" not in got, got["error"]
-    for mine in got["every_rank"]:
-        message = mine["hidden"]
-        assert message is not None and "fused_lm_head=True" in message and "tp=2" in message, message
-        assert "this rank's vocabulary slice" in message and "functools.wraps" in message, message
+    add_fused_lm_head(model, temperature=0.5)
+    install_head(torch.compile(model))  # compiles nothing until called
+    assert model.taco_head.trl.temperature == 0.5 and model.__dict__["forward"].__func__.taco_head_forward

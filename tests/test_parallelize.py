@@ -56,6 +56,33 @@ def _layer_input_len(model, ids) -> int:
     return seen[0]
 
 
+def _smoothed(logits, labels, vocab_size, ignore_index=-100, **kwargs):
+    """A ``loss_function`` of one's own (label smoothing): it gets the full logits, as transformers gives them."""
+    shift = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), shift.flatten(), ignore_index=ignore_index,
+                                             label_smoothing=0.1)
+
+
+def _trl_fused_head(model, ref, ids, labels) -> dict:
+    """TRL's fused LM head (temperature 0.7, entropies) on both models, taken over by taco_accel's
+    forward on the parallel one (as laying it out does): per-token figures and the gradients of a
+    loss of them against TRL's own kernel on one process."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from taco_accel.models.loss import install_head
+
+    for m in (model, ref):
+        m.zero_grad()
+        add_fused_lm_head(m, temperature=0.7, outputs=("log_probs", "entropy", "is_top1"))
+    install_head(model)
+    out, expected = (m(ids, labels=labels, fused_lm_head=True) for m in (model, ref))
+    for o in (out, expected):
+        (o.loss + 0.3 * o.entropy.sum()).backward()
+    return {"trl_log_probs": _max_diff(out.log_probs, expected.log_probs),
+            "trl_entropy": _max_diff(out.entropy, expected.entropy), "trl_grad": _grad_diff(model, ref),
+            "trl_top1": bool(torch.equal(out.is_top1, expected.is_top1))}
+
+
 def _exact(arch: str, sp: bool, group) -> dict:
     ref = tiny_model(arch)
     model = taco_accel.parallelize(copy.deepcopy(ref), compression=None, sequence_parallel=sp, device_mesh=group)
@@ -71,9 +98,17 @@ def _exact(arch: str, sp: bool, group) -> dict:
         model.taco.logits = "full"
     grad = _grad_diff(model, ref)
     model.zero_grad()
-    model.taco.logits, model.taco.fused.chunk = "none", 5  # the fused head and loss, in chunks of 5 tokens
+    model.taco.logits, model.taco_head.chunk = "none", 5  # the fused head and loss, in chunks of 5 tokens
     fused = model(ids, labels=labels)
     fused.loss.backward()
+    fused_grad = _grad_diff(model, ref)
+    model.zero_grad(), ref.zero_grad()
+    model.loss_function = ref.loss_function = _smoothed  # a user's own, in the fused mode: the full logits
+    own, own_expected = model(ids, labels=labels), ref(ids, labels=labels)
+    own.loss.backward()
+    own_expected.loss.backward()
+    own_grad = _grad_diff(model, ref)
+    trl = _trl_fused_head(model, ref, ids, labels)
     model.taco.logits = "full"
     model.eval(), ref.eval()
     prompt = ids[:, :3]
@@ -86,7 +121,8 @@ def _exact(arch: str, sp: bool, group) -> dict:
         "full_logits": _max_diff(full, expected.logits),
         "grad": grad,
         "fused_loss": abs(fused.loss.item() - expected.loss.item()), "fused_logits": fused.logits,
-        "fused_grad": _grad_diff(model, ref),
+        "fused_grad": fused_grad,
+        "own_loss": abs(own.loss.item() - own_expected.loss.item()), "own_grad": own_grad, **trl,
         "generate_equal": bool(torch.equal(generated, reference)),
         "local_vocab": local_out.shape[-1],
         "layer_seq_len": _layer_input_len(model.train(), ids),
@@ -201,6 +237,8 @@ def test_matches_single_process(measured, tp, arch, sp):
         assert r["labels_logits"] < FP32 and r["local_logits"] < FP32 and r["full_logits"] < FP32, r
         assert r["grad"] < FP32, r
         assert r["fused_loss"] < FP32 and r["fused_grad"] < FP32 and r["fused_logits"] is None, r  # logits="none"
+        assert r["own_loss"] < FP32 and r["own_grad"] < FP32, r  # model.loss_function of one's own, honoured
+        assert r["trl_log_probs"] < FP32 and r["trl_entropy"] < FP32 and r["trl_grad"] < FP32 and r["trl_top1"], r
         assert r["generate_equal"], r
         assert r["local_vocab"] <= -(-tiny_config(arch).vocab_size // tp)  # logits="local": never gathered
         assert r["layer_seq_len"] == (8 // tp if sp else 8), r

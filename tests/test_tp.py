@@ -30,6 +30,7 @@ from taco_accel.tp import (
     SiteTable,
     VocabParallelEmbedding,
     gather_from_sp_region,
+    gather_from_tp_region,
     reduce_from_tp_region,
     scatter_to_sp_region,
     vocab_parallel_cross_entropy,
@@ -229,7 +230,9 @@ def _embedding_and_loss() -> dict:
     target = torch.tensor([[1, 9, -100, 4], [0, 3, 8, -100]])
     local = head.take(logits.detach(), rank).requires_grad_()
     start = head.ranges[rank][0][0]
-    loss = vocab_parallel_cross_entropy(local, target, start, _site("loss/lse"))
+    site = _site("loss/lse")
+    loss = vocab_parallel_cross_entropy(local, target, [start], lambda parts: gather_from_tp_region(parts, site, dim=0),
+                                        chunk=3)  # chunks of 3 of the 8 tokens
     ref = F.cross_entropy(logits.view(-1, vocab), target.view(-1), reduction="none").view(2, 4)
     loss.sum().backward()
     ref.sum().backward()

@@ -251,20 +251,32 @@ def test_the_causal_mask_of_packed_sequences(sliding):
     assert allowed.tolist() == expected.int().tolist()
 
 
-def test_a_models_own_loss_function_is_found_and_ours_is_what_its_forward_calls():
+def test_transformers_default_causal_lm_loss_is_told_from_ones_own():
     model = tiny_model("qwen2")
-    found = []
+    default = up_transformers.default_causal_lm_loss()
+    assert model.loss_function is default and up_transformers.own_loss_function(model, default) is None
+    model.loss_function = default  # set, but transformers' own
+    assert up_transformers.own_loss_function(model, default) is None
+    model.loss_function = own = lambda logits, labels, vocab_size, **kwargs: logits.sum()
+    assert up_transformers.own_loss_function(model, default) is own
 
-    def make(own):
-        found.append(own)
-        return lambda logits, labels, vocab_size, **kwargs: logits.float().sum() * 0 + len(found)
 
-    ids = torch.randint(0, model.config.vocab_size, (1, 4))
-    first = up_transformers.replace_loss_function(model, make)
-    assert model.loss_function is first and model(input_ids=ids, labels=ids).loss.item() == 1.0  # the forward's loss
-    up_transformers.replace_loss_function(model, make)
-    # none set at first (not transformers' default for the loss_type), then the one set before
-    assert found == [None, first] and model(input_ids=ids, labels=ids).loss.item() == 2.0
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama", "mistral", "gpt2"])
+def test_a_causal_lm_forward_declares_its_output_class(arch):
+    from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions, CausalLMOutputWithPast
+
+    model = tiny_model(arch)
+    want = CausalLMOutputWithCrossAttentions if arch == "gpt2" else CausalLMOutputWithPast
+    assert up_transformers.causal_lm_output_type(type(model)) is want
+    with pytest.raises(TypeError, match="not a ModelOutput with loss and logits"):
+        up_transformers.causal_lm_output_type(type(model.base_model))
+
+
+def test_logits_to_keep_slices_as_the_installed_transformers():
+    hidden, keep = torch.arange(24.0).view(2, 4, 3), up_transformers.logits_slicer()
+    assert torch.equal(keep(hidden, 0), hidden)
+    assert torch.equal(keep(hidden, 1), hidden[:, -1:])
+    assert torch.equal(keep(hidden, torch.tensor([0, 2])), hidden[:, [0, 2]])
 
 
 def test_a_model_with_peft_adapters_says_so():
@@ -341,13 +353,19 @@ def test_trl_divides_its_token_count_by_tp_size(tmp_path):
     assert counted == [tokens // 2, tokens]
 
 
-def test_trl_fused_head_takes_the_keyword():
-    from trl.trainer.utils import add_fused_lm_head
+def test_trl_fused_head_takes_the_keyword_and_holds_its_settings():
+    from trl.trainer.utils import FusedCausalLMOutput, add_fused_lm_head
 
     model = tiny_model("qwen2")
     assert not up_trl.has_fused_head(model.__dict__.get("forward"))
-    add_fused_lm_head(model)
+    assert up_trl.fused_head_settings(model.__dict__.get("forward")) is None
+    original = model.forward
+    add_fused_lm_head(model, temperature=0.5, outputs=("log_probs", "entropy"))
     assert up_trl.has_fused_head(model.__dict__.get("forward"))
+    settings = up_trl.fused_head_settings(model.__dict__.get("forward"))
+    assert (settings.temperature, settings.logit_scale, settings.final_logit_softcapping) == (0.5, 1.0, None)
+    assert settings.outputs == ("log_probs", "entropy") and not settings.cast_lm_head_to_fp32
+    assert settings.original_forward == original and settings.output_type is FusedCausalLMOutput
 
 
 def _group_stores() -> dict:

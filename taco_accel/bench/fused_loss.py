@@ -56,7 +56,8 @@ def _loss_fn(variant: str, device: torch.device):
     if variant == "unfused_compiled":  # what a whole-model compile makes of the head and loss
         return torch.compile(_unfused)
     if variant.startswith("fused"):
-        from ..tp.fused_cross_entropy import EAGER, ChunkKernels, fused_linear_cross_entropy
+        from ..tp.cross_entropy import EAGER, ChunkKernels
+        from ..tp.fused_cross_entropy import fused_linear_cross_entropy
 
         kernels = ChunkKernels("inductor") if variant == "fused_compiled" else EAGER
         return lambda x, w, t: fused_linear_cross_entropy([x], [w], t, [0], lambda parts: parts, kernels=kernels)

@@ -325,8 +325,7 @@ class Accelerator(_AccelerateAccelerator):
         stages_per_rank = stages_per_rank or (2 if schedule == "interleaved_1f1b" else 1)
         parts, _ = self._lay_out(model, pipeline=True, stages_per_rank=stages_per_rank, seq_len=seq_len,
                               **self._dynamo_settings())
-        vocab = model.config.vocab_size
-        return PipelineRunner(parts, schedule, micro_batches, self.device, loss_fn=loss_fn, vocab_size=vocab,
+        return PipelineRunner(parts, schedule, micro_batches, self.device, loss_fn=loss_fn,
                               shifted_labels=shifted_labels, autocast=self.autocast)
 
     def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):

@@ -28,40 +28,38 @@ a subclass of the given class that changes the Trainer through its own extension
   ``load_state``, and so does ``load_best_model_at_end``. Same mesh sizes to resume (the
   checkpoint module's rule).
 - the loss: a training step of a class that keeps the Trainer's ``compute_loss`` (which reads
-  ``outputs.loss`` only) runs the head and loss fused (``logits="none"``: no logits);
-  ``use_liger_kernel=True`` is refused (liger's fused loss needs the whole vocabulary's head).
+  ``outputs.loss`` only) runs the head and loss fused (``logits="none"``: no logits), at every tp;
+  ``use_liger_kernel=True`` is refused (liger replaces the forward that computes them, and its fused
+  loss needs the whole vocabulary's head).
 - ``evaluate``: the model returns the full-vocabulary logits to the metrics
-  (``model.taco.logits = "full"`` during ``prediction_step``).
+  (logits mode ``"full"`` during ``prediction_step``).
 - ``log``: ``accelerator.compression_stats()`` (bytes sent and saved by TACO since the last log)
   joins every log line, so TensorBoard, W&B and ``state.log_history`` see them.
-- TRL: a fused LM head (``trl.trainer.utils.add_fused_lm_head``, which multiplies
-  ``lm_head.weight`` itself) gets the full head weight, gathered over the tp ranks per forward
-  (its gradient keeps this rank's rows); a model that peft wrapped with plain LoRA layers
-  (``SFTTrainer(peft_config=...)``, ``peft.get_peft_model``) gets the same adapter on tensor-
-  parallel LoRA layers (`taco_accel.get_peft_model`).
+- TRL: a fused LM head (``trl.trainer.utils.add_fused_lm_head``, which SFT, DPO, GRPO, ... add to
+  score tokens without logits) is answered by taco_accel's own forward, vocab-parallel, with TRL's
+  settings (`taco_accel.models.loss`; taken over when the model is prepared, or here when taco_accel
+  already holds it); a model that peft wrapped with plain LoRA layers (``SFTTrainer(peft_config=...)``,
+  ``peft.get_peft_model``) gets the same adapter on tensor-parallel LoRA layers
+  (`taco_accel.get_peft_model`).
 
-Not supported (a ValueError says so): pipeline stages (the Trainer runs no pipeline schedule),
-sequence parallelism with TRL's fused head.
+Not supported (a ValueError says so): pipeline stages (the Trainer runs no pipeline schedule).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from ..models import context_of
-from ..models.loss import logits_mode
+from ..models.loss import head_of, install_head, logits_mode
 from ..comm.policy import DEFAULT_COMPRESSION
-from ..tp import ColumnParallelLinear, Compression, gather_from_tp_region
+from ..tp import Compression
 from ..upstream import accelerate as upstream_accelerate
 from ..upstream import transformers as upstream_transformers
 from ..upstream import trl as upstream_trl
@@ -114,17 +112,18 @@ class _TacoTrainer(upstream_transformers.TrainerCounts):
             acc = self.accelerator
             self.model = self.model_wrapped = tensor_parallel_lora(self.model, acc.torch_device_mesh["tp"],
                                                                    acc.compression, acc.sequence_parallel)
-        _gather_fused_head(self.model)
-        if getattr(self, "ref_model", None) is not None:  # TRL's DPO: the reference model's fused head too
-            _gather_fused_head(self.ref_model)
+        for model in (self.model, getattr(self, "ref_model", None)):  # TRL's: the reference model's fused head too
+            if model is not None and head_of(model) is not None:  # laid out already: TRL added its head after
+                install_head(model)
         upstream_trl.count_tokens_once(self)
 
     # -- the accelerator ---------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
         if getattr(self.args, "use_liger_kernel", False):
-            raise ValueError("use_liger_kernel=True: liger-kernel's fused loss multiplies the whole vocabulary, which "
-                             "tensor parallelism splits over the ranks; taco_trainer fuses the vocab-parallel head and "
-                             "loss itself (logits='none' in training): leave use_liger_kernel off")
+            raise ValueError("use_liger_kernel=True: liger-kernel replaces the causal LM's forward, in which taco_accel "
+                             "computes the head and loss (its fused loss multiplies the whole vocabulary, which tensor "
+                             "parallelism splits over the ranks); taco_trainer fuses the vocab-parallel head and loss "
+                             "itself at every tp (logits='none' in training): leave use_liger_kernel off")
         _processes_on_cpu(self.args)
         accelerator_options = {k: self.taco_options[k] for k in ("compression", "sequence_parallel")}
         with upstream_transformers.building_accelerator(functools.partial(TrainerAccelerator, **accelerator_options)):
@@ -147,14 +146,10 @@ class _TacoTrainer(upstream_transformers.TrainerCounts):
 
     # -- evaluation and logs -----------------------------------------------------------------
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        context = getattr(self.accelerator.unwrap_model(model), "taco", None)
-        if prediction_loss_only or context is None:
+        if prediction_loss_only:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        mode, context.logits = context.logits, "full"  # the metrics see the whole vocabulary
-        try:
+        with logits_mode(self.accelerator.unwrap_model(model), "full"):  # the metrics see the whole vocabulary
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-        finally:
-            context.logits = mode
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         logs.update(self.accelerator.compression_stats())  # a collective: every rank logs at the same points
@@ -239,78 +234,3 @@ def _processes_on_cpu(args) -> None:
         return
     args.use_cpu = True
     upstream_transformers.setup_devices_again(args)  # Accelerate's state, built for the CPU processes
-
-
-# -- TRL's fused LM head ---------------------------------------------------------------------------
-GATHERS_HEAD = "taco_gathers_head"  # marks the forward `_gather_fused_head` installed
-
-
-def _gather_fused_head(model: nn.Module) -> None:
-    """Give a fused LM head that reads ``get_output_embeddings().weight`` (TRL's
-    ``add_fused_lm_head``, recognised by its ``fused_lm_head`` keyword, also under the mixed-precision
-    wrappers of a model Accelerate prepared: `upstream_trl.has_fused_head`) the full head weight when
-    the model is tensor parallel. Every tp rank then computes the same per-token results from the
-    same hidden states, so each keeps its rows of the head's gradient (`gather_from_tp_region`).
-
-    A model whose forward shows no fused head gets `_refuse_hidden_fused_head` instead: called with
-    ``fused_lm_head=True`` while tensor parallel, it raises rather than score tokens over this
-    rank's vocabulary slice. A model that torch.compile wrapped (Accelerate compiles what it
-    prepares under ``torch_compile``) is looked at inside (``_orig_mod``), where TRL patched it."""
-    model = getattr(model, "_orig_mod", model)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    forward = base.__dict__.get("forward")
-    if getattr(forward, GATHERS_HEAD, False):
-        return
-    if not upstream_trl.has_fused_head(forward):
-        model.register_forward_pre_hook(functools.partial(_refuse_hidden_fused_head, base), with_kwargs=True)
-        return
-
-    @functools.wraps(forward)
-    def tensor_parallel_forward(*args, fused_lm_head: bool = False, **kwargs):
-        context = getattr(base, "taco", None)
-        if not fused_lm_head or context is None or context.emulated or context.tp == 1:
-            return forward(*args, fused_lm_head=fused_lm_head, **kwargs)
-        if context.sequence_parallel:
-            raise ValueError("TRL's fused LM head reads the backbone's output, which sequence parallelism splits "
-                             "along the sequence; use sequence_parallel=False with this trainer")
-        with _full_output_embeddings(base):
-            return forward(*args, fused_lm_head=True, **kwargs)
-
-    setattr(tensor_parallel_forward, GATHERS_HEAD, True)
-    base.forward = tensor_parallel_forward
-
-
-def _refuse_hidden_fused_head(base: nn.Module, module: nn.Module, args, kwargs) -> None:
-    """Forward pre-hook of a model in whose forward `_gather_fused_head` found no fused LM head: a
-    ``fused_lm_head=True`` call while tensor parallel raises (the head it would read holds this
-    rank's vocabulary rows only)."""
-    context = getattr(base, "taco", None)
-    if not kwargs.get(upstream_trl.FUSED_KEYWORD) or context is None or context.emulated or context.tp == 1:
-        return
-    raise ValueError(
-        f"{type(module).__name__} was called with {upstream_trl.FUSED_KEYWORD}=True (TRL's fused LM head), but "
-        f"taco_accel found no fused head in its forward ({base.__dict__.get('forward')!r}) to give the full head "
-        f"weight: at tp={context.tp} it would score tokens over this rank's vocabulary slice only. Wrap a model's "
-        "forward with functools.wraps (the fused head stays visible through __wrapped__), and pass the model to "
-        "the trainer as TRL patched it"
-    )
-
-
-@contextlib.contextmanager
-def _full_output_embeddings(model: nn.Module):
-    """``model.get_output_embeddings()`` returns the head's full weight (and bias) inside."""
-    head = model.get_output_embeddings()
-    if not isinstance(head, ColumnParallelLinear) or head.conv1d:
-        raise ValueError(f"the output embeddings are a {type(head).__name__}; a fused LM head needs the "
-                         "vocab-parallel lm_head taco_accel.parallelize makes (no LoRA on lm_head)")
-    site = context_of(model).sites.plain("lm_head/weight")  # plain: parameters; the model's own ledger
-
-    def full_head():
-        gather = functools.partial(gather_from_tp_region, fwd=site, dim=0, sizes=head.gather_sizes)
-        return SimpleNamespace(weight=gather(head.weight), bias=None if head.bias is None else gather(head.bias))
-
-    model.get_output_embeddings = full_head
-    try:
-        yield
-    finally:
-        del model.get_output_embeddings

@@ -12,6 +12,7 @@ from ..tp.overlap import OverlapState
 from ..tp.regions import SequenceState
 from ..comm.policy import Compression
 from ..tp.sites import SiteTable
+from .loss import check_logits_mode
 from .plan import TPPlan
 
 
@@ -23,7 +24,8 @@ class TPContext(SharesGroup):
     ``logits``: what ``outputs.logits`` holds (`taco_accel.models.loss`): ``"full"``
     (default: the full vocabulary, with or without labels) or ``"local"`` (this rank's
     vocabulary slice when ``labels`` are given) or ``"none"`` (no logits when ``labels`` are
-    given: the head and loss fused); assignable.
+    given: the head and loss fused); assignable. It is the mode of ``head``, the model's
+    `models.loss.CausalLMHead` (also ``model.taco_head``).
     ``emulator``: the `EmulatedGroup` of an emulated model (``emulate=True``: ``group`` is
     None, ``rank`` 0, the logits full in both modes), None for real TP.
     ``overlap``: whether the layers hide their communication behind compute (`tp.overlap`;
@@ -37,9 +39,8 @@ class TPContext(SharesGroup):
     compression: Compression
     sites: SiteTable
     sequence: SequenceState
-    logits: str = "full"
+    head: object = None  # the models.loss.CausalLMHead: the forward, the logits mode, the loss's kernels
     emulator: object = None
-    fused: object = None  # the models.loss.FusedHead of logits="none"
     grad_sum_params: list[str] = field(default_factory=list)
     overlap: OverlapState = field(default_factory=OverlapState)
     _grad_sum_handles: list = field(default_factory=list, repr=False)
@@ -47,6 +48,14 @@ class TPContext(SharesGroup):
     @property
     def sequence_parallel(self) -> bool:
         return self.sequence.enabled
+
+    @property
+    def logits(self) -> str:
+        return self.head.mode
+
+    @logits.setter
+    def logits(self, mode: str) -> None:
+        self.head.mode = check_logits_mode(mode)
 
     @property
     def emulated(self) -> bool:

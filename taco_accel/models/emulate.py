@@ -9,9 +9,9 @@ the full parameters and compute every rank's share in this one process. Attentio
 get the total head counts of the emulated layout (tp times the local counts: a replicated kv
 head counts once per rank), so that each rank's query heads use their own kv copy.
 
-The loss is the vocab-parallel cross-entropy of real TP, computed rank by rank from the full
-logits; the lm head returns the full logits in both ``logits`` modes (one process holds every
-rank's slice: there is no local one to return).
+The head and loss are real TP's (`models.loss`), each virtual rank on its vocabulary slice; the lm
+head returns the full logits in every ``logits`` mode (one process holds every rank's slice: there
+is no local one to return).
 What real TP moves outside the site table, always uncompressed (the loss's all-gather of
 log-sum-exps, the gradient sums of replicated weights), the emulation computes in place,
 exactly, and records no statistics for.
@@ -39,15 +39,13 @@ from ..tp.emulate import (
     EmulatedSequenceGather,
     EmulatedSequenceSplit,
     EmulatedVocabParallelEmbedding,
-    emulated_vocab_parallel_cross_entropy,
 )
 from ..tp.regions import SequenceState
 from ..comm.policy import Compression
 from ..tp.sites import Site, SiteTable
-from ..upstream.transformers import replace_loss_function
 from .checks import install_input_checks
 from .context import TPContext
-from .loss import CausalLMLoss, install_logits_mode
+from .loss import install_head
 from .plan import Colwise, EnterRegion, Rowwise, TPPlan
 from .rewrite import Rewrite, check_tp
 
@@ -65,37 +63,18 @@ def emulate_tp(model: nn.Module, plan: TPPlan, tp, compression: Compression, seq
     group = EmulatedGroup(tp)
     context = TPContext(
         plan, None, tp, 0, compression, SiteTable(None, compression, timed=False),
-        SequenceState(bool(sequence_parallel), tp), logits=logits, emulator=group,
+        SequenceState(bool(sequence_parallel), tp), emulator=group,
     )
-    head = EmulatedRewrite(model, plan, context).install()
-    loss = replace_loss_function(model, lambda own: EmulatedCausalLMLoss(head, context.sites.plain("loss/lse"), own))
+    EmulatedRewrite(model, plan, context).install()
+    context.sites.plain("loss/lse")  # real TP's site, in its order; the emulated loss parts need no exchange
     install_input_checks(model, plan, None, same_batch=False)  # one process: nothing to compare over a group
-    install_logits_mode(model, head, loss, context)
+    context.head = install_head(model, logits)
     model.taco = context
     logger.info(
         "emulated tensor parallel %s: tp=%d in one process, sequence_parallel=%s, %s",
         plan.name, tp, context.sequence_parallel, context.sites.summary(),
     )
     return model
-
-
-class EmulatedCausalLMLoss(CausalLMLoss):
-    """`CausalLMLoss` of real TP on the full logits of an emulated model: the vocab-parallel
-    cross-entropy, each virtual rank on its vocabulary slice (transformers' loss at tp=1)."""
-
-    def loss_input(self, logits):
-        return logits  # (b, s, V): every virtual rank's slice
-
-    def token_losses(self, logits, shift_labels, ignore_index: int):
-        return emulated_vocab_parallel_cross_entropy(logits, shift_labels, self.lm_head.split, ignore_index)
-
-    def fused_inputs(self, head, hidden):
-        """Every virtual rank's entered input, weight rows, bias and first row; their parts
-        already stacked in rank order."""
-        xs = [x.reshape(-1, x.shape[-1]) for x in head.entry(hidden)]
-        weights = [w.t() if head.conv1d else w for w in head.weight_parts(head.weight)]
-        biases = None if head.bias is None else head.bias_parts(head.bias)
-        return xs, weights, biases, [start for ((start, _),) in head.split.ranges], lambda parts: parts
 
 
 class EmulatedRewrite(Rewrite):

@@ -1,57 +1,66 @@
-"""The causal-LM head of a parallelised model: full logits out, vocab-parallel loss inside, or the
-head and loss fused.
+"""The causal LM's head and loss: one forward that computes the loss from the hidden states, at every tp.
 
-transformers' causal LMs compute ``logits = lm_head(hidden)`` and then
-``loss = self.loss_function(logits, labels, vocab_size, ...)``, and return both. `parallelize`
-installs a few small pieces around that code, which it does not change:
+transformers' causal LMs compute ``logits = lm_head(hidden)``, then ``loss_function(logits,
+labels, ...)``. taco_accel replaces the causal LM's ``forward`` by `CausalLMHead` (as liger-kernel
+patches it; torchtitan computes the loss outside the model), on every door that trains a model:
+`parallelize` (real and emulated TP), and at tp=1 `Accelerator.prepare`, the recipes' Trainer, the
+Finetuner and `taco_trainer` (`install_head`). The forward runs the decoder (the body:
+``model.model`` / ``model.transformer``), then, explicitly::
 
-- `LogitsGather`, a forward hook on the lm head: it all-gathers this rank's vocabulary slice
-  (b, s, V/tp) into the full logits (b, s, V), transformers' convention, whenever a user can
-  see them. The gather is differentiable (forward: all-gather, backward: keep this rank's
-  slice; `ColumnParallelLinear.gather_outputs`), so a loss computed from ``outputs.logits``
-  trains right: every TP rank computes the same loss from the same full logits.
-- `CausalLMLoss` as ``model.loss_function``: the vocab-parallel cross-entropy on this rank's
-  slice, never on the gathered tensor (the slice the head computed is kept beside the full
-  logits, so the loss's backward does not run through the gather), or, when the head handed
-  its input on (`FusedHead`), the fused head and loss (`tp.fused_cross_entropy`). Labels
-  outside the vocabulary (other than ``ignore_index``) raise an IndexError on every rank, as
-  ``F.cross_entropy`` does (`checks.check_labels`).
-- `FusedHead`, asked by the head's forward (``head.fused``) whether to hand its input on
-  instead of multiplying it (``logits="none"`` with labels), and `LogitsModeHook`, a forward
-  pre-hook on the model: it tells both whether this forward has ``labels``, validates the mode,
-  and after the forward leaves ``outputs.logits`` None where the fused loss ran.
+    hidden = body(...).last_hidden_state[logits_to_keep]
+    no labels                      -> logits: the full vocabulary (gathered over the tp ranks)
+    labels, model.loss_function
+      a user's own                 -> logits: the full vocabulary; loss: that function of them
+      transformers' default, and logits=
+        "none"                     -> loss: the fused head and loss (tp.fused_cross_entropy): no
+                                      (tokens, V/tp) tensor beyond one chunk; logits: None
+        "local"                    -> logits: this rank's vocabulary slice; loss: vocab-parallel
+                                      from it (tp.cross_entropy, chunked)
+        "full"                     -> logits: the full vocabulary (differentiable); loss: from the
+                                      local slice, as "local"
+    TRL's fused_lm_head=True       -> TRL's FusedCausalLMOutput (per-token log-probabilities, ...),
+                                      vocab-parallel (`fused_linear_log_probs`) with the settings of
+                                      the TRL forward it took the place of
 
-``logits`` (`LogitsMode`, ``model.taco.logits``, `parallelize`'s and the Accelerator's
-``logits=``): ``"full"`` (default) returns the full logits always; ``"local"`` saves the
-all-gather and the (b, s, V) tensor when ``labels`` are given: ``outputs.logits`` is then this
-rank's vocabulary slice (b, s, V/tp) and only ``outputs.loss`` is meaningful as a whole;
-``"none"`` computes no logits when ``labels`` are given: the head's matmul, the loss and their
-gradients run in chunks of tokens (`tp.fused_cross_entropy`: no (tokens, V/tp) tensor beyond one
-chunk), ``outputs.loss`` is the same loss to fp32 rounding and ``outputs.logits`` is None (the
-project's Trainer, Finetuner and `taco_trainer`'s training steps use it). Without labels
-(generation, evaluation from logits) the logits are full in every mode. Pipeline stages call the
-head directly: the last stage returns full logits under ``"full"`` (a custom ``loss_fn`` sees
-what a user would), this rank's slice under ``"local"``, and its final hidden states under
-``"none"``, which the model's own loss function turns into the fused loss. An emulated model
-(``emulate=True``) holds every rank in one process: its logits are full under ``"full"`` and
-``"local"``.
+and returns what the class's forward returns (its ``ModelOutput`` class, the body's cache, hidden
+states and attentions; a tuple under ``return_dict=False``). transformers' default loss is
+``ForCausalLMLoss``: shift (or ``shift_labels``), ``ignore_index``, the sum over
+``num_items_in_batch`` or the mean over scored tokens; labels outside the vocabulary raise an
+IndexError on every rank (`checks.check_labels`). Without labels (generation, evaluation from
+logits) the logits are full in every mode.
+
+The lm head is read as this process holds it (`VocabHead`): a plain ``nn.Linear`` at tp=1 (its loss
+parts gathered by the identity), this rank's `ColumnParallelLinear` rows (gathered at the plain site
+``loss/lse``), or every virtual rank's rows of an emulated model (whose logits are full in every
+mode). Pipeline stages end in the final norm; their loss is `hidden_loss` (a custom ``loss_fn`` gets
+`hidden_logits`). The chunk kernels are compiled in one place, `compile_loss`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
+import logging
+import types
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..tp.cross_entropy import vocab_parallel_cross_entropy
-from ..tp.fused_cross_entropy import EAGER, ChunkKernels, fused_linear_cross_entropy
+from ..tp.cross_entropy import ChunkKernels, EAGER, vocab_parallel_cross_entropy
+from ..tp.emulate import EmulatedColumnParallelLinear
+from ..tp.fused_cross_entropy import fused_linear_cross_entropy, fused_linear_log_probs
+from ..tp.layers import ColumnParallelLinear
 from ..tp.mappings import gather_from_tp_region
 from ..tp.sites import Site
+from ..upstream import transformers as upstream_transformers
+from ..upstream import trl as upstream_trl
 from .checks import check_labels
+from .plan import plan_of_type
+
+logger = logging.getLogger(__name__)
 
 LogitsMode = Literal["full", "local", "none"]
 LOGITS_MODES: tuple[str, ...] = ("full", "local", "none")
@@ -68,207 +77,413 @@ def check_logits_mode(mode) -> str:
     return mode
 
 
-class LogitsGather:
-    """Forward hook on the lm head (a `ColumnParallelLinear`) of real TP: the full logits.
+# -- the lm head as this process holds it ------------------------------------------------------------
 
-    Keeps ``(full, local)`` of its last gather until the loss takes the local slice
-    (`local_part`) or the model's next forward starts (`LogitsModeHook` clears it).
-    """
-
-    def __init__(self, context) -> None:
-        self.context = context
-        self.labels: bool | None = None  # this forward has labels; None: unknown (a pipeline stage)
-        self.kept: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def __call__(self, head: nn.Module, args, local: torch.Tensor) -> torch.Tensor:
-        labels, self.labels = self.labels, None
-        self.kept = None
-        if self.context.logits != "full" and labels is not False:
-            return local  # (b, s, V/tp), or under "none" the head's input: the loss follows
-        full = head.gather_outputs(local)  # (b, s, V), rank order
-        self.kept = (full, local)
-        return full
-
-    def local_part(self, head: nn.Module, logits: torch.Tensor) -> torch.Tensor:
-        """This rank's vocabulary slice of ``logits``: the head's own local output when ``logits``
-        is its last gathered output, a slice of other full logits, or ``logits`` if already local."""
-        kept, self.kept = self.kept, None
-        if kept is not None and kept[0] is logits:
-            return kept[1]
-        if logits.shape[-1] != head.out_features:
-            return logits
-        ((start, stop),) = head.shard.ranges[head.rank]
-        return logits.narrow(-1, start, stop - start)  # its backward: zeros but for this rank's slice
+def _identity(parts: torch.Tensor) -> torch.Tensor:
+    return parts
 
 
-class FusedHead:
-    """Under ``logits="none"``: whether the lm head hands its input on instead of multiplying it,
-    what it handed on, and the chunk kernels of the fused loss (`tp.fused_cross_entropy`).
+class VocabHead:
+    """The lm head's rows held here. `logits` (b, s, W): this process's logits; `full`: the full
+    vocabulary from them; `shards`: per local rank the (tokens, h) input the head multiplies (its
+    backward the head's input gradient sum), its weight rows and bias; ``columns`` / ``vocab_starts``:
+    where each local rank's rows lie in `logits` and in the vocabulary; ``gather_parts``: every
+    rank's loss parts from the local ones. ``fusable``: the fused loss can read the weights."""
 
-    The head's forward asks `defers` (``head.fused``): yes when this forward's loss follows, i.e.
-    `LogitsModeHook` saw ``labels`` or a pipeline's last stage said so (``labels = True``).
-    The loss function `take` s what was handed on; a forward whose handed-on input no loss took
-    raises (its ``logits`` would be hidden states)."""
+    fusable = True
+    columns: list[tuple[int, int]] | None
+    vocab_starts: list[int]
 
-    def __init__(self, context) -> None:
-        self.context = context
-        self.labels = False  # the loss follows this forward (set before each forward)
-        self.kept: tuple[nn.Module, torch.Tensor] | None = None  # (head, its input), handed on
-        self.ran = False  # the fused loss ran in this forward
-        self.kernels = EAGER
-        self.chunk: int | None = None  # tokens per chunk; None: `fused_cross_entropy.chunk_tokens`
+    def __init__(self, module: nn.Module, gather_parts=_identity) -> None:
+        self.module, self.gather_parts = module, gather_parts
 
-    def defers(self) -> bool:
-        labels, self.labels = self.labels, False
-        return labels and self.context.logits == "none"
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.module(hidden)
 
-    def keep(self, head: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        self.kept = (head, x)
-        return x
+    def full(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
 
-    def take(self, logits: torch.Tensor) -> tuple[nn.Module, torch.Tensor] | None:
-        """``(head, hidden states)`` when ``logits`` is what the head handed on, else None."""
-        kept = self.kept
-        if kept is None or kept[1] is not logits:
-            return None
-        self.kept, self.ran = None, True
-        return kept
-
-    def compile(self, backend: str | None) -> None:
-        """Compile the chunk arithmetic with ``backend`` (None: eager), as the model is compiled."""
-        self.kernels = EAGER if backend is None else ChunkKernels(backend)
+    def shards(self, hidden: torch.Tensor) -> tuple[list, list, list]:
+        raise NotImplementedError
 
 
-class CausalLMLoss:
-    """transformers' ``ForCausalLMLoss`` (shift, ignore_index, num_items_in_batch) computed on
-    this rank's vocabulary slice (`vocab_parallel_cross_entropy`; transformers' own at tp=1), or
-    over the hidden states the head handed on (``fused``, `fused_linear_cross_entropy`)."""
+class PlainHead(VocabHead):
+    """tp=1: the causal LM's own head. An ``nn.Linear`` is fused; any other module (a peft wrapper
+    around the head) gives logits, and its loss comes from them."""
 
-    def __init__(self, lm_head: nn.Module, site: Site, fallback=None, gather: LogitsGather | None = None) -> None:
-        if fallback is None:
-            from transformers.loss.loss_utils import ForCausalLMLoss as fallback
-        self.lm_head, self.site, self.fallback, self.gather = lm_head, site, fallback, gather
-        self.fused: FusedHead | None = None  # `install_logits_mode` sets it
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__(module)
+        self.fusable = type(module) is nn.Linear
+        self.columns, self.vocab_starts = None, [0]
 
-    def __call__(
-        self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, num_items_in_batch=None,
-        ignore_index: int = -100, shift_labels: torch.Tensor | None = None, **kwargs,
-    ) -> torch.Tensor:
-        handed_on = self.fused.take(logits) if self.fused is not None else None
-        if handed_on is None and self.lm_head.tp == 1:
-            return self.fallback(
-                logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
-                ignore_index=ignore_index, shift_labels=shift_labels, **kwargs,
-            )
-        if shift_labels is None:  # tokens < n predict n
-            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        shift_labels = shift_labels.to(logits.device)
-        check_labels(shift_labels, logits, vocab_size, ignore_index)  # a label with no row raises
-        if handed_on is not None:
-            total = self.fused_loss(*handed_on, shift_labels, ignore_index)
-        else:
-            logits = self.loss_input(logits)
-            total = self.token_losses(logits, shift_labels, ignore_index).sum()
-        if num_items_in_batch is None:
-            return total / (shift_labels != ignore_index).sum()
-        if torch.is_tensor(num_items_in_batch):
-            num_items_in_batch = num_items_in_batch.to(total.device)
-        return total / num_items_in_batch
+    def shards(self, hidden):
+        return [hidden.reshape(-1, hidden.shape[-1])], [self.module.weight], [self.module.bias]
 
-    def loss_input(self, logits: torch.Tensor) -> torch.Tensor:
-        """What `token_losses` reads: this rank's vocabulary slice (b, s, V/tp)."""
-        if self.gather is None:
-            return logits
-        return self.gather.local_part(self.lm_head, logits)
 
-    def token_losses(self, logits: torch.Tensor, shift_labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
-        """Per-token loss (0 where ignored) from this rank's vocabulary slice of the logits."""
-        vocab_start = self.lm_head.shard.ranges[self.lm_head.rank][0][0]
-        return vocab_parallel_cross_entropy(logits, shift_labels, vocab_start, self.site, ignore_index)
+class ParallelHead(VocabHead):
+    """Real TP: this rank's `ColumnParallelLinear` rows; the loss parts gathered at ``site``."""
 
-    def fused_loss(self, head: nn.Module, hidden: torch.Tensor, shift_labels: torch.Tensor,
-                   ignore_index: int) -> torch.Tensor:
-        """The summed loss of ``head`` over ``hidden`` (b, s, h), fused (`fused_linear_cross_entropy`)."""
-        xs, weights, biases, starts, gather_parts = self.fused_inputs(head, hidden)
-        return fused_linear_cross_entropy(xs, weights, shift_labels.reshape(-1), starts, gather_parts, biases=biases,
-                                          ignore_index=ignore_index, chunk=self.fused.chunk, kernels=self.fused.kernels)
+    def __init__(self, module: ColumnParallelLinear, site: Site) -> None:
+        super().__init__(module, functools.partial(gather_from_tp_region, fwd=site, dim=0))
+        ((start, _),) = module.shard.ranges[module.rank]
+        self.columns, self.vocab_starts = [(0, module.local_out_features)], [start]
 
-    def fused_inputs(self, head: nn.Module, hidden: torch.Tensor) -> tuple:
-        """What `fused_linear_cross_entropy` reads of ``head`` (this rank's): the input after the
-        head's region entry (its backward: the input gradient's all-reduce at ``lm_head/bwd``) as
-        (tokens, h), the weight rows (V/tp, h) and bias as the head multiplies them, its first
-        vocabulary row, and the all-gather of the loss parts at the plain site ``loss/lse``."""
+    def full(self, logits):
+        return self.module.gather_outputs(logits)  # (b, s, V); backward: this rank's slice
+
+    def shards(self, hidden):
+        head = self.module
         entry = getattr(head.entry, "entry", head.entry)  # the region's entry: no overlap computing logits
         x = entry(hidden) if entry is not None else hidden
         weight, bias = head.region_params()
-        weight = weight.t() if head.conv1d else weight
-        start = head.shard.ranges[head.rank][0][0]
-        return ([x.reshape(-1, x.shape[-1])], [weight], [bias], [start],
-                lambda parts: gather_from_tp_region(parts, self.site, dim=0))
+        return [x.reshape(-1, x.shape[-1])], [weight.t() if head.conv1d else weight], [bias]
 
 
-class LogitsModeHook:
-    """Forward pre-hook on the causal LM: validates ``context.logits`` and tells ``gather`` and
-    ``fused`` whether this forward has ``labels``; `after` (a forward hook) leaves the output's
-    logits None where the fused loss ran."""
+class EmulatedHead(VocabHead):
+    """Emulated TP: every virtual rank's rows of the full head, whose logits are full (rank order)."""
 
-    def __init__(self, model: nn.Module, gather: LogitsGather | None, fused: FusedHead, context) -> None:
-        self.gather, self.fused, self.context = gather, fused, context
-        params = [
-            p.name for p in inspect.signature(model.forward).parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
-        self.labels_index = params.index("labels") if "labels" in params else None
+    def __init__(self, module: EmulatedColumnParallelLinear) -> None:
+        super().__init__(module)
+        self.columns = [(start, stop) for ((start, stop),) in module.split.ranges]
+        self.vocab_starts = [start for start, _ in self.columns]
 
-    def __call__(self, module, args, kwargs):
-        check_logits_mode(self.context.logits)
-        labels = kwargs.get("labels")
-        if labels is None and self.labels_index is not None and len(args) > self.labels_index:
-            labels = args[self.labels_index]
-        if self.gather is not None:
-            self.gather.kept = None
-            self.gather.labels = labels is not None
-        self.fused.kept, self.fused.ran = None, False
-        self.fused.labels = labels is not None
+    def shards(self, hidden):
+        head = self.module
+        xs = [x.reshape(-1, x.shape[-1]) for x in head.entry(hidden)]
+        weights = [w.t() if head.conv1d else w for w in head.weight_parts(head.weight)]
+        biases = [None] * head.tp if head.bias is None else list(head.bias_parts(head.bias))
+        return xs, weights, biases
 
-    def after(self, module, args, output):
-        fused = self.fused
-        if fused.kept is not None:
-            fused.kept = None
-            raise RuntimeError(f"{type(module).__name__}.forward passed labels but computed no loss from the lm "
-                               "head's output, which under logits='none' is the hidden states: set "
-                               "model.taco.logits = 'full' for this model")
-        if not fused.ran:
-            return output
-        fused.ran = False
-        if isinstance(output, tuple):  # return_dict=False: (loss, logits, ...) without the logits
-            return output[:1] + output[2:]
-        return type(output)(**{k: v for k, v in output.items() if k != "logits"})
+
+# -- the forward ------------------------------------------------------------------------------------
+
+def _forward_of(model_class: type) -> tuple[inspect.Signature, str, type]:
+    """The class forward's signature, the name of its ``**kwargs`` and its output class."""
+    signature = inspect.signature(model_class.forward)
+    var = [p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
+    if "labels" not in signature.parameters or not var:
+        raise TypeError(f"{model_class.__name__}.forward({', '.join(signature.parameters)}) takes no labels or no "
+                        "**kwargs: not a transformers causal LM forward")
+    return signature, var[0], upstream_transformers.causal_lm_output_type(model_class)
+
+
+def _shift(labels, shift_labels, ignore_index: int) -> torch.Tensor:
+    """The next-token targets: ``shift_labels``, else ``labels`` shifted (tokens < n predict n)."""
+    if shift_labels is not None:
+        return shift_labels
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def _mean(total: torch.Tensor, targets: torch.Tensor, ignore_index: int, num_items_in_batch) -> torch.Tensor:
+    """transformers' ``ForCausalLMLoss`` reduction: over ``num_items_in_batch``, else the scored tokens."""
+    if num_items_in_batch is None:
+        return total / (targets != ignore_index).sum()
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+class CausalLMHead:
+    """The head and loss of one causal LM (the module doc), kept at ``model.taco_head`` and called
+    as its ``forward``. ``mode``: the logits mode (``model.taco.logits`` of a parallel model is this);
+    ``site``: the plain site of the loss parts' all-gather (real TP); ``kernels`` / ``chunk``: the
+    chunk kernels (`compile_loss`) and tokens per chunk (None: `tp.cross_entropy.chunk_tokens`);
+    ``trl``: the settings of TRL's fused LM head, once it has been added to the model."""
+
+    def __init__(self, model: nn.Module, mode: str = "full", site: Site | None = None) -> None:
+        plan = plan_of_type(getattr(model.config, "model_type", None))
+        if plan is None or not is_causal_lm(model):
+            raise ValueError(f"{type(model).__name__} is not a causal LM of a supported family; taco_accel's head and "
+                             "loss serve transformers causal LMs with a registered plan (taco_accel.supported_model_types())")
+        body = getattr(model, plan.base, None)
+        if not isinstance(body, nn.Module) or getattr(model, "base_model", body) is not body:
+            raise ValueError(f"{type(model).__name__} has no decoder at .{plan.base} (its base_model is "
+                             f"{type(getattr(model, 'base_model', None)).__name__}): the head and loss need the body's "
+                             "hidden states")
+        self.signature, self.var_keyword, self.output_type = _forward_of(type(model))
+        # resolved here, outside any forward (torch.compile traces no import of transformers' lazy modules)
+        self.slice_hidden = upstream_transformers.logits_slicer()
+        self.default_loss = upstream_transformers.default_causal_lm_loss()
+        self.mode, self.site = check_logits_mode(mode), site
+        self.body_name, self.head_name = plan.base, plan.lm_head
+        self.kernels: ChunkKernels = EAGER
+        self.chunk: int | None = None
+        self.trl: upstream_trl.FusedHeadSettings | None = None
+        self.noted_own_loss = False
+
+    # -- pieces -------------------------------------------------------------------------------------
+    def vocab_head(self, model: nn.Module) -> VocabHead:
+        """The head ``model`` holds now (a pipeline stage's view holds its own copy of a tied head)."""
+        head = model.get_submodule(self.head_name)
+        if isinstance(head, ColumnParallelLinear):
+            if self.site is None:
+                raise RuntimeError("a tensor-parallel lm head without the loss's site: the model was parallelised "
+                                   "without taco_accel.parallelize")
+            return ParallelHead(head, self.site)
+        if isinstance(head, EmulatedColumnParallelLinear):
+            return EmulatedHead(head)
+        return PlainHead(head)
+
+    def __call__(self, model: nn.Module, *args, **kwargs):
+        """The causal LM's forward (the module doc)."""
+        check_logits_mode(self.mode)
+        signature, var, output_type = self.signature, self.var_keyword, self.output_type
+        fused_lm_head = kwargs.pop(upstream_trl.FUSED_KEYWORD, False)
+        return_dict = kwargs.pop("return_dict", None)
+        arguments = signature.bind(model, *args, **kwargs).arguments
+        arguments.pop(next(iter(signature.parameters)))  # self
+        extra = arguments.pop(var, {})
+        labels, logits_to_keep = arguments.pop("labels", None), arguments.pop("logits_to_keep", 0)
+        if fused_lm_head:
+            return self.trl_forward(model, labels, {**arguments, **extra})
+        outputs = getattr(model, self.body_name)(**arguments, **extra)
+        hidden = self.slice_hidden(outputs.last_hidden_state, logits_to_keep)
+        loss, logits = self.head_and_loss(model, hidden, labels, extra)
+        fields = {k: v for k, v in outputs.items() if k in output_type.__dataclass_fields__ and k != "last_hidden_state"}
+        out = output_type(loss=loss, logits=logits, **fields)
+        if return_dict is None:  # as transformers' can_return_tuple
+            return_dict = getattr(model.config, "return_dict", True) is not False
+        return out if return_dict else out.to_tuple()
+
+    def head_and_loss(self, model: nn.Module, hidden: torch.Tensor, labels, loss_kwargs: dict):
+        """``(loss, logits)`` of the hidden states (b, s, h) after the final norm (the module doc)."""
+        head = self.vocab_head(model)
+        if labels is None:
+            return None, head.full(head.logits(hidden))
+        own = upstream_transformers.own_loss_function(model, self.default_loss)
+        if own is not None:
+            self._note_own_loss(model)
+            logits = head.full(head.logits(hidden))
+            return own(logits, labels, vocab_size=model.config.vocab_size, **loss_kwargs), logits
+        if self.mode == "none" and head.fusable:
+            return self.fused_loss(model, head, hidden, labels, **loss_kwargs), None
+        local = head.logits(hidden)
+        loss = self.logits_loss(model, head, local, labels, **loss_kwargs)
+        return loss, {"full": head.full(local), "local": local, "none": None}[self.mode]
+
+    def fused_loss(self, model, head: VocabHead, hidden, labels, num_items_in_batch=None, ignore_index: int = -100,
+                   shift_labels=None, **_) -> torch.Tensor:
+        """transformers' default loss, the head and loss fused (`fused_linear_cross_entropy`)."""
+        targets = _shift(labels, shift_labels, ignore_index).to(hidden.device)
+        check_labels(targets, hidden, model.config.vocab_size, ignore_index)
+        xs, weights, biases = head.shards(hidden)
+        total = fused_linear_cross_entropy(xs, weights, targets.reshape(-1), head.vocab_starts, head.gather_parts,
+                                           biases=biases, ignore_index=ignore_index, chunk=self.chunk,
+                                           kernels=self.kernels)
+        return _mean(total, targets, ignore_index, num_items_in_batch)
+
+    def logits_loss(self, model, head: VocabHead, logits, labels, num_items_in_batch=None, ignore_index: int = -100,
+                    shift_labels=None, **_) -> torch.Tensor:
+        """transformers' default loss from this process's logits, vocab-parallel (`vocab_parallel_cross_entropy`)."""
+        targets = _shift(labels, shift_labels, ignore_index).to(logits.device)
+        check_labels(targets, logits, model.config.vocab_size, ignore_index)
+        total = vocab_parallel_cross_entropy(logits, targets, head.vocab_starts, head.gather_parts, columns=head.columns,
+                                             ignore_index=ignore_index, chunk=self.chunk, kernels=self.kernels).sum()
+        return _mean(total, targets, ignore_index, num_items_in_batch)
+
+    def _note_own_loss(self, model: nn.Module) -> None:
+        if self.mode != "full" and not self.noted_own_loss:
+            logger.warning("%s.loss_function is not transformers' default: it gets the full logits, as transformers "
+                           "gives them, and logits=%r saves nothing for this model", type(model).__name__, self.mode)
+        self.noted_own_loss = True
+
+    # -- TRL's fused LM head ----------------------------------------------------------------------
+    def trl_forward(self, model: nn.Module, labels, body_kwargs: dict):
+        """What TRL's fused forward returns (``FusedCausalLMOutput``), vocab-parallel: the body,
+        then the per-token figures of the scored positions only."""
+        trl = self.trl
+        if trl is None:
+            raise ValueError(f"{type(model).__name__} was called with {upstream_trl.FUSED_KEYWORD}=True, but no fused LM "
+                             "head was added to it (trl.trainer.utils.add_fused_lm_head) before taco_accel took its forward")
+        shift_labels = body_kwargs.pop("shift_labels", None)
+        num_items_in_batch = body_kwargs.pop("num_items_in_batch", None)
+        hidden = getattr(model, self.body_name)(**{**body_kwargs, "use_cache": False}).last_hidden_state
+        if shift_labels is None:
+            hidden, labels = hidden[:, :-1], labels[:, 1:]
+        else:
+            labels = shift_labels
+        labels = labels.to(hidden.device)
+        mask = labels != -100
+        head = self.vocab_head(model)
+        if not head.fusable:
+            raise ValueError(f"the lm head is a {type(head.module).__name__}: TRL's fused LM head multiplies an "
+                             "nn.Linear's weight")
+        per_token = self._log_probs(head, hidden[mask], labels[mask], model.config.vocab_size)
+        log_probs, entropy, log_sum_sq, mean_logits, top1 = (
+            None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x) for x in per_token)
+        count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        return trl.output_type(
+            loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropy, log_sum_sq_probs=log_sum_sq,
+            mean_logits=mean_logits, is_top1=top1, label_mask=mask, aux_loss=None)
+
+    def _log_probs(self, head: VocabHead, hidden: torch.Tensor, targets: torch.Tensor, vocab_size: int):
+        trl = self.trl
+        device = hidden.device.type
+        if trl.cast_lm_head_to_fp32:
+            dtype = torch.float32
+        else:
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        xs, weights, biases = head.shards(hidden)
+        wanted = tuple(name for name in trl.outputs if name != "log_probs")
+        return fused_linear_log_probs(xs, weights, targets, head.vocab_starts, head.gather_parts, vocab_size=vocab_size,
+                                      dtype=dtype, biases=biases, logit_scale=trl.logit_scale / trl.temperature,
+                                      wanted=wanted, chunk=self.chunk, kernels=self.kernels)
+
+    # -- a pipeline's last stage --------------------------------------------------------------------
+    def loss(self, model: nn.Module, hidden: torch.Tensor, labels, **loss_kwargs) -> torch.Tensor:
+        """The model's loss of its final hidden states (a pipeline's last stage)."""
+        return self.head_and_loss(model, hidden, labels, loss_kwargs)[0]
+
+
+# -- installing it ------------------------------------------------------------------------------------
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """Whether ``model`` is a transformers causal LM of a family with a registered plan."""
+    plan = plan_of_type(getattr(getattr(model, "config", None), "model_type", None))
+    return (plan is not None and isinstance(getattr(model, plan.lm_head, None), nn.Module)
+            and hasattr(model, "generate") and "labels" in inspect.signature(type(model).forward).parameters)
+
+
+def causal_lm_of(model: nn.Module) -> nn.Module:
+    """The causal LM inside ``model``: a ``torch.compile`` wrapper's module, a peft model's base model."""
+    model = getattr(model, "_orig_mod", model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def head_of(model: nn.Module) -> CausalLMHead | None:
+    """The `CausalLMHead` of ``model`` (wrappers looked through), or None."""
+    return causal_lm_of(model).__dict__.get("taco_head")
+
+
+def _taco_forward(model, *args, **kwargs):
+    return model.taco_head(model, *args, **kwargs)
+
+
+def _is_ours(forward) -> bool:
+    return getattr(getattr(forward, "__func__", forward), "taco_head_forward", False)
+
+
+def _reaches_ours(forward) -> bool:
+    """Whether ``forward`` is the installed forward or wraps it (``__wrapped__``: Accelerate's wrappers)."""
+    return forward is not None and _is_ours(inspect.unwrap(forward, stop=_is_ours))
+
+
+def _our_forward(model: nn.Module):
+    """`CausalLMHead` bound as ``model.forward``, showing the class forward's signature (what
+    ``generate`` and the Trainer read) and wrapping nothing (Accelerate's unwrapping stops at it)."""
+    forward = types.FunctionType(_taco_forward.__code__, _taco_forward.__globals__, "forward")
+    forward.__signature__ = inspect.signature(type(model).forward)
+    forward.__doc__, forward.taco_head_forward = type(model).forward.__doc__, True
+    return types.MethodType(forward, model)
+
+
+def _name(function) -> str:
+    function = getattr(function, "__func__", function)
+    return f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', type(function).__name__)}"
+
+
+def _take_forward(model: nn.Module, state: CausalLMHead) -> None:
+    """Make ``model``'s forward the installed one: in place of the class's, or of TRL's fused forward
+    (whose settings ``state`` keeps, so that ``fused_lm_head=True`` runs here); a forward that reaches
+    ours through Accelerate's wrappers stays."""
+    forward = model.__dict__.get("forward")
+    if _reaches_ours(forward):
+        return
+    if forward is not None:
+        settings = upstream_trl.fused_head_settings(forward)
+        found = upstream_trl.fused_forward(forward)
+        if settings is None or getattr(found, "__func__", found) is not getattr(forward, "__func__", forward):
+            raise ValueError(
+                f"{type(model).__name__}.forward is replaced on the model ({_name(forward)}): taco_accel computes the "
+                "head and loss in the causal LM's forward and would drop that replacement. Parallelise or prepare "
+                "the model before wrapping its forward, or wrap the model instead of its forward")
+        if settings.final_logit_softcapping is not None:
+            raise ValueError("TRL's fused LM head with final_logit_softcapping: taco_accel's vocab-parallel head has "
+                             "no softcapping; use a model without it")
+        state.trl = settings
+        if _reaches_ours(settings.original_forward):  # TRL's head was added on top of ours
+            model.forward = settings.original_forward
+            return
+        if getattr(settings.original_forward, "__func__", None) is not type(model).forward:
+            raise ValueError(f"TRL's fused LM head on {type(model).__name__} wraps {_name(settings.original_forward)}, "
+                             "not the class's forward: taco_accel would drop it")
+    model.forward = _our_forward(model)
+
+
+def install_head(model: nn.Module, mode: str | None = None, *, site: Site | None = None) -> CausalLMHead:
+    """Make the causal LM in ``model`` (a supported transformers causal LM, or a wrapper of one)
+    compute its head and loss through `CausalLMHead`; idempotent. ``mode``: the logits mode (None:
+    the installed one, "full" for a new one); ``site``: the loss parts' site of real TP. Adopts
+    TRL's fused LM head where TRL added one. Returns the `CausalLMHead` (``model.taco_head``)."""
+    causal = causal_lm_of(model)
+    state = causal.__dict__.get("taco_head")
+    if state is None:
+        state = CausalLMHead(causal, mode or "full", site)
+    else:
+        state.mode = check_logits_mode(mode) if mode is not None else state.mode
+        state.site = site if site is not None else state.site
+    _take_forward(causal, state)
+    causal.taco_head = state
+    return state
 
 
 @contextlib.contextmanager
 def logits_mode(model: nn.Module, mode: LogitsMode):
-    """``model.taco.logits = mode`` inside the block (the previous mode after it); a model that is
-    not parallelised (``model.taco`` absent, peft wrappers looked through) as it is."""
-    context = getattr(model, "taco", None)
-    if context is None:
+    """``mode`` as ``model``'s logits mode inside the block (the previous one after it); a model
+    without the installed head (wrappers looked through) as it is."""
+    state = head_of(model)
+    if state is None:
         yield
         return
-    previous, context.logits = context.logits, check_logits_mode(mode)
+    previous, state.mode = state.mode, check_logits_mode(mode)
     try:
         yield
     finally:
-        context.logits = previous
+        state.mode = previous
 
 
-def install_logits_mode(model: nn.Module, head: nn.Module, loss: CausalLMLoss, context,
-                        gather: LogitsGather | None = None) -> FusedHead:
-    """The pieces of ``context.logits`` on a parallelised ``model`` (real or emulated): the
-    `FusedHead` its ``head`` and ``loss`` share (kept at ``context.fused``), `LogitsModeHook`
-    before and after each forward."""
-    fused = FusedHead(context)
-    head.fused = loss.fused = context.fused = fused
-    hook = LogitsModeHook(model, gather, fused, context)
-    model.register_forward_pre_hook(hook, with_kwargs=True)
-    model.register_forward_hook(hook.after)
-    return fused
+def compile_loss(model: nn.Module, backend: str | None) -> None:
+    """Compile the chunk kernels of ``model``'s head and loss with ``backend`` (None: eager): the one
+    place they are compiled (`tp.cross_entropy.ChunkKernels`). No-op for a model without the head."""
+    state = head_of(model)
+    if state is not None and getattr(state.kernels, "backend", None) != backend:
+        state.kernels = EAGER if backend is None else ChunkKernels(backend)
+
+
+# -- what other layers read ------------------------------------------------------------------------------
+
+def _required(model: nn.Module) -> tuple[nn.Module, CausalLMHead]:
+    """The causal LM in ``model`` and its `CausalLMHead`; a ValueError where it has none."""
+    causal = causal_lm_of(model)
+    state = causal.__dict__.get("taco_head")
+    if state is None:
+        raise ValueError(f"{type(causal).__name__} has no taco_accel head and loss; lay it out first "
+                         "(taco_accel.parallelize, or Accelerator.prepare)")
+    return causal, state
+
+
+def hidden_loss(model: nn.Module, hidden: torch.Tensor, labels, **loss_kwargs) -> torch.Tensor:
+    """``model``'s loss of its final hidden states (b, s, h) (a pipeline's last stage: ``model`` its view)."""
+    causal, state = _required(model)
+    return state.loss(causal, hidden, labels, **loss_kwargs)
+
+
+def hidden_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The logits of the final hidden states: the full vocabulary, or this rank's slice under ``"local"``."""
+    causal, state = _required(model)
+    head = state.vocab_head(causal)
+    local = head.logits(hidden)
+    return local if state.mode == "local" else head.full(local)
+
+
+def token_losses(model: nn.Module, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Per-token loss (b, s), 0 where not scored, of ``model``'s logits (full or this rank's slice)
+    against next-token ``targets``."""
+    causal, state = _required(model)
+    head = state.vocab_head(causal)
+    vocab = causal.config.vocab_size
+    check_labels(targets, logits, vocab, ignore_index)
+    if logits.shape[-1] == vocab:  # full: one rank's view of every row
+        head = PlainHead(head.module)
+    return vocab_parallel_cross_entropy(logits, targets, head.vocab_starts, head.gather_parts, columns=head.columns,
+                                        ignore_index=ignore_index, chunk=state.chunk, kernels=state.kernels)

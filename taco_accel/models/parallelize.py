@@ -21,7 +21,7 @@ from ..upstream import transformers as upstream_transformers
 from .checks import check_call, install_input_checks, verify_same_model
 from .context import TPContext, context_of
 from .emulate import emulate_tp
-from .loss import CausalLMLoss, LogitsGather, LogitsMode, check_logits_mode, install_logits_mode
+from .loss import LogitsMode, check_logits_mode, install_head
 from .plan import Colwise, EnterRegion, Rowwise, TPPlan
 from .rewrite import Rewrite, check_tp
 from .state import bind_save_pretrained
@@ -73,10 +73,11 @@ def parallelize(
             8 ms to compute and 30 ms with the exchange on 2 gloo ranks), and that the first
             forward gives every TP rank the same ``input_ids`` (one all-gather of 5 numbers).
             False skips both (huge models, or a start-up that must not wait).
-        logits: what ``outputs.logits`` holds (`taco_accel.models.loss`; ``model.taco.logits``
-            changes it later). ``"full"`` (default): the full vocabulary, as transformers
-            returns it, with or without ``labels``, differentiable (a loss computed from the
-            logits trains right); the model's own loss is vocab-parallel either way.
+        logits: what ``outputs.logits`` holds (`taco_accel.models.loss`, whose forward replaces
+            the model's; ``model.taco.logits`` changes it later). ``"full"`` (default): the full
+            vocabulary, as transformers returns it, with or without ``labels``, differentiable (a
+            loss computed from the logits trains right); transformers' default loss is
+            vocab-parallel either way, a ``loss_function`` of your own gets the full logits.
             ``"local"``: with ``labels``, this rank's vocabulary slice (b, s, V/tp), saving the
             all-gather and the full tensor when only ``outputs.loss`` is used; ``"none"``: with
             ``labels``, no logits (None): the head's matmul and the loss run fused, in chunks of
@@ -106,9 +107,9 @@ def parallelize(
     check_tp(model, plan, tp)
     context = TPContext(
         plan, group, tp, group_rank(group), compression, SiteTable(group, compression),
-        SequenceState(bool(sequence_parallel), tp), logits=logits,
+        SequenceState(bool(sequence_parallel), tp),
     )
-    _apply_plan(model, plan, context)
+    _apply_plan(model, plan, context, logits)
     install_input_checks(model, plan, group, same_batch=verify)
     _sync_rng(group)
     model.taco = context
@@ -219,7 +220,7 @@ class TPRewrite(Rewrite):
 
     def lm_head(self, embedding: VocabParallelEmbedding) -> ColumnParallelLinear:
         """Split like the embedding (the same parameter when tied); its output is gathered into
-        the full logits by a `LogitsGather` hook at the plain site ``lm_head/logits``."""
+        the full logits at the plain site ``lm_head/logits`` (`models.loss`)."""
         name, group = self.plan.lm_head, self.ctx.group
         head = self.model.get_submodule(name)
         tied = head.weight is self.model.get_submodule(self.plan.embedding).weight
@@ -234,16 +235,12 @@ class TPRewrite(Rewrite):
         return new
 
 
-def _apply_plan(model: nn.Module, plan: TPPlan, ctx: TPContext) -> None:
-    """Swap the modules named by the plan, add the hooks, install the loss."""
-    head = TPRewrite(model, plan, ctx).install()
+def _apply_plan(model: nn.Module, plan: TPPlan, ctx: TPContext, logits: str) -> None:
+    """Swap the modules named by the plan, add the hooks, install the head and loss."""
+    TPRewrite(model, plan, ctx).install()
     ctx.grad_sum_params = _partial_grad_params(model, plan, ctx)
     ctx.install_grad_sums(model)
-    gather = LogitsGather(ctx)
-    head.register_forward_hook(gather)
-    loss = upstream_transformers.replace_loss_function(
-        model, lambda own: CausalLMLoss(head, ctx.sites.plain("loss/lse"), own, gather))
-    install_logits_mode(model, head, loss, ctx, gather)
+    ctx.head = install_head(model, logits, site=ctx.sites.plain("loss/lse"))
 
 
 def _partial_grad_params(model: nn.Module, plan: TPPlan, ctx: TPContext) -> list[str]:

@@ -16,7 +16,7 @@ from .mesh import MESH_DIMS, ParallelDims, build_mesh, collective_timeout
 from .parts import ModelParts, clip_grad_norm_, distribute
 from .pipeline import (SCHEDULES, PipelinePlan, apply_pp, build_schedule, emulate_boundaries, make_pipeline_stages,
                        prune_to_stage, split_layers)
-from .stage import StageModule, cross_entropy, decoder_layers, site_tables
+from .stage import StageModule, decoder_layers, site_tables
 from .tensor_parallel import apply_tp, check_parallelized
 
 __all__ = [
@@ -43,7 +43,6 @@ __all__ = [
     "clip_grad_norm_",
     "collective_timeout",
     "compile_backend",
-    "cross_entropy",
     "decoder_layers",
     "distribute",
     "emulate_boundaries",

@@ -16,8 +16,8 @@ it: the TP sites reach their custom ops as tensors, `comm.ops`; a training forwa
 KV cache, whose update takes the layer index). Compile time does not grow with depth
 (tests/test_compile.py counts one graph for every block and no recompile). The module objects, parameters, state_dict keys and hooks stay what they were, so
 checkpoints, clipping and the pipeline schedule see the same modules. What lies outside the blocks
-(embedding, rotary and mask setup, final norm, head and loss) runs eagerly; the fused loss compiles
-its own chunk arithmetic (`tp.fused_cross_entropy`).
+(embedding, rotary and mask setup, final norm, head and loss) runs eagerly, but for the loss's chunk
+kernels, compiled with the same backend (`models.loss.compile_loss`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .stage import StageModule, decoder_layers, taco_context
+from ..models.loss import compile_loss
+from .stage import StageModule, decoder_layers
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +63,7 @@ def apply_compile(modules: list[nn.Module], backend: str, **options) -> None:
         else:
             block.compile(backend=backend, **options)
     for module in modules:
-        context, _ = taco_context(module)
-        if context is not None and context.fused is not None:  # the fused loss's chunk arithmetic
-            context.fused.compile(backend)
+        compile_loss(module.model if isinstance(module, StageModule) else module, backend)  # the loss's chunk kernels
         _train_without_cache(module)
     logger.info("torch.compile (%s%s) applied to %d decoder block(s)", backend,
                 "".join(f", {k}={v}" for k, v in options.items()), len(blocks))

@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm.agreement import check_setting
 from ..comm.policy import DEFAULT_COMPRESSION, Compression, check_same
+from ..models.loss import causal_lm_of, install_head, is_causal_lm
 from .compile import apply_compile
 from .data_parallel import (
     DataParallelGradSync,
@@ -240,7 +241,9 @@ def distribute(
     ``compression`` / ``sequence_parallel`` / ``logits`` go to `parallelize` when the model is
     not yet tensor parallel (``compression``: anything `Compression.resolve` takes, ``"auto"`` by
     default; ``logits=None``: ``"full"``); a
-    ``logits`` mode given for a parallel model replaces its own. ``grad_compression`` (anything
+    ``logits`` mode given for a parallel model replaces its own. A supported causal LM computes
+    its head and loss through `models.loss` at every tp, tp=1 included (`models.loss.install_head`,
+    which also takes over TRL's fused LM head). ``grad_compression`` (anything
     `Compression.resolve` takes, ``"off"`` by default): the compressed dp gradient reduction
     with error feedback (`data_parallel`); every rank must pass the same (a `CollectiveMismatch`
     on every rank otherwise). ``pipeline``: split into
@@ -264,10 +267,10 @@ def distribute(
         check_same(compression, model.taco.compression, "distribute")
         check_parallelized(model, mesh)
         replicas = _replicas_of(model, dims.tp)
-        if logits is not None:
-            model.taco.logits = logits
     else:
         replicas = apply_tp(model, mesh, compression, sequence_parallel, logits or "full")
+    if is_causal_lm(causal_lm_of(model)):  # the head and loss at every tp (tp=1: the model's own head)
+        install_head(model, logits)
     tied = is_tied(model) if pipeline else False
     if pipeline:
         plan = apply_pp(model, mesh, stages_per_rank, seq_len=seq_len,

@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..comm.p2p import round_trip_message
 from ..comm.policy import DEFAULT_COMPRESSION, Compression, CompressionLike, check_same
+from ..models.loss import hidden_logits, hidden_loss
 from ..tp.sites import SiteTable
 from .boundary import BoundaryStage, attach_boundaries, boundary_name
 from .stage import StageModule, decoder_layers, family_of
@@ -261,32 +262,38 @@ class PipelineRunner:
     Around each schedule step the stages' boundaries (`boundary.PipelineBoundaries`) check their
     settings across each link (first step), raise on non-finite messages under ``"raise"`` and
     time undecided auto sites (after the step): every rank runs ``step`` / ``eval`` together.
-    ``loss_fn(logits, labels)`` defaults to the last stage's own (vocab-parallel) loss function;
+    The last stage ends in the final norm; its loss is the model's head and loss
+    (`models.loss.hidden_loss`: fused under ``logits="none"``, vocab-parallel otherwise); a custom
+    ``loss_fn(logits, labels)`` gets the logits (`models.loss.hidden_logits`: full, or this rank's
+    vocabulary slice under ``"local"``).
     ``shifted_labels``: the labels already hold the next tokens (packed pretraining windows).
     ``autocast``: a callable returning the context the schedule runs in (the Accelerator's
     ``autocast``: its mixed precision), as a prepared model's forward runs in it.
     """
 
     def __init__(self, parts, schedule: str, micro_batches: int, device: torch.device, *, loss_fn=None,
-                 vocab_size: int | None = None, shifted_labels: bool = False,
-                 autocast: Callable[[], contextlib.AbstractContextManager] | None = None):
+                 shifted_labels: bool = False, autocast: Callable[[], contextlib.AbstractContextManager] | None = None):
         self.parts, self.device = parts, device
         self.autocast = autocast or contextlib.nullcontext
-        loss_fn = loss_fn or self._model_loss(vocab_size, shifted_labels)
+        loss_fn = self._stage_loss(loss_fn, shifted_labels)
         self.loss_fn, self.micro_batches, self.schedule = loss_fn, micro_batches, None
         if parts.num_stages > 1:
             stages = make_pipeline_stages(parts.modules, parts.stage_ids, parts.num_stages, parts.mesh, device)
             self.schedule = build_schedule(schedule, stages, micro_batches, loss_fn)
         self.boundaries = getattr(parts.modules[0], "boundaries", None)
 
-    def _model_loss(self, vocab_size: int, shifted: bool):
+    def _stage_loss(self, loss_fn, shifted: bool):
+        """``(final hidden states, labels) -> loss`` of the last stage: the model's head and loss, or
+        ``loss_fn`` of the logits."""
         last = [m for s, m in zip(self.parts.stage_ids, self.parts.modules) if s == self.parts.num_stages - 1]
         if not last:  # the schedule computes the loss on the last stage only, but wants a function
             return _not_on_this_stage
-        model = last[0].model
+        model = last[0].model  # the stage's view of the causal LM
+        if loss_fn is not None:
+            return lambda hidden, labels: loss_fn(hidden_logits(model, hidden), labels)
         if shifted:
-            return lambda logits, labels: model.loss_function(logits, labels, vocab_size, shift_labels=labels)
-        return lambda logits, labels: model.loss_function(logits, labels, vocab_size)
+            return lambda hidden, labels: hidden_loss(model, hidden, labels, shift_labels=labels)
+        return lambda hidden, labels: hidden_loss(model, hidden, labels)
 
     def parameters(self):
         return self.parts.parameters()

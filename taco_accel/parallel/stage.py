@@ -1,4 +1,4 @@
-"""A pipeline stage of a transformers causal LM: embed (first) -> its layers -> norm + head (last).
+"""A pipeline stage of a transformers causal LM: embed (first) -> its layers -> final norm (last).
 
 `StageModule` runs one contiguous slice of a (possibly pruned) transformers model. Only the
 hidden states travel between stages; each stage rebuilds what the decoder layers also need
@@ -94,17 +94,13 @@ def causal_masks(config, hidden: torch.Tensor, position_ids: torch.Tensor, build
     return masks
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss of full-vocabulary logits ``(b, s, V)`` against ``labels (b, s)``."""
-    return nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
-
-
 class StageModule(nn.Module):
     """Runs the layers ``model`` still holds, plus the embedding on the first stage and the
-    final norm and head on the last.
+    final norm on the last (the head belongs to the loss: `models.loss.hidden_loss`, and
+    `models.loss.hidden_logits` for a loss of the logits).
 
     ``forward(x)``: x is ``input_ids (b, s)`` on the first stage, hidden states ``(b, s, h)``
-    elsewhere; returns hidden states, or logits ``(b, s, V/tp)`` on the last stage.
+    elsewhere; returns hidden states, on the last stage the final norm's.
     """
 
     def __init__(self, model: nn.Module, is_first: bool = True, is_last: bool = True, seq_split: int = 1):
@@ -166,9 +162,5 @@ class StageModule(nn.Module):
                 if isinstance(x, tuple):  # older layer forwards return (hidden_states, ...)
                     x = x[0]
         if self.is_last:
-            x = getattr(base, fam.norm)(x)
-            fused = getattr(self.model.lm_head, "fused", None)
-            if fused is not None:  # the schedule's loss follows: under logits="none" it takes x itself
-                fused.labels = True
-            x = self.model.lm_head(x)  # (b, s, V/tp), or (b, s, h) handed on
+            x = getattr(base, fam.norm)(x)  # (b, s, h): the loss function applies the head (models.loss.hidden_loss)
         return x

@@ -23,7 +23,8 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, compression=DEFAULT_COMPRESSION
     from the sizes before and after. Norms over the mesh divide by it.
 
     ``compression``: anything `Compression.resolve` takes (default ``"auto"``; ``"off"`` or
-    None: plain TP); ``logits``: `parallelize`'s. tp=1 leaves the model as is.
+    None: plain TP); ``logits``: `parallelize`'s. tp=1 leaves the model as is (`distribute` installs
+    its head and loss).
     """
     compression = Compression.resolve(compression)
     tp_mesh = mesh["tp"]

@@ -39,7 +39,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.emulated import EmulatedGroup
-from .cross_entropy import combine_loss_parts, local_loss_parts
 from .mappings import blocks
 from .regions import SEQ_DIM, HiddenStatesHook, SequenceState
 from .shards import ShardSpec, linear_layout
@@ -340,13 +339,10 @@ class EmulatedColumnParallelLinear(_EmulatedLinear):
         self.entry, self.region = entry, region
         self.bias_split = self.split.on_dim(0)
         self.bias_parts = RankParts(self.bias_split)
-        self.fused = None  # the lm head's models.loss.FusedHead: the fused loss multiplies its input
         if region is not None:
             region.consumers += 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None and self.fused.defers():
-            return self.fused.keep(self, x)  # (b, s, in), handed on to the fused head and loss
         if self.entry is not None:
             xs = self.entry(x)
         elif self.region is not None:
@@ -404,15 +400,3 @@ class EmulatedVocabParallelEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, padding_idx={self.padding_idx}, tp={self.tp}, emulated"
-
-
-def emulated_vocab_parallel_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, split: ShardSpec, ignore_index: int = -100
-) -> torch.Tensor:
-    """`vocab_parallel_cross_entropy` for tp virtual ranks: each rank's log-sum-exp and target
-    logit on its vocabulary slice of the full ``logits`` (..., V), combined as the ranks do."""
-    parts = [
-        local_loss_parts(logits.narrow(-1, start, stop - start).contiguous(), target, start, ignore_index)
-        for ((start, stop),) in split.ranges
-    ]
-    return combine_loss_parts(torch.stack(parts), target == ignore_index)  # parts: (tp, 2, ...)

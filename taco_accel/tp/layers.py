@@ -103,7 +103,6 @@ class ColumnParallelLinear(_ParallelLinear):
             raise ValueError("a shard with replicated blocks needs replica_site to sum their gradients")
         self.replica_site = replica_site
         self.ready: tuple[torch.Tensor, torch.Tensor] | None = None  # (x, output) from an overlap.ColumnRegion
-        self.fused = None  # the lm head's models.loss.FusedHead: the fused loss multiplies its input
 
     def region_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight, bias) as this layer multiplies with them (replicated blocks sum their gradients)."""
@@ -114,8 +113,6 @@ class ColumnParallelLinear(_ParallelLinear):
         return weight, bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None and self.fused.defers():
-            return self.fused.keep(self, x)  # (b, s, in), handed on to the fused head and loss
         if self.entry is not None:
             x = self.entry(x)  # (b, s, in), the same on every rank
         ready, self.ready = self.ready, None

@@ -42,9 +42,7 @@ from ..data.supervised import IGNORE, RecordFields, SFTBatches, eval_micro_batch
     tokenize_records
 from ..models import from_pretrained, save_pretrained
 from ..models.state import tp_replicas
-from ..models.checks import check_labels
-from ..models.loss import logits_mode
-from ..tp import vocab_parallel_cross_entropy
+from ..models.loss import logits_mode, token_losses
 from ..integrations import Accelerator, export_merged, get_peft_model, save_adapter
 from ..parallel import compile_backend, enable_activation_checkpointing
 from .ranks import global_rank, main_first, usable_trackers
@@ -348,12 +346,7 @@ class Finetuner(TrainingLoop):
     def _token_nll(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-token next-token loss (b, s), 0 where not scored, from full or vocab-parallel logits."""
         shift = F.pad(labels, (0, 1), value=IGNORE)[..., 1:]
-        if logits.shape[-1] == self.model.config.vocab_size:
-            return F.cross_entropy(logits.float().transpose(1, 2), shift, ignore_index=IGNORE, reduction="none")
-        check_labels(shift, logits, self.model.config.vocab_size, IGNORE)  # as the model's own loss does
-        loss_fn = self.model.loss_function  # the vocab-parallel loss `parallelize` installed
-        vocab_start = loss_fn.lm_head.shard.ranges[loss_fn.lm_head.rank][0][0]
-        return vocab_parallel_cross_entropy(logits, shift, vocab_start, loss_fn.site, IGNORE)
+        return token_losses(self.model, logits, shift, IGNORE)  # the model's own loss, token by token
 
     def evaluate(self) -> dict:
         """``{"eval_loss", "eval_perplexity", ...}`` of the held-out response tokens (a collective),

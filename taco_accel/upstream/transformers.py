@@ -11,9 +11,13 @@
   up), computed again for CPU processes (`setup_devices_again`);
 - ``masking_utils.create_causal_mask`` / ``create_sliding_window_causal_mask``, whose cache
   parameter was renamed (``past_key_values`` -> ``cache`` in 5.24): `mask_builders`;
-- a model's ``loss_function``: its setter keeps the function in the private ``_loss_function``,
-  the getter falls back to transformers' default for the ``loss_type``; `replace_loss_function`
-  reads the one set on the model (a user's own) and installs ours (5.10-5.25);
+- a model's ``loss_function``: its setter keeps the function in the private ``_loss_function``, the
+  getter falls back to transformers' default, ``LOSS_MAPPING["ForCausalLM"]`` for a causal LM
+  (`default_causal_lm_loss`); `own_loss_function` reads one a user set (5.10-5.25);
+- a causal LM's forward: the output class its ``forward`` returns (`causal_lm_output_type`, from the
+  annotation) and the slice ``logits_to_keep`` takes of the hidden states (`logits_slicer`:
+  transformers' own function where it has one, which also takes a 2-D mask or positions; 5.10's
+  slicing by an int or 1-D positions otherwise);
 - ``_hf_peft_config_loaded``, which ``PeftAdapterMixin.add_adapter`` / ``load_adapter`` set on a
   model that holds peft adapters (`has_peft_adapters`; 5.10-5.25);
 - `TrainerCounts`: the counts of the Trainer that are wrong under tensor parallelism even
@@ -100,17 +104,55 @@ def setup_devices_again(args) -> None:
     args._setup_devices  # noqa: B018
 
 
-def replace_loss_function(model, make_loss):
-    """Make ``make_loss(own)`` the model's ``loss_function`` and return it, where ``own`` is the
-    function set on the model before (``model.loss_function = fn``), or None where none was: the
-    getter would give transformers' default for the model's ``loss_type`` instead, and the
-    private ``_loss_function`` the setter fills (5.10-5.25) tells the two apart."""
-    loss = make_loss(getattr(model, "_loss_function", None))
-    try:
-        model.loss_function = loss
-    except AttributeError:  # a subclass's property without a setter: what transformers' getter reads
-        model._loss_function = loss
-    return loss
+def default_causal_lm_loss():
+    """transformers' default causal-LM loss, ``LOSS_MAPPING["ForCausalLM"]`` (what a model's
+    ``loss_function`` returns when none was set on it). Resolved outside any forward: torch.compile
+    does not trace an import through transformers' lazy modules (a graph break)."""
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    return LOSS_MAPPING["ForCausalLM"]
+
+
+def own_loss_function(model, default):
+    """The ``loss_function`` set on ``model`` (the setter's private ``_loss_function``) unless it is
+    ``default`` (`default_causal_lm_loss`); None otherwise. Read without the getter, which warns (a
+    graph break under torch.compile) where the config names no ``loss_type``."""
+    function = getattr(model, "_loss_function", None)  # a module set as the loss lives in _modules
+    return None if function is None or function is default else function
+
+
+def causal_lm_output_type(model_class: type) -> type:
+    """The ``ModelOutput`` class ``model_class.forward`` returns (its return annotation); a
+    TypeError naming the class when the annotation is not one."""
+    import sys
+
+    from transformers.utils import ModelOutput
+
+    forward = model_class.forward
+    annotation = inspect.signature(forward).return_annotation
+    if isinstance(annotation, str):  # postponed annotations: the name in the forward's module
+        raw = inspect.unwrap(forward)
+        annotation = getattr(sys.modules.get(raw.__module__), annotation, None)
+    fields = getattr(annotation, "__dataclass_fields__", {})
+    if not (isinstance(annotation, type) and issubclass(annotation, ModelOutput) and {"loss", "logits"} <= set(fields)):
+        raise TypeError(f"{model_class.__name__}.forward is annotated {annotation!r}, not a ModelOutput with loss and "
+                        "logits: taco_accel returns the output class a causal LM's forward declares")
+    return annotation
+
+
+def logits_slicer():
+    """``slice(hidden, logits_to_keep)``: the hidden states (b, s, h) the lm head multiplies for
+    ``logits_to_keep`` (0: all), as the installed transformers' causal LMs slice them. Resolved
+    outside any forward (an import inside one is a graph break)."""
+    from transformers import modeling_utils
+
+    upstream = getattr(modeling_utils, "slice_logits_to_keep", None)  # not in 5.10
+    return upstream if upstream is not None else _slice_logits_to_keep
+
+
+def _slice_logits_to_keep(hidden, logits_to_keep):
+    keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    return hidden[:, keep, :]
 
 
 def has_peft_adapters(model) -> bool:
