@@ -133,7 +133,8 @@ def run_trainer(args, name: str, compression=None, resume: str | None = None, se
         pc = trainer.accelerator.parallelism_config
         out["layout"] = {"tp_size": trainer.get_tp_size(), "total_batch": trainer.get_total_train_batch_size(trainer.args),
                          "config": None if pc is None else [pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size],
-                         "num_processes": trainer.accelerator.num_processes}
+                         "num_processes": trainer.accelerator.num_processes,
+                         "world_size": trainer.accelerator.state.num_processes}
     return out
 
 

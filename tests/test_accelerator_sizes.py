@@ -49,11 +49,18 @@ def test_one_process_emulates_tp():
     assert (str(dims), emulated) == ("pp=1 x dp=2 (ddp) x tp=2", 1)
 
 
-def test_the_description_names_dp_by_its_mode():
+def test_the_description_is_the_replicas_by_their_mode():
+    """What transformers' Trainer and TRL read: the dp replicas (FSDP2 shards or DDP replicas), every
+    rank of a replica counted once, on every supported Accelerate (1.15 refuses tp with replicated
+    dp: there is no tp in it)."""
     fsdp = sizes.describe(ParallelDims(dp=2, tp=2, dp_mode="fsdp"))
-    ddp = sizes.describe(ParallelDims(dp=2, tp=2))
-    assert (fsdp.dp_shard_size, fsdp.dp_replicate_size, fsdp.tp_size) == (2, 1, 2)
-    assert (ddp.dp_shard_size, ddp.dp_replicate_size, ddp.tp_size) == (1, 2, 2)
+    ddp = sizes.describe(ParallelDims(pp=2, dp=2, tp=2))
+    assert (fsdp.dp_shard_size, fsdp.dp_replicate_size, fsdp.tp_size) == (2, 1, 1)
+    assert (ddp.dp_shard_size, ddp.dp_replicate_size, ddp.tp_size) == (1, 2, 1)
+    for config in (fsdp, ddp, sizes.describe(ParallelDims(tp=2))):
+        # total_size = num_processes; what the Trainer divides a shared batch's counts by: 1
+        assert (config.total_size, config.non_data_parallel_size) == (config.data_parallel_size, 1)
+        assert not (config.tp_enabled or config.cp_enabled or config.sp_enabled)
 
 
 def test_the_timeout_given_wins_else_the_default_is_added(monkeypatch):

@@ -89,10 +89,10 @@ def test_trainer_trains_like_one_process(results, launch):
     got, ref = run_of(results, launch, "trainer")
     assert_same_training(got, ref)
     dp = LAUNCHES[launch][0]
-    # the Trainer's accelerator reports Accelerate's counts (every process) and the mesh (tp=2, the dp
-    # replicas); from them the Trainer's own arithmetic gives the global batch of dp replicas
-    assert got["layout"] == {"tp_size": 2, "total_batch": BATCH * ACCUM * dp, "config": [dp, 1, 2],
-                             "num_processes": 2 * dp}
+    # the Trainer's accelerator counts the dp replicas, as a user's loop's does, and describes them
+    # (tp 1): the Trainer's own arithmetic divides by 1; the global batch is that of dp replicas
+    assert got["layout"] == {"tp_size": 1, "total_batch": BATCH * ACCUM * dp, "config": [dp, 1, 1],
+                             "num_processes": dp, "world_size": 2 * dp}
     assert got["input_tokens"] == ref["input_tokens"] == [BATCH * ACCUM * dp * 16 * k for k in (1, 2, 3, 4)]
     # every log line carries TACO's byte counts: 4 steps, 2 evaluations, the train summary
     assert got["comm_logged"] == 7 and got["eval"]["comm/bytes_sent"] > 0
@@ -272,5 +272,5 @@ def test_dpo_trainer_with_compression_stays_within_the_codec_bound(results):
 def test_a_plain_trainer_on_a_replaced_accelerator_is_refused_on_every_rank(results):
     message = refusal(results, "tp2", "patched")  # on main it trained with loss 0.0 and grad norm 0.0
     assert "ValueError" in message and "taco_trainer(Trainer)(model=..., args=...)" in message
-    assert "train on zeros" in message
+    assert "from the main process alone" in message
     assert results[0]["tp2"]["patched"]["every_rank"] == [message] * 2

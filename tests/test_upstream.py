@@ -118,24 +118,23 @@ def test_accelerate_keeps_the_state_hooks_in_order():
     assert up_accelerate.load_state_pre_hooks(acc) == [loading]
 
 
-def test_a_mesh_description_has_accelerates_sizes_on_every_supported_version():
-    from accelerate import ParallelismConfig
+def test_accelerates_split_runs_over_the_count_given():
+    """`upstream.accelerate.split_between`: PartialState's split (its generator under the context
+    manager) over a given count of processes, as Accelerate splits over every process: lists,
+    dicts of lists, padding by the last element, a datasets Dataset."""
+    from datasets import Dataset
 
-    for dp_replicate, dp_shard in ((2, 1), (1, 2), (1, 1)):
-        config = up_accelerate.describe_mesh(dp_replicate=dp_replicate, dp_shard=dp_shard, tp=2)
-        assert isinstance(config, ParallelismConfig)
-        assert (config.dp_replicate_size, config.dp_shard_size, config.tp_size) == (dp_replicate, dp_shard, 2)
-        # what the Trainer and TRL read from it
-        assert (config.non_data_parallel_size, config.data_parallel_size) == (2, dp_replicate * dp_shard)
-        assert (config.total_size, config.cp_enabled, config.sp_enabled) == (2 * dp_replicate * dp_shard, False, False)
-        assert config.dp_replicate_enabled == (dp_replicate > 1)
-    try:  # what a user who builds it gets: 1.15 refuses tp with replicated dp (README), 1.16 allows it
-        direct = ParallelismConfig(dp_replicate_size=2, dp_shard_size=1, tp_size=2)
-    except ValueError as e:
-        assert up_accelerate.check_version().startswith("1.15") and "pure data parallelism" in str(e)
-    else:
-        described = up_accelerate.describe_mesh(dp_replicate=2, dp_shard=1, tp=2)
-        assert direct._sizes == described._sizes and direct.active_mesh_dims == described.active_mesh_dims
+    shares = {}
+    for index in range(2):
+        with up_accelerate.split_between(list("ABCDE"), 2, index, "cpu") as share:
+            shares[index] = share
+        with up_accelerate.split_between({"a": [1, 2, 3], "b": [4, 5, 6]}, 2, index, "cpu", apply_padding=True) as share:
+            shares["dict", index] = share
+        with up_accelerate.split_between(Dataset.from_list([{"x": i} for i in range(3)]), 2, index, "cpu") as share:
+            shares["dataset", index] = share["x"]
+    assert (shares[0], shares[1]) == (list("ABC"), list("DE"))
+    assert (shares["dict", 0], shares["dict", 1]) == ({"a": [1, 2], "b": [4, 5]}, {"a": [3, 3], "b": [6, 6]})
+    assert (shares["dataset", 0], shares["dataset", 1]) == ([0, 1], [2])
 
 
 def test_the_replica_scheduler_steps_as_accelerates_does_once_per_replica():

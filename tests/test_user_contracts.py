@@ -209,8 +209,16 @@ def _conventions() -> dict:
         stale = None
     except ValueError as e:
         stale = str(e)
+    shares = {}
+    for padded in (False, True):  # 5 prompts over the replicas (padded: each share as long)
+        with acc.split_between_processes([f"prompt {i}" for i in range(5)], apply_padding=padded) as share:
+            shares[padded] = share
+    with acc.split_between_processes(torch.arange(5), apply_padding=True) as share:  # pads across every process
+        shares["tensor"] = share.tolist()
+    pc = acc.parallelism_config
     return {"num_processes": acc.num_processes, "process_index": acc.process_index, "world": acc.state.num_processes,
-            "dp_rank": acc.data_parallel_rank, "scheduler_steps": counts,
+            "world_size": acc.world_size, "described": [pc.dp_replicate_size, pc.dp_shard_size, pc.tp_size, pc.total_size],
+            "shares": shares, "dp_rank": acc.data_parallel_rank, "scheduler_steps": counts,
             "warnings": [m for m in warnings.messages if "schedule" in m], "stray_clip": stray, "stale": stale}
 
 
@@ -301,8 +309,13 @@ def test_a_backward_between_clipping_and_the_step_raises(measured):
 def test_num_processes_is_the_data_parallel_view(measured):
     results = _case(measured, "conventions")
     for rank, r in enumerate(results):
-        assert (r["num_processes"], r["world"]) == (2, 4), r
+        assert (r["num_processes"], r["world"], r["world_size"]) == (2, 4, 4), r
         assert r["process_index"] == r["dp_rank"] == rank // 2, r  # tp innermost: ranks 0, 1 are replica 0
+        assert r["described"] == [2, 1, 1, 2], r  # parallelism_config: the replicas (total_size = num_processes)
+        # split over the replicas: the tp ranks of a replica get the same prompts
+        assert r["shares"][False] == [["prompt 0", "prompt 1", "prompt 2"], ["prompt 3", "prompt 4"]][rank // 2], r
+        assert r["shares"][True] == [["prompt 0", "prompt 1", "prompt 2"], ["prompt 3", "prompt 4", "prompt 4"]][rank // 2]
+        assert r["shares"]["tensor"] == [[0, 1, 2], [3, 4, 4]][rank // 2], r
         assert r["scheduler_steps"] == [2, 4, 6, 8, 10, 12], r  # num_processes scheduler steps per optimizer step
     assert len(results[0]["warnings"]) == 1 and "num_processes // tp_size" in results[0]["warnings"][0], results[0]
     assert all(r["warnings"] == [] for r in results[1:])  # once, on the main process

@@ -39,33 +39,26 @@ What differs from ``accelerate.Accelerator``, and why:
   checksummed, resumable on another mesh; the folder's other files untouched); ``save_model`` /
   ``get_state_dict`` gather the full model: a plain transformers checkpoint.
   ``compression_stats()`` gives the TACO byte counts for ``log``.
-- **num_processes** has two meanings, one per kind of caller, because each caller's own arithmetic
-  is right under one of them only:
-
-  * ``Accelerator`` (a user's own loop, TP-unaware): the number of data-parallel replicas, and
-    ``process_index`` this process's replica (the tensor- and pipeline-parallel ranks of a replica
-    count once). Accelerate's arithmetic on them means "how many batches one optimizer step
-    consumes", and scripts written for Accelerate compute with it: transformers'
-    ``run_clm_no_trainer.py`` sizes warm-up as ``num_warmup_steps * num_processes`` on both of
-    its paths, the schedule as ``max_train_steps * num_processes`` (one path) or from
-    ``len(dataloader)`` before ``prepare`` (the other), and reports ``per_device_batch *
-    num_processes * accumulation`` as the total batch; only the replica count makes all of them
-    what one process on the same global batch gets (with the world size, no scheduler rule
-    makes both paths right). ``gather`` / ``reduce`` run over the replicas. The processes
-    started: ``accelerator.state.num_processes``; ``is_main_process`` and
-    ``local_process_index`` stay Accelerate's.
-  * `TrainerAccelerator` (what `taco_trainer` builds for transformers' Trainer and TRL, which
-    know tensor parallelism): Accelerate's own meaning, every process, with
-    ``parallelism_config`` describing the mesh. transformers >= 5.10 scales the loss by
-    ``num_processes // tp`` and divides the token count it ``gather`` s over every process by tp,
-    which is right only with these counts (`taco_accel.upstream.transformers.TrainerCounts` fixes
-    the two counts it still gets wrong).
-
-  In both, a prepared scheduler steps once per data-parallel replica per optimizer step (not
-  once per process as Accelerate's: the tp ranks of a replica read one batch;
-  `taco_accel.upstream.accelerate.ReplicaScheduler`), ``gather_for_metrics`` gives each sample
-  once, and a schedule that ends long before the run does (sized for fewer processes, e.g. by
-  ``num_processes // tp``) is warned about once.
+- **num_processes** is the number of data-parallel replicas, and ``process_index`` this
+  process's replica, in every accelerator the package hands out (this one, and the one
+  `taco_trainer` builds for transformers' Trainer and TRL): the tensor- and pipeline-parallel
+  ranks of a replica read the same batches and count once. That is what Accelerate's arithmetic
+  means by it ("how many batches one optimizer step reads"), and the one count that keeps the
+  arithmetic of scripts written for Accelerate right: transformers' ``run_clm_no_trainer.py``
+  sizes warm-up as ``num_warmup_steps * num_processes``, the schedule as ``max_train_steps *
+  num_processes`` or from ``len(dataloader)`` before ``prepare`` (the global batches), and
+  reports ``per_device_batch * num_processes * accumulation`` as the total batch; a prepared
+  scheduler steps ``num_processes`` times per optimizer step (`upstream.accelerate.ReplicaScheduler`),
+  so only the replica count makes both of its schedule paths what one process gets (with every
+  process counted, no stepping rule makes both right). ``parallelism_config`` describes the same
+  replicas (Accelerate's ``ParallelismConfig``, ``total_size == num_processes``, tp 1): the
+  libraries built on Accelerate that divide by its tp size where processes share a batch
+  (transformers' Trainer: its loss scale ``num_processes // tp``, its token counts; TRL's token
+  counts) then compute right by themselves. ``gather``, ``reduce``, ``gather_for_metrics`` and
+  ``split_between_processes`` run over the replicas (the tp ranks of a replica get the same
+  share). Every process started: ``world_size``; the mesh: ``parallel_dims`` and
+  ``torch_device_mesh``; ``is_main_process`` and ``local_process_index`` stay Accelerate's. A
+  schedule that ends long before the run does (sized by ``num_processes // tp``) is warned about once.
 - **Outputs**: ``outputs.logits`` has the full vocabulary, as transformers returns it; the loss
   is vocab-parallel inside. ``logits="local"`` / ``"none"`` opt out (`taco_accel.models.loss`).
 
@@ -193,25 +186,23 @@ class Accelerator(_AccelerateAccelerator):
         if self.is_main_process:
             for note in launch_notes(world):
                 logger.warning(note)
-            if self.num_processes != world:
-                logger.info("taco_accel: accelerator.num_processes is %d, the data-parallel replicas of %d processes "
-                            "(the world size: accelerator.state.num_processes)", self.num_processes, world)
-        logger.info("taco_accel: %s on %d process(es)", self.parallel_layout, world)
+            logger.info("taco_accel: %s; accelerator.num_processes = %d data-parallel replica(s), each reading its own "
+                        "batches (what batch and schedule arithmetic counts); accelerator.world_size = %d processes",
+                        self.parallel_layout, self.num_processes, world)
 
     def _refuse_a_plain_trainer(self) -> None:
         """A ValueError when transformers' Trainer is set to build this class (a replaced
-        ``transformers.trainer.Accelerator``): its loss scale ``num_processes // tp`` would divide
-        the replica count by tp."""
+        ``transformers.trainer.Accelerator``) instead of `taco_trainer`'s way: the plain Trainer
+        saves its checkpoints from the main process alone, which holds its own shards only."""
         builder = trainer_builds_with()
-        if not (isinstance(builder, type) and issubclass(builder, Accelerator) and isinstance(self, builder)
-                and not issubclass(builder, TrainerAccelerator)):
+        if not (isinstance(builder, type) and issubclass(builder, Accelerator) and isinstance(self, builder)):
             return
         raise ValueError(
-            f"transformers.trainer.Accelerator is {builder.__module__}.{builder.__name__}, the accelerator of a user's "
-            "own loop: its num_processes counts data-parallel replicas, and the Trainer's loss scale num_processes // "
-            "tp_size would be wrong (0 when tp > dp: it would train on zeros). Leave transformers.trainer.Accelerator "
-            "as it is and use taco_accel.taco_trainer: taco_trainer(Trainer)(model=..., args=...), which builds the "
-            "Trainer's accelerator itself"
+            f"transformers.trainer.Accelerator is {builder.__module__}.{builder.__name__}: a plain Trainer on it would "
+            "save its checkpoints (model, optimizer) from the main process alone, which holds only its own shards of "
+            "a tensor-parallel model, and would report every process as a replica in its batch size. Leave "
+            "transformers.trainer.Accelerator as it is and use taco_accel.taco_trainer: taco_trainer(Trainer)(model=..., "
+            "args=...), which builds the Trainer's accelerator itself"
         )
 
     def _mesh_scaler(self) -> None:
@@ -228,9 +219,10 @@ class Accelerator(_AccelerateAccelerator):
 
     @property
     def parallelism_config(self):
-        """Accelerate's ``ParallelismConfig`` describing this run's processes: ``tp_size`` and the
-        dp size (``dp_shard_size`` under FSDP2, else ``dp_replicate_size``); what transformers'
-        Trainer and TRL read for their tp arithmetic (one process, emulated TP included: tp=1).
+        """Accelerate's ``ParallelismConfig`` of the data-parallel replicas, the processes
+        `num_processes` counts (``dp_shard_size`` under FSDP2, else ``dp_replicate_size``; tp 1:
+        a replica's tensor-parallel ranks count once), what transformers' Trainer and TRL divide
+        their counts by (`sizes.describe`). The mesh itself: `parallel_dims`, `torch_device_mesh`.
         A description only: Accelerate builds no mesh from it, and `prepare` hides it from Accelerate."""
         return getattr(self, "_accelerate_sizes", None)  # None while Accelerate's own __init__ runs
 
@@ -252,11 +244,15 @@ class Accelerator(_AccelerateAccelerator):
 
     @property
     def num_processes(self) -> int:
-        """The data-parallel replicas: how many batches one optimizer step consumes (the tp and pp
-        ranks of a replica count once; the world size is ``state.num_processes``; the module doc
-        says why, and why `TrainerAccelerator` counts every process)."""
+        """The data-parallel replicas: how many batches one optimizer step reads (the tp and pp
+        ranks of a replica count once; every process: `world_size`; the module doc says why)."""
         dims = getattr(self, "parallel_dims", None)  # None while Accelerate's __init__ runs
         return self.state.num_processes if dims is None else dims.dp
+
+    @property
+    def world_size(self) -> int:
+        """Every process of the run (pp x dp x tp; Accelerate's ``state.num_processes``)."""
+        return self.state.num_processes
 
     @property
     def process_index(self) -> int:
@@ -473,6 +469,12 @@ class Accelerator(_AccelerateAccelerator):
         """Reduce over the dp ranks (``"sum"``, ``"mean"`` or ``"none"``)."""
         return replicas.reduce(tensor, self._taco_mesh["dp"], reduction)
 
+    def split_between_processes(self, inputs, apply_padding: bool = False):
+        """Accelerate's split of ``inputs`` (a list, tuple, tensor, dict of them, or a datasets
+        ``Dataset``) into `num_processes` shares, this replica's share for this process: the
+        tensor- and pipeline-parallel ranks of a replica get the same one (a context manager)."""
+        return upstream.split_between(inputs, self.num_processes, self.process_index, self.device, apply_padding)
+
     def compression_stats(self, model: nn.Module | None = None) -> dict[str, float]:
         """What the TP (and pipeline, compressed dp) collectives of ``model`` (None: every model
         prepared here) sent on all ranks since the last call, for ``accelerator.log``:
@@ -533,27 +535,3 @@ class Accelerator(_AccelerateAccelerator):
         are accepted: every value goes to the device of what it restores, read with
         ``weights_only=True``. A collective; every rank must name the same checkpoint."""
         self._checkpoints.load(self, input_dir, load_model_func_kwargs)
-
-
-class TrainerAccelerator(Accelerator):
-    """The `Accelerator` that `taco_trainer` builds for transformers' Trainer and TRL: Accelerate's
-    own process counts (``num_processes`` and ``process_index`` over every process, ``gather`` and
-    ``reduce`` too), which those libraries divide by ``parallelism_config``'s tp size themselves
-    (see the module doc). Everything else is `Accelerator`'s."""
-
-    @property
-    def num_processes(self) -> int:
-        return self.state.num_processes
-
-    @property
-    def process_index(self) -> int:
-        return self.state.process_index
-
-    def gather(self, tensor):
-        """Accelerate's: concatenated over every process, each tp rank's copy included."""
-        return _AccelerateAccelerator.gather(self, tensor)
-
-    def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
-        """Accelerate's: reduced over every process, each tp rank's copy included."""
-        return _AccelerateAccelerator.reduce(self, tensor, reduction, scale)
-

@@ -10,16 +10,14 @@ or ``--multi_gpu`` with ``TrainingArguments(parallelism_config=ParallelismConfig
 the sizes are Accelerate's, tp innermost, dp over the processes tp leaves. `taco_trainer` returns
 a subclass of the given class that changes the Trainer through its own extension points only:
 
-- ``create_accelerator_and_postprocess``: the Trainer builds a `TrainerAccelerator` from every
-  argument it derives from ``TrainingArguments`` (it reads the class from its module's
-  ``Accelerator`` name, which is swapped for that one call). It reports Accelerate's own counts
-  (``num_processes`` and ``gather`` over every process) and the mesh as ``parallelism_config``,
-  from which the Trainer's own arithmetic is right: the loss scale ``num_processes // tp``, the
-  token count gathered over every process divided by tp, the total batch of ``world // tp``
-  replicas (`upstream.transformers.TrainerCounts` fixes the tp size 5.10-5.18 read, the
-  input-token count and the division of an ungathered token count,
-  ``average_tokens_across_devices=False``; `upstream.trl.count_tokens_once` TRL's token count). ``prepare`` makes the
-  model tensor parallel, the DataLoaders are sharded over dp only.
+- ``create_accelerator_and_postprocess``: the Trainer builds a `taco_accel.Accelerator` from
+  every argument it derives from ``TrainingArguments`` (it reads the class from its module's
+  ``Accelerator`` name, which is swapped for that one call): the same counts as a user's own loop
+  gets, ``num_processes`` the data-parallel replicas and ``parallelism_config`` describing them
+  (tp 1), ``gather`` over them, from which the Trainer's own arithmetic is right (its loss scale
+  ``num_processes // tp``, its token counts gathered and divided by tp); its total train batch
+  size, from ``args.world_size`` (every process), is the one count `upstream.transformers.TrainerCounts`
+  gives instead. ``prepare`` makes the model tensor parallel, the DataLoaders are sharded over dp only.
 - checkpoints (``save_steps``, ``resume_from_checkpoint``): the model goes through ``save_model``
   on every rank (the gathered, plain transformers checkpoint that ``from_pretrained`` loads on one
   process; transformers < 5.23 would call ``_save`` on the main process only);
@@ -63,7 +61,7 @@ from ..tp import Compression
 from ..upstream import accelerate as upstream_accelerate
 from ..upstream import transformers as upstream_transformers
 from ..upstream import trl as upstream_trl
-from .accelerator import TrainerAccelerator
+from .accelerator import Accelerator
 from .lora import tensor_parallel_lora
 
 logger = logging.getLogger(__name__)
@@ -126,7 +124,7 @@ class _TacoTrainer(upstream_transformers.TrainerCounts):
                              "itself at every tp (logits='none' in training): leave use_liger_kernel off")
         _processes_on_cpu(self.args)
         accelerator_options = {k: self.taco_options[k] for k in ("compression", "sequence_parallel")}
-        with upstream_transformers.building_accelerator(functools.partial(TrainerAccelerator, **accelerator_options)):
+        with upstream_transformers.building_accelerator(functools.partial(Accelerator, **accelerator_options)):
             super().create_accelerator_and_postprocess()
         if self.accelerator.parallel_dims.pp > 1:
             raise ValueError(

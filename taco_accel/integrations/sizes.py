@@ -4,8 +4,8 @@ describes it to the libraries built on Accelerate, and how long its collectives 
 - `mesh_sizes`: the ``("pp", "dp", "tp")`` sizes from taco_accel's own `ParallelDims`, else
   Accelerate's ``ParallelismConfig`` or a launch's `LaunchSizes` (`dims_from_config`, by
   Accelerate's own rules), with one process asking for tp > 1 left to emulated TP;
-- `describe`: Accelerate's ``ParallelismConfig`` of those sizes (what transformers' Trainer and
-  TRL read for their tp arithmetic; Accelerate builds nothing from it);
+- `describe`: Accelerate's ``ParallelismConfig`` of the data-parallel replicas (what transformers'
+  Trainer and TRL divide their counts by; Accelerate builds nothing from it);
 - `with_timeout`: the collective timeout, the same for Accelerate's world group and the mesh's.
 """
 
@@ -16,7 +16,6 @@ import os
 
 from ..parallel import ParallelDims, collective_timeout
 from ..parallel.mesh import PP_ENV, data_parallel_size
-from ..upstream import accelerate as upstream
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +71,16 @@ def dims_from_config(config, pp: int | None, world: int) -> ParallelDims:
 
 
 def describe(dims: ParallelDims):
-    """Accelerate's ``ParallelismConfig`` of ``dims`` (tp, and dp as FSDP2 shards or replicas)."""
+    """Accelerate's ``ParallelismConfig`` of the data-parallel replicas of ``dims`` (FSDP2 shards or
+    DDP replicas), the processes an accelerator's ``num_processes`` counts: ``total_size`` is
+    ``dims.dp``, and tp is 1 (a replica's tensor- and pipeline-parallel ranks count once), so that
+    the libraries that divide by its tp size where processes share a batch (transformers' Trainer,
+    TRL) divide counts over the replicas by 1. Every size explicit: no environment is read."""
+    from accelerate import ParallelismConfig
+
     fsdp = dims.dp_mode == "fsdp"
-    return upstream.describe_mesh(dp_replicate=1 if fsdp else dims.dp, dp_shard=dims.dp if fsdp else 1, tp=dims.tp)
+    return ParallelismConfig(dp_replicate_size=1 if fsdp else dims.dp, dp_shard_size=dims.dp if fsdp else 1,
+                             tp_size=1, cp_size=1, cp_backend="torch", sp_size=1, sp_backend="deepspeed")
 
 
 def with_timeout(kwargs: dict):

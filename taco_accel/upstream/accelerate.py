@@ -8,8 +8,9 @@ scheduler's count under TP.
 - the hooks of ``register_save_state_pre_hook`` / ``register_load_state_pre_hook``
   (``_save_model_state_pre_hook``, ``_load_model_state_pre_hook``), which our ``save_state`` /
   ``load_state`` run as Accelerate's do;
-- ``ParallelismConfig._set_size``: `describe_mesh` builds the config of a mesh that 1.15's
-  ``__post_init__`` refuses (tp with replicated dp; 1.16 allows it);
+- ``PartialState.split_between_processes``'s generator (``__wrapped__`` under its
+  ``contextmanager``), which reads only ``num_processes``, ``process_index`` and ``device`` of its
+  state: `split_between` runs it over the data-parallel replicas;
 - `ReplicaScheduler`: ``AcceleratedScheduler`` steps the schedule once per process per optimizer
   step (``num_processes`` times), the number of batches a step consumes when every process reads
   its own; under TP the tp ranks of a replica read one batch, so it steps once per dp replica.
@@ -17,7 +18,9 @@ scheduler's count under TP.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from types import SimpleNamespace
 
 import torch.distributed as dist
 from accelerate.scheduler import AcceleratedScheduler
@@ -62,16 +65,18 @@ def load_state_pre_hooks(accelerator) -> list:
     return list(accelerator._load_model_state_pre_hook.values())
 
 
-def describe_mesh(*, dp_replicate: int, dp_shard: int, tp: int):
-    """Accelerate's ``ParallelismConfig`` with these sizes (cp = sp = 1, every size explicit: no
-    environment read). Built with ``dp_replicate_size=1`` and then resized, past the check with
-    which 1.15 refuses tp > 1 with replicated dp: the config only describes taco_accel's mesh."""
-    from accelerate import ParallelismConfig
+@contextlib.contextmanager
+def split_between(inputs, processes: int, index: int, device, apply_padding: bool = False):
+    """Accelerate's ``split_between_processes`` of ``inputs`` into ``processes`` shares, share
+    ``index`` (Accelerate splits over every process; here the caller's count, e.g. the replicas).
+    ``apply_padding`` of a tensor pads it across every process, as Accelerate's does (a collective
+    of every rank)."""
+    from accelerate.state import PartialState
 
-    config = ParallelismConfig(dp_replicate_size=1, dp_shard_size=dp_shard, tp_size=tp, cp_size=1,
-                               cp_backend="torch", sp_size=1, sp_backend="deepspeed")
-    config._set_size("dp_replicate", dp_replicate)
-    return config
+    split = contextlib.contextmanager(PartialState.split_between_processes.__wrapped__)
+    with split(SimpleNamespace(num_processes=processes, process_index=index, device=device), inputs,
+               apply_padding) as share:
+        yield share
 
 
 class ReplicaScheduler(AcceleratedScheduler):

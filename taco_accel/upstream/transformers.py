@@ -46,6 +46,7 @@ TRAINER_METHODS = {
     "_load_optimizer_and_scheduler": ("self", "checkpoint"),
     "_track_num_input_tokens": ("self", "inputs"),
     "_get_num_items_in_batch": ("self", "batch_samples", "device"),
+    "get_total_train_batch_size": ("self", "args"),
 }
 BUILDER = "create_accelerator_and_postprocess"  # the Trainer method that builds its accelerator
 
@@ -209,8 +210,14 @@ class TrainerCounts:
       version): each batch counted once per tp rank that reads it. Here each batch counts once.
     """
 
+    def get_total_train_batch_size(self, args) -> int:
+        """The global batch of one optimizer step: per-device batch x accumulation x the accelerator's
+        data-parallel replicas (transformers divides ``args.world_size``, every process, by the tp size
+        its accelerator describes, which counts the replicas already)."""
+        return self._train_batch_size * args.gradient_accumulation_steps * self.accelerator.num_processes
+
     def get_tp_size(self) -> int:
-        sizes = self.accelerator.parallelism_config  # the TrainerAccelerator's mesh, set once it is built
+        sizes = self.accelerator.parallelism_config  # the accelerator's replicas, set once it is built
         return 1 if sizes is None else sizes.tp_size
 
     def _get_num_items_in_batch(self, batch_samples: list, device):
