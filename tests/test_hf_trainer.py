@@ -116,8 +116,9 @@ def test_activation_checkpointing_flag_trains_like_one_process(results):
 
 def test_unaveraged_token_counts_train_like_one_process(results):
     """average_tokens_across_devices=False: each process's loss is its own tokens' mean (at tp=2 the
-    batch of its replica, as one process's), not tp times it (transformers divides the count by tp
-    whether or not it was gathered: upstream.transformers.TrainerCounts)."""
+    batch of its replica, as one process's), not tp times it (transformers divides the count by the
+    tp size its accelerator describes whether or not it was gathered: the taco trainer's describes
+    the replicas, tp 1)."""
     got, ref = run_of(results, "tp2", "unaveraged")
     assert_same_training(got, ref)
     assert got["evals"] == pytest.approx(ref["evals"], abs=LOSS_TOL)  # evaluation counts the same way

@@ -194,7 +194,7 @@ def test_the_trainer_builds_its_accelerator_from_its_modules_name_and_counts_tok
 
 class _Describing:
     """A Trainer's accelerator that describes ``sizes`` (an Accelerate ``ParallelismConfig``) as
-    its mesh, as the taco trainer's does; everything else the wrapped one's."""
+    its ``parallelism_config``, everything else the wrapped one's."""
 
     def __init__(self, accelerator, sizes) -> None:
         self._accelerator, self.parallelism_config = accelerator, sizes
@@ -204,26 +204,30 @@ class _Describing:
 
 
 @pytest.mark.parametrize("averaged", [False, True])
-def test_the_trainer_divides_a_token_count_by_the_processes_sharing_a_batch_gathered_or_not(tmp_path, averaged):
-    """What `TrainerCounts._get_num_items_in_batch` undoes: with averaging off the count is this
-    process's own, and every supported transformers still divides it by tp (5.25 exactly, 5.10
-    rounding down), so the loss would be tp times its mean. The taco trainer's count is the
-    process's own there, and transformers' division where the count was gathered over every process."""
+def test_the_trainer_divides_a_token_count_by_the_tp_size_its_accelerator_describes(tmp_path, averaged):
+    """transformers divides a token count by the processes its accelerator's parallelism_config
+    says share a batch, gathered or not (``average_tokens_across_devices``; 5.25 exactly, 5.10
+    rounding down): by tp, the loss would be tp times its mean where the count is a process's own.
+    The taco trainer's accelerator describes its data-parallel replicas (tp 1): the count stays
+    the replicas' own, gathered or not."""
     from accelerate import ParallelismConfig
     from transformers import Trainer, TrainingArguments
+
+    from taco_accel.integrations import sizes
+    from taco_accel.parallel import ParallelDims
 
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
                              average_tokens_across_devices=averaged)
     labels = torch.tensor([[-100, 1, 2, 3, 4, 5, -100]])  # 5 scored tokens, shifted (5.25) or not (5.10)
     counts = {}
-    for name, cls in (("plain", Trainer), ("taco", type("Counted", (up_transformers.TrainerCounts, Trainer), {}))):
-        trainer = cls(model=tiny_model("qwen2"), args=args)
-        trainer.accelerator = _Describing(trainer.accelerator, ParallelismConfig(tp_size=2))
+    for name, described in (("mesh", ParallelismConfig(tp_size=2)), ("taco", sizes.describe(ParallelDims(tp=2)))):
+        trainer = Trainer(model=tiny_model("qwen2"), args=args)
+        trainer.accelerator = _Describing(trainer.accelerator, described)
         counts[name] = float(trainer._get_num_items_in_batch([{"labels": labels}], torch.device("cpu")))
-    assert trainer.get_tp_size() == 2  # the taco trainer's, read from the accelerator on every version
-    # one process: nothing gathered even with averaging on (world size 1); transformers divides by tp
-    assert counts["plain"] in (2.0, 2.5), counts
-    assert counts["taco"] == (counts["plain"] if averaged else 5.0), counts
+        counts[name, "tp"] = trainer.get_tp_size()
+    # one process: nothing gathered even with averaging on (world size 1)
+    assert counts["mesh"] in (2.0, 2.5) and counts["taco"] == 5.0, counts
+    assert counts["taco", "tp"] == 1, counts  # and so the loss scale num_processes // tp of 5.25
 
 
 def test_training_arguments_set_devices_up_in_a_cached_property(tmp_path):
@@ -326,7 +330,9 @@ def test_a_lora_layer_takes_its_base_layers_sizes_from_the_mixin():
 
 # -- trl --------------------------------------------------------------------------------------
 
-def test_trl_divides_its_token_count_by_tp_size(tmp_path):
+def test_trl_divides_its_token_count_by_the_tp_size_its_accelerator_describes(tmp_path):
+    """TRL's SFT token count (``num_tokens``) is divided by ``_tp_size``, read from the accelerator's
+    parallelism_config when the trainer is built: the taco trainer's describes its replicas (tp 1)."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -341,15 +347,13 @@ def test_trl_divides_its_token_count_by_tp_size(tmp_path):
     batch = next(iter(trainer.get_train_dataloader()))
     tokens = int(batch["attention_mask"].sum())
     counted = []
-    for tp_size in (2, None):  # TRL's division by a tp size; then taco_accel's setting
-        if tp_size is None:
-            up_trl.count_tokens_once(trainer)
-        else:
-            trainer._tp_size = tp_size
+    for tp_size in (2, 1):  # TRL's division by a tp size; then by the taco trainer's, 1
+        trainer._tp_size = tp_size
         trainer._total_train_tokens = 0
         trainer.compute_loss(trainer.model, dict(batch))
         counted.append(trainer._total_train_tokens)
     assert counted == [tokens // 2, tokens]
+    assert "self._tp_size = self.accelerator.parallelism_config.tp_size" in inspect.getsource(SFTTrainer.__init__)
 
 
 def test_trl_fused_head_takes_the_keyword_and_holds_its_settings():

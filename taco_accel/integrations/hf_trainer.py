@@ -113,7 +113,6 @@ class _TacoTrainer(upstream_transformers.TrainerCounts):
         for model in (self.model, getattr(self, "ref_model", None)):  # TRL's: the reference model's fused head too
             if model is not None and head_of(model) is not None:  # laid out already: TRL added its head after
                 install_head(model)
-        upstream_trl.count_tokens_once(self)
 
     # -- the accelerator ---------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:

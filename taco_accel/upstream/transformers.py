@@ -1,7 +1,7 @@
 """transformers' private names that taco_accel relies on, and its Trainer's counts under TP.
 
-- the ``Trainer`` methods a taco trainer overrides to save and restore sharded state and to count
-  input tokens (`TRAINER_METHODS`: name -> the parameters it is called with); ``save_model``
+- the ``Trainer`` methods a taco trainer overrides to save and restore sharded state and to give
+  its total batch size (`TRAINER_METHODS`: name -> the parameters it is called with); ``save_model``
   among them, with its private ``_internal_call``: before 5.23 it calls ``_save`` on the main
   process only, and gathering a sharded model takes every process;
 - the ``Accelerator`` name of ``transformers.trainer``, which ``create_accelerator_and_postprocess``
@@ -20,12 +20,10 @@
   slicing by an int or 1-D positions otherwise);
 - ``_hf_peft_config_loaded``, which ``PeftAdapterMixin.add_adapter`` / ``load_adapter`` set on a
   model that holds peft adapters (`has_peft_adapters`; 5.10-5.25);
-- `TrainerCounts`: the counts of the Trainer that are wrong under tensor parallelism even
-  when its accelerator reports Accelerate's own process counts.
+- `TrainerCounts`: the one count of the Trainer (its total train batch size) that its
+  accelerator's replica counts do not give.
 
-``SUPPORTED`` starts at 5.10: 5.0-5.9 multiply the loss by ``accelerator.num_processes`` with no
-tensor-parallel division, so under any TP they train on tp times the gradient by their own
-arithmetic.
+``SUPPORTED`` starts at 5.10, the oldest transformers the suite runs (scripts/stacks/oldest.txt).
 """
 
 from __future__ import annotations
@@ -44,8 +42,6 @@ TRAINER_METHODS = {
     "_load_from_checkpoint": ("self", "resume_from_checkpoint", "model"),
     "_load_best_model": ("self",),
     "_load_optimizer_and_scheduler": ("self", "checkpoint"),
-    "_track_num_input_tokens": ("self", "inputs"),
-    "_get_num_items_in_batch": ("self", "batch_samples", "device"),
     "get_total_train_batch_size": ("self", "args"),
 }
 BUILDER = "create_accelerator_and_postprocess"  # the Trainer method that builds its accelerator
@@ -187,63 +183,21 @@ def _without_cache(build):
 
 
 class TrainerCounts:
-    """The Trainer's counts under tensor parallelism, put in front of a Trainer class.
+    """The Trainer's one count that its accelerator's counts do not give, put in front of a
+    Trainer class.
 
-    The taco trainer's accelerator reports Accelerate's own counts (``num_processes`` = every
-    process, ``parallelism_config`` = the mesh, ``gather`` over every process), from which
-    transformers >= 5.10 scales the loss (``num_processes // tp``) and normalises it by the
-    gathered token count (divided by tp) right by itself. Three counts are still wrong there:
-
-    - ``get_tp_size``: 5.10-5.18 read it from transformers' own TP only (the model's
-      ``config.distributed_config`` or ``_tp_size``), never from the accelerator's
-      ``parallelism_config`` (5.19 on fall back to it): their total train batch size (the log line,
-      ``train_samples_per_second``) counted each tp rank as a replica, and TRL's SFT loss scale
-      (``num_processes // get_tp_size()``) trained on tp times the gradient. Here it is the
-      accelerator's tp size on every version.
-    - ``num_items_in_batch`` with ``average_tokens_across_devices=False``: the count is this
-      process's own, never gathered, yet every version divides it by the processes that share a
-      batch (5.10: ``parallelism_config.non_data_parallel_size``, rounding down; 5.25:
-      ``get_tp_size() * get_cp_size() * get_sp_size()``), so the loss came out tp times its mean
-      (and so its gradient). Here the ungathered count is counted with an accelerator that
-      describes no processes sharing a batch (`_OwnBatchOnly`), so nothing divides it.
-    - ``num_input_tokens_seen`` adds ``accelerator.gather(tokens).sum()`` over every process (every
-      version): each batch counted once per tp rank that reads it. Here each batch counts once.
+    The taco trainer's accelerator counts the data-parallel replicas (``num_processes``,
+    ``gather``) and describes them as its ``parallelism_config`` (tp 1), so that transformers
+    5.10-5.25 computes the rest right by itself: its loss scale (``num_processes //`` the tp size,
+    5.10 reading the config, 5.25 ``get_tp_size()``, which falls back to it), the token count it
+    gathers over the replicas and divides by the processes sharing a batch (1; an ungathered one,
+    ``average_tokens_across_devices=False``, too), ``num_input_tokens_seen``; TRL's loss scale and
+    token counts alike (its ``_tp_size`` is the config's). Its total train batch size (the log
+    line, ``train_samples_per_second``) divides ``args.world_size``, every process, instead: here
+    it counts the replicas (`get_total_train_batch_size`).
     """
 
     def get_total_train_batch_size(self, args) -> int:
-        """The global batch of one optimizer step: per-device batch x accumulation x the accelerator's
-        data-parallel replicas (transformers divides ``args.world_size``, every process, by the tp size
-        its accelerator describes, which counts the replicas already)."""
+        """The global batch of one optimizer step: per-device batch x accumulation x the
+        accelerator's data-parallel replicas."""
         return self._train_batch_size * args.gradient_accumulation_steps * self.accelerator.num_processes
-
-    def get_tp_size(self) -> int:
-        sizes = self.accelerator.parallelism_config  # the accelerator's replicas, set once it is built
-        return 1 if sizes is None else sizes.tp_size
-
-    def _get_num_items_in_batch(self, batch_samples: list, device):
-        if self.args.average_tokens_across_devices:  # gathered over every process: dividing by tp is right
-            return super()._get_num_items_in_batch(batch_samples, device)
-        accelerator, self.accelerator = self.accelerator, _OwnBatchOnly(self.accelerator)
-        try:
-            return super()._get_num_items_in_batch(batch_samples, device)
-        finally:
-            self.accelerator = accelerator
-
-    def _track_num_input_tokens(self, inputs) -> None:
-        before = self.state.num_input_tokens_seen
-        super()._track_num_input_tokens(inputs)
-        copies = self.accelerator.parallelism_config.non_data_parallel_size  # processes sharing a batch
-        self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // copies
-
-
-class _OwnBatchOnly:
-    """A Trainer's accelerator seen without its ``parallelism_config`` (None: no processes share a
-    batch), everything else its own; what `TrainerCounts` counts an ungathered token count with."""
-
-    parallelism_config = None
-
-    def __init__(self, accelerator) -> None:
-        self._accelerator = accelerator
-
-    def __getattr__(self, name: str):
-        return getattr(self._accelerator, name)

@@ -1,11 +1,5 @@
-"""TRL's private names that `taco_accel.taco_trainer` relies on, and its token count under TP.
+"""TRL's private names that `taco_accel.taco_trainer` relies on.
 
-- ``_tp_size`` of TRL's trainers (SFT, DPO): they set it to ``parallelism_config.tp_size`` and
-  divide their ``gather_for_metrics`` token counts by it, counting each tp rank's copy of a batch
-  once. taco_accel's ``gather_for_metrics`` gives each sample once already (the Trainer's
-  evaluation needs that: it cuts the padding of the last uneven batch by Accelerate's remainder,
-  which rows repeated per tp rank would misplace), so taco trainers set it to 1
-  (`count_tokens_once`);
 - the forward that ``trl.trainer.utils.add_fused_lm_head`` installs: recognised by its keyword
   ``fused_lm_head``, found through the functools wrappers around it (``__wrapped__``); its settings
   (temperature, logit scale, the per-token figures asked for, ...) are the free variables of its
@@ -29,13 +23,6 @@ def check_version() -> str | None:
     """The installed trl version; a ConfigError outside `SUPPORTED` (checked at first use: trl is
     optional)."""
     return check_range("trl", *SUPPORTED)
-
-
-def count_tokens_once(trainer) -> None:
-    """A TRL trainer divides its ``gather_for_metrics`` token counts by nothing (each sample is
-    gathered once)."""
-    if hasattr(trainer, "_tp_size"):
-        trainer._tp_size = 1
 
 
 @dataclass(frozen=True)
