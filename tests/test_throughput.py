@@ -120,6 +120,30 @@ def test_host_syncs_counts_each_wait_on_the_cpu():
                                   "a read in backward": 1}
 
 
+def test_host_syncs_are_counted_as_a_cuda_step_pays_them():
+    """On the CPU, tensors that exist when the block starts are device tensors unless named host;
+    reading a host tensor is free; a pinned non-blocking copy is no sync, a blocking one is."""
+    weight = torch.nn.Parameter(torch.randn(4, 4))
+    steps = torch.tensor(3.0)  # an optimizer's step count, kept on the host
+    with HostSyncs("cpu", host=[steps]) as syncs:
+        data = torch.tensor([[1.0, -2.0, 3.0, 4.0]])  # host data
+        int((data > 0).sum())  # a host read: free
+        steps.item()  # free
+        x = data.to("cpu")  # to the device, blocking: 1
+        y = (x @ weight).sum()
+        y.backward()
+        y.item()  # 2
+        torch.stack([y.detach(), y.detach()]).tolist()  # 3
+        torch.tensor([1.0], device="cpu")  # host data made on the device: 4
+        torch.zeros(3, device="cpu").tolist()  # a device tensor read: 5
+        weight.grad[weight.grad > 0]  # a value-sized op of a device tensor: 6
+        data.to("cpu", non_blocking=True)  # pinned on CUDA: no sync
+        torch.empty(0).to("cpu")  # nothing to copy
+    kinds = [kind for kind, _ in syncs.events]
+    assert kinds == ["to_device", "read", "to_host", "to_device", "to_host", "value_sized"], syncs.events
+    assert all("tests/test_throughput.py:" in where for _, where in syncs.events), syncs.events
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's sync debug mode needs a GPU")
 def test_host_syncs_counts_each_wait_on_a_gpu():
     cases = _sync_cases("cuda")

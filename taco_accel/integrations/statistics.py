@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from ..comm.stats import pop_ledgers
 from ..parallel import ModelParts
+from ..parallel.transfer import host_numbers
 
 
 def compression_stats(ledgers: list, device: torch.device) -> dict[str, float]:
@@ -17,8 +18,7 @@ def compression_stats(ledgers: list, device: torch.device) -> dict[str, float]:
     ``comm/bytes_sent``, ``comm/bytes_saved`` (against plain collectives) and
     ``comm/compression`` (plain / sent). A collective (the sums are over every process)."""
     stats = pop_ledgers(ledgers).values()
-    totals = torch.tensor([sum(s.bytes_sent for s in stats), sum(s.bytes_uncompressed for s in stats)],
-                          dtype=torch.float64, device=device)
+    totals = host_numbers([sum(s.bytes_sent for s in stats), sum(s.bytes_uncompressed for s in stats)], device)
     dist.all_reduce(totals)
     sent, plain = totals.tolist()
     return {"comm/bytes_sent": sent, "comm/bytes_saved": plain - sent,

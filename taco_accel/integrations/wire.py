@@ -51,8 +51,9 @@ class StepWire:
 
     def fold(self) -> torch.Tensor | None:
         """The flag for ``clip_grad_norm_`` to sum over every rank in the norm's all-reduce (None
-        under fp16: the scaler carries it)."""
-        if self.scaler is not None:
+        under fp16: the scaler carries it; None where the settings compress nothing: no chunk can
+        carry another header, and the step reads no flag)."""
+        if self.scaler is not None or not self.compresses:
             return None
         check = self.check()
         self._folded = (check, check.flag)

@@ -23,6 +23,8 @@ and labels.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -285,24 +287,36 @@ def _first_difference(ours: dict, theirs: dict) -> str | None:
 def _out_of_range(values: torch.Tensor, limit: int, what: str, ignore_index: int | None = None) -> None:
     """Raise an IndexError when ``values`` hold one outside [0, limit) (``ignore_index`` apart).
 
-    Cost: one min/max pass over the values (b*s integers, nothing next to the model). On the
-    CPU the two numbers are read at once; on an accelerator, or under torch.compile, the
-    check is an asynchronous device assertion (``torch._assert_async``: no host sync, the
-    failure surfaces at the next synchronisation, as plain ``nn.Embedding`` does on CUDA).
+    Cost: one min/max pass over the values (b*s integers, nothing next to the model) and no host
+    read (`assert_on_device`).
     """
     if values.numel() == 0 or values.device.type == "meta":
         return
     if ignore_index is not None:
         values = values.masked_fill(values == ignore_index, 0)
     low, high = torch.aminmax(values)
-    if values.device.type != "cpu" or torch.compiler.is_compiling():
-        torch._assert_async((low >= 0) & (high < limit), f"{what} outside [0, {limit})")
-        return
-    low, high = int(low), int(high)
-    if low < 0 or high >= limit:
-        bad = low if low < 0 else high
+
+    def error() -> IndexError:
+        bad = int(low) if int(low) < 0 else int(high)
         allowed = "" if ignore_index is None else f" (or {ignore_index}, ignored)"
-        raise IndexError(f"{what} {bad} is out of range: the vocabulary has {limit} tokens, 0..{limit - 1}{allowed}")
+        return IndexError(f"{what} {bad} is out of range: the vocabulary has {limit} tokens, 0..{limit - 1}{allowed}")
+
+    assert_on_device((low >= 0) & (high < limit), f"{what} outside [0, {limit})", error)
+
+
+def assert_on_device(ok: torch.Tensor, message: str, error: Callable[[], Exception]) -> None:
+    """Fail where the 0-d bool ``ok`` is False, without making the host wait: an asynchronous
+    device assertion (``torch._assert_async``, saying ``message``) that surfaces at the next
+    synchronisation, as plain ``nn.Embedding`` does on CUDA, and inside a compiled graph. On the
+    CPU the assertion fails at once and ``error()`` is raised instead (it may read values: it runs
+    only on failure). The same code on every device: a step's host reads are those of an accelerator."""
+    if torch.compiler.is_compiling() or ok.device.type != "cpu":
+        torch._assert_async(ok, message)
+        return
+    try:
+        torch._assert_async(ok, message)
+    except RuntimeError:
+        raise error() from None
 
 
 def check_labels(labels: torch.Tensor, logits: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
@@ -343,8 +357,8 @@ class InputIdsCheck(SharesGroup):
     ``TACO_CHECK_COLLECTIVES=1`` checks the shape on every forward, and then every rank raises.
 
     Every TP rank sees the same ids, so a local range check makes them all raise. The range
-    check costs one min/max pass over the ids (see `_out_of_range`): no host sync on an
-    accelerator, two scalars read on the CPU; so does the shape check.
+    check costs one min/max pass over the ids and no host read (`assert_on_device`); so does the
+    shape check.
     """
 
     def __init__(self, num_embeddings: int, group, same_batch_checks: int = 1, same_shape: bool = True) -> None:
@@ -387,15 +401,14 @@ class InputIdsCheck(SharesGroup):
         with agreement.named_timeouts("input_ids", "the check that every tp rank got input_ids of one shape",
                                       self.group):  # peers that agreed on their shape before never join it
             dist.all_gather(every, mine, group=self.group)
-        if ids.device.type != "cpu":
-            torch._assert_async(torch.stack(every).eq(mine).all(), "the TP ranks got input_ids of different shapes")
-            self.agreed.add(_leading_shape(ids))  # a difference fails the next synchronisation
-            return
-        shapes = [t.tolist() for t in every]
-        if any(s != shapes[0] for s in shapes):
-            raise ValueError(f"the TP ranks got input_ids of different shapes ({shapes}, by rank of the tp group). "
-                             f"{SAME_BATCH_FIX}")
-        self.agreed.add(_leading_shape(ids))
+
+        def error() -> ValueError:
+            shapes = [t.tolist() for t in every]
+            return ValueError(f"the TP ranks got input_ids of different shapes ({shapes}, by rank of the tp group). "
+                              f"{SAME_BATCH_FIX}")
+
+        assert_on_device(torch.stack(every).eq(mine).all(), "the TP ranks got input_ids of different shapes", error)
+        self.agreed.add(_leading_shape(ids))  # on an accelerator a difference fails the next synchronisation
 
     def check_same_batch(self, ids: torch.Tensor) -> None:
         size = self._size()
@@ -490,7 +503,5 @@ class PositionsCheck:
         message = (f"the model has {self.limit} learned positions (config n_positions / max_position_embeddings): "
                    f"a sequence (with its cache) may hold at most {self.limit} tokens; truncate the inputs "
                    f"(tokenizer max_length={self.limit}) or split longer texts")
-        if ids.device.type != "cpu" or torch.compiler.is_compiling():
-            torch._assert_async(high < self.limit, message)
-        elif int(high) >= self.limit:
-            raise IndexError(f"position {int(high)} is out of range: " + message)
+        assert_on_device(high < self.limit, message, lambda: IndexError(f"position {int(high)} is out of range: "
+                                                                          + message))

@@ -158,9 +158,11 @@ class ModelParts:
             grads.append(local_tensor(p.grad).detach())
             shares.append(share)
         if not grads:
-            return torch.zeros((), dtype=torch.float64)
-        norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))  # one launch, no host sync
-        return (norms.square() * torch.tensor(shares, dtype=torch.float64).to(norms.device)).sum()
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float64)  # one launch, no host sync
+        squares = torch._foreach_mul(norms, norms)
+        torch._foreach_mul_(squares, shares)  # the shares as kernel arguments: no host-to-device copy
+        return torch.stack(squares).sum()
 
     @property
     def device(self) -> torch.device:

@@ -32,6 +32,7 @@ from ..models.loss import hidden_logits, hidden_loss
 from ..tp.sites import SiteTable
 from .boundary import BoundaryStage, attach_boundaries, boundary_name
 from .stage import StageModule, decoder_layers, family_of
+from .transfer import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -306,8 +307,8 @@ class PipelineRunner:
             return self._run(input_ids, labels, train=False)
 
     def _run(self, input_ids, labels, *, train: bool) -> torch.Tensor:
-        args = (input_ids.to(self.device),) if self.parts.has_first_stage else ()
-        target = labels.to(self.device) if self.parts.has_last_stage else None
+        args = (to_device(input_ids, self.device),) if self.parts.has_first_stage else ()
+        target = to_device(labels, self.device) if self.parts.has_last_stage else None
         losses: list = []
         if self.boundaries is not None:
             self.boundaries.check(self.device)

@@ -85,12 +85,14 @@ def site_tables(module: nn.Module) -> list:
     return tables
 
 
-def causal_masks(config, hidden: torch.Tensor, position_ids: torch.Tensor, builders: dict) -> dict:
+def causal_masks(config, hidden: torch.Tensor, builders: dict) -> dict:
     """The causal mask(s) of a packed batch, keyed by layer type, as the HF model builds them
-    (``builders``: `mask_builders`, resolved when the stage is built)."""
-    masks = {"full_attention": builders["full_attention"](config, hidden, position_ids)}
+    (``builders``: `mask_builders`, resolved when the stage is built). Without position ids: the
+    stage's are ``0..s-1``, which restart no sequence, and given them transformers would read them
+    on the host to look for restarts (a host sync every forward)."""
+    masks = {"full_attention": builders["full_attention"](config, hidden, None)}
     if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        masks["sliding_attention"] = builders["sliding_attention"](config, hidden, position_ids)
+        masks["sliding_attention"] = builders["sliding_attention"](config, hidden, None)
     return masks
 
 
@@ -151,7 +153,7 @@ class StageModule(nn.Module):
         layer_items = self.layer_items()
         if layer_items:
             full = x if x.shape[1] == seq else x[:, :1].expand(-1, seq, -1)  # (b, s, h) shape, no copy
-            masks = causal_masks(config, full, position_ids, self.mask_builders)
+            masks = causal_masks(config, full, self.mask_builders)
             kwargs = {"position_ids": position_ids}
             if fam.rotary:
                 kwargs["position_embeddings"] = getattr(base, fam.rotary)(full, position_ids)

@@ -44,6 +44,7 @@ from ..models import from_pretrained, save_pretrained
 from ..models.state import tp_replicas
 from ..models.loss import logits_mode, token_losses
 from ..integrations import Accelerator, export_merged, get_peft_model, save_adapter
+from ..parallel.transfer import host_numbers, to_device
 from ..parallel import compile_backend, enable_activation_checkpointing
 from .ranks import global_rank, main_first, usable_trackers
 from .metrics import plot_losses
@@ -305,39 +306,44 @@ class Finetuner(TrainingLoop):
         self.optimizer, self.scheduler = self.accelerator.prepare(optimizer, scheduler)
 
     # -- one step ---------------------------------------------------------------------------
-    def _all_sum(self, values: list, replica_only: bool = False) -> list[float]:
-        """Sum over every rank of numbers or 0-d device tensors, read back once (``replica_only``:
-        tp rank 0 of each replica counts, the others add 0)."""
-        keep = 1.0 if not replica_only or self.tp_rank == 0 else 0.0
-        t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device) * keep for v in values])
-        dist.all_reduce(t)
-        return t.tolist()
+    def _all_sum(self, values: torch.Tensor, replica_only: bool = False) -> torch.Tensor:
+        """The sum over every rank of a 1-d device tensor, on the device (``replica_only``: tp rank 0
+        of each replica counts, the others add 0)."""
+        values = values.to(torch.float64)
+        if replica_only and self.tp_rank != 0:
+            values = torch.zeros_like(values)
+        dist.all_reduce(values)
+        return values
 
     def _to_device(self, batch: dict) -> dict:
-        return {k: v.to(self.device) for k, v in batch.items()}
+        return {k: to_device(v, self.device) for k, v in batch.items()}
 
     def train_step(self) -> dict:
-        """One optimizer step on the next global batch; returns its metrics (on every rank)."""
+        """One optimizer step on the next global batch; returns its metrics (on every rank), read
+        from the device once, before the optimizer step."""
         start = time.perf_counter()
-        micro = self.batches.batch(self.step)
-        local_tokens = sum(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in micro)
-        global_tokens = self._all_sum([local_tokens], replica_only=True)[0]
+        micro = [self._to_device(mb) for mb in self.batches.batch(self.step)]
+        scored = torch.stack([(mb["labels"][:, 1:] != IGNORE).sum() for mb in micro]).sum()
+        global_tokens = self._all_sum(scored.view(1), replica_only=True)[0]
         # mean over the global batch's scored tokens, once the accelerator averages the gradients over dp
-        num_items = torch.tensor(max(global_tokens, 1.0) / self.dims.dp, device=self.device)
-        self.optimizer.zero_grad(set_to_none=True)
+        num_items = (global_tokens.clamp(min=1.0) / self.dims.dp).float()
         losses = []
         for mb in micro:
-            out = self.model(**self._to_device(mb), num_items_in_batch=num_items)  # in the accelerator's autocast
+            out = self.model(**mb, num_items_in_batch=num_items)  # in the accelerator's autocast
             out.loss.backward()
             losses.append(out.loss.detach())
-        loss = torch.stack(losses).double().sum()  # on the device: read with the step's other figures
-        grad_norm = self.accelerator.clip_grad_norm_(self.trainable, self.cfg.max_grad_norm)
-        grad_norm, = self.accelerator.read_with_wire_check(grad_norm.double().view(1))  # the step's wire check too
+        grad_norm = self.accelerator.clip_grad_norm_(self.trainable, self.cfg.max_grad_norm)  # the same on every rank
+        traffic = host_numbers(comm_totals(self.accelerator.comm_ledgers(self.model)), self.device)
+        summed = self._all_sum(torch.cat([(torch.stack(losses).sum() / self.dims.dp).view(1).double(), traffic]),
+                               replica_only=True)
+        # the step's one host read, with its wire check, before the optimizer uses the step
+        loss, *traffic, grad_norm, global_tokens = self.accelerator.read_with_wire_check(
+            torch.cat([summed, torch.stack([grad_norm.double(), global_tokens])]))
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)  # freed here, as a plain loop does, not held to the next step
         self.scheduler.step()
         self.step += 1
-        loss, *traffic = self._all_sum([loss / self.dims.dp, *comm_totals(self.accelerator.comm_ledgers(self.model))], replica_only=True)
         seconds = time.perf_counter() - start
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": seconds,
                 "tokens_per_s": global_tokens / seconds, **comm_fields(traffic)}

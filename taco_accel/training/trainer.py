@@ -37,6 +37,7 @@ from ..comm.policy import DEFAULT_COMPRESSION, Compression, CompressionLike
 from ..parallel import (SCHEDULES, ParallelDims, collective_timeout, compile_backend, enable_activation_checkpointing,
                         export_pretrained)
 from ..integrations import Accelerator
+from ..parallel.transfer import host_numbers
 from .ranks import global_rank, main_first, usable_trackers
 from .loop import TrainingLoop, comm_fields, comm_text, comm_totals, lr_lambda
 from .metrics import flops_per_token, plot_losses
@@ -271,7 +272,7 @@ class Trainer(TrainingLoop):
         with the step's wire-header check (`Accelerator.read_with_wire_check`)."""
         counts = self.parts.has_last_stage and self.coords["tp"] == 0
         mine = loss / self.dims.dp if counts else torch.zeros_like(loss)
-        values = torch.cat([mine.view(1), torch.tensor(extra, dtype=torch.float64).to(self.device)])
+        values = torch.cat([mine.view(1), host_numbers(extra, self.device)])
         dist.all_reduce(values)
         if same is None:
             return values.tolist()
@@ -282,13 +283,13 @@ class Trainer(TrainingLoop):
         cfg, acc = self.cfg, self.accelerator
         start = time.perf_counter()
         inputs, labels = self.batches.batch(self.step)
-        self.optimizer.zero_grad(set_to_none=True)
         loss = self.pipe.step(inputs, labels)  # in the accelerator's autocast (prepare_pipeline's runner)
         grad_norm = acc.clip_grad_norm_(self.params, cfg.max_grad_norm)
         # read with the loss and the wire check, before the optimizer uses the step: one host sync a step
         loss, *traffic, grad_norm = self._reduce(loss, *comm_totals(self.parts.ledgers()), same=grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)  # freed here, as a plain loop does, not held to the next step
         self.scheduler.step()
         self.step += 1
         self.batches.step = self.step
