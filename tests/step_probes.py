@@ -117,10 +117,13 @@ def rows(n: int, seed: int = 1) -> list[dict]:
 
 
 def small_chunks(model) -> None:
-    """The fused loss in chunks of `CHUNK` tokens (a model taco_accel parallelised)."""
-    from taco_accel.models import context_of
+    """The fused loss of ``model`` (whose head and loss taco_accel installed) in chunks of `CHUNK` tokens."""
+    from taco_accel.models.loss import head_of
 
-    context_of(model).fused.chunk = CHUNK
+    head = head_of(model)
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no taco_accel head and loss")
+    head.chunk = CHUNK
 
 
 # -- a user's own loop ---------------------------------------------------------------------------
@@ -133,7 +136,7 @@ def _loop(accelerator, tp: int) -> dict:
     data = rows((STEPS + 1) * BATCH)  # Accelerate's loader moves the next batch while yielding one
     loader = DataLoader(data, batch_size=BATCH)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    if getattr(accelerator.unwrap_model(model), "taco", None) is not None:
+    if getattr(accelerator, "laid_out", None) is not None:  # taco_accel's
         small_chunks(model)
     probe, batches = Probe(tp), iter(loader)
     for step in range(STEPS):
@@ -172,9 +175,7 @@ def _run_watched(cls, config, tp: int, host_of) -> dict:
 
     class Watched(cls):
         def _build_optimizer(self):
-            model = self.model
-            if getattr(model, "taco", None) is not None:
-                small_chunks(model)
+            small_chunks(self.model)
             super()._build_optimizer()
 
         def train_step(self):
@@ -238,7 +239,7 @@ def _trainer(cls, tp: int, folder: str) -> dict:
         """From the end of step 1 to the end of the last (a step without a log line: ``logging_steps``)."""
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
-            if getattr(model, "taco", None) is not None:  # laid out by the accelerator's prepare
+            if hasattr(trainer.accelerator, "laid_out"):  # taco_trainer's: laid out by its prepare
                 small_chunks(model)
 
         def on_step_end(self, args, state, control, model=None, **kwargs):

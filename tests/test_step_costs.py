@@ -47,15 +47,7 @@ def test_no_more_host_syncs_than_the_plain_loop(measured, door, tp):
         assert r["syncs"] <= plain["syncs"], f"{door} at tp={tp}:\n{_events(r)}\nplain:\n{_events(plain)}"
 
 
-WAITING_ON_THE_HEAD = {("loop", 1), ("recipes", 1), ("trainer", 1)}
-
-
-@pytest.mark.parametrize("door, tp", [
-    pytest.param(door, tp, marks=pytest.mark.xfail(
-        (door, tp) in WAITING_ON_THE_HEAD, strict=True,
-        reason="at tp=1 these doors leave transformers' head and loss in place (full logits); the head-and-loss "
-               "rewrite (models/loss.py) computes the loss from the hidden states at every tp"))
-    for door, tp in CASES], ids=IDS)
+@pytest.mark.parametrize("door, tp", CASES, ids=IDS)
 def test_no_tensor_of_logits_size(measured, door, tp):
     limit = step_probes.TOKENS * step_probes.VOCAB // tp
     for r in case(measured[tp], door):
