@@ -176,6 +176,9 @@ class Accelerator(_AccelerateAccelerator):
         self.parallel_dims, self.emulated_tp = sizes.mesh_sizes(parallel_dims, parallelism_config, pp_size, world)
         self._accelerate_sizes = sizes.describe(self.parallel_dims)
         self._taco_mesh = build_mesh(self.parallel_dims, self.device.type, timeout)
+        # sliced once: a DeviceMesh slice builds and reads index tensors, which gather / reduce,
+        # called every step by the Trainer, would otherwise repeat
+        self._replica_mesh = self._taco_mesh["dp"]
         self.compression, self.sequence_parallel, self.logits = compression, sequence_parallel, logits
         self.grad_compression = grad_compression
         self.laid_out = LaidOutModels()  # the models prepared here, each with its ModelParts
@@ -236,7 +239,7 @@ class Accelerator(_AccelerateAccelerator):
 
     @property
     def data_parallel_rank(self) -> int:
-        return self._taco_mesh["dp"].get_local_rank()
+        return self._replica_mesh.get_local_rank()
 
     @property
     def data_parallel_size(self) -> int:
@@ -458,16 +461,16 @@ class Accelerator(_AccelerateAccelerator):
     # -- evaluation -------------------------------------------------------------------------
     def gather(self, tensor):
         """Concatenate ``tensor`` (or a nested structure of tensors) over the dp ranks along dim 0."""
-        return replicas.gather(tensor, self._taco_mesh["dp"])
+        return replicas.gather(tensor, self._replica_mesh)
 
     def gather_for_metrics(self, input_data, use_gather_object: bool = False):
         """`gather` (or an object gather) over the dp ranks, without the samples the sharded
         DataLoader repeated to fill its last batch."""
-        return replicas.gather_for_metrics(input_data, self._taco_mesh["dp"], self.gradient_state, use_gather_object)
+        return replicas.gather_for_metrics(input_data, self._replica_mesh, self.gradient_state, use_gather_object)
 
     def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
         """Reduce over the dp ranks (``"sum"``, ``"mean"`` or ``"none"``)."""
-        return replicas.reduce(tensor, self._taco_mesh["dp"], reduction)
+        return replicas.reduce(tensor, self._replica_mesh, reduction)
 
     def split_between_processes(self, inputs, apply_padding: bool = False):
         """Accelerate's split of ``inputs`` (a list, tuple, tensor, dict of them, or a datasets
