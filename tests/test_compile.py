@@ -5,7 +5,9 @@ a TP decoder layer with every message compressed (TP and sequence parallel, two 
 mode of each family the whole model, which holds the layers); a compiled layer's forward and
 backward equal eager ones (the all-reduce on one family, the sequence-parallel pair on the
 other), and the statistics and the auto decisions are taken at run time inside the compiled
-graph. With CUDA: one training step of an emulated compressed TP model captured in a CUDA graph
+graph. Accelerate's compile switch at a user's own loop and at taco_trainer's Trainer compiles the
+decoder blocks and the loss's chunk kernels, never the whole model, and a new batch length each
+step compiles nothing after the second step (dynamo's counters). With CUDA: one training step of an emulated compressed TP model captured in a CUDA graph
 and replayed (skipped on CPU).
 
 Compiled against eager: the forward runs the same aten ops on the same values, the same codec
@@ -17,6 +19,7 @@ off, the compressed backward by its statistics (it ran, compressed, in the graph
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -162,6 +165,120 @@ def _pipeline_runs(out: str) -> dict:
     return {"eager": eager, "compiled": compiled}
 
 
+# -- one compile strategy at every door: per block, lengths that change ---------------------------
+
+LENGTHS = (8, 16, 24, 40, 48, 64)  # one batch length a step, each new
+
+
+def _compile_counts() -> tuple[int, int, int]:
+    """dynamo's graphs compiled so far, frames it gave up on (run eagerly) and graph breaks."""
+    from torch._dynamo.utils import counters
+
+    frames = counters["frames"]
+    return counters["stats"]["unique_graphs"], frames["total"] - frames["ok"], sum(counters["graph_break"].values())
+
+
+@contextlib.contextmanager
+def _counted_compiles():
+    """dynamo from scratch, its counters cleared; a code object past its recompile limit raises
+    (instead of running eagerly from then on); Accelerate's state fresh; the environment as it was
+    after the block (``TrainingArguments(torch_compile=True)`` sets Accelerate's dynamo variables)."""
+    import os
+
+    import torch._dynamo
+    from accelerate.state import AcceleratorState, GradientState
+    from torch._dynamo.utils import counters
+
+    env = dict(os.environ)
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            yield
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        torch._dynamo.reset()
+
+
+def _batch(length: int) -> dict:
+    ids = torch.randint(0, 128, (length,), generator=torch.Generator().manual_seed(length))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _compiled_model_facts(accelerator, model) -> dict:
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    from taco_accel.models.loss import head_of
+    from taco_accel.parallel import is_compiled
+
+    return {"whole": isinstance(model, OptimizedModule), "blocks": is_compiled(model),
+            "unwrapped": accelerator.unwrap_model(model) is model,
+            "loss": getattr(head_of(model).kernels, "backend", None)}
+
+
+def _loop_door() -> dict:
+    """A user's own loop: ``taco_accel.Accelerator(dynamo_backend="aot_eager", logits="none")`` at
+    tp=2, one batch of two rows a step, of each length of `LENGTHS`; dynamo's counts after each step."""
+    from accelerate import ParallelismConfig
+
+    with _counted_compiles():
+        accelerator = taco_accel.Accelerator(parallelism_config=ParallelismConfig(tp_size=2), compression=None,
+                                             logits="none", dynamo_backend="aot_eager")
+        model = tiny_model("qwen2")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        out = {"model": _compiled_model_facts(accelerator, model), "steps": []}
+        for length in LENGTHS:
+            batch = {k: torch.stack([v, v.flip(0)]) for k, v in _batch(length).items()}
+            accelerator.backward(model(**batch).loss)
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+            out["steps"].append(_compile_counts())
+        return out
+
+
+def _trainer_door(folder: str) -> dict:
+    """``taco_trainer(Trainer)`` with ``TrainingArguments(torch_compile=True)`` (backend aot_eager)
+    at tp=2: one row a step, the lengths of `LENGTHS` in the sampler's order; dynamo's counts after
+    each step."""
+    from accelerate import ParallelismConfig
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    out = {"steps": []}
+
+    class Count(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            out["model"] = _compiled_model_facts(trainer.accelerator, trainer.model_wrapped)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            out["steps"].append(_compile_counts())
+
+    with _counted_compiles():
+        args = TrainingArguments(
+            output_dir=folder, per_device_train_batch_size=1, max_steps=len(LENGTHS), learning_rate=1e-3,
+            report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=True, torch_compile=True,
+            torch_compile_backend="aot_eager", parallelism_config=ParallelismConfig(tp_size=2))
+        trainer = taco_accel.taco_trainer(Trainer, compression=None)(
+            model=tiny_model("qwen2"), args=args, train_dataset=[_batch(n) for n in LENGTHS], callbacks=[Count()])
+        trainer.train()
+    return out
+
+
+def _refused_without_blocks() -> str:
+    """``prepare`` of a module with no decoder block under Accelerate's compile switch."""
+    with _counted_compiles():
+        accelerator = taco_accel.Accelerator(compression=None, dynamo_backend="aot_eager")
+        try:
+            accelerator.prepare(torch.nn.Linear(4, 4))
+        except ValueError as e:
+            return str(e)
+    return "not refused"
+
+
 def _auto_step() -> dict:
     with timed_verdicts(lambda kind, x, config: True):  # every site compressed, whatever the machine
         return _compiled_step("llama", False, "auto")
@@ -183,6 +300,9 @@ def _worker(out: str) -> dict:
         cases["per block", checkpointed] = functools.partial(_per_block, checkpointed)
     cases["stage"] = _stage_explain
     cases["pipeline"] = functools.partial(_pipeline_runs, out)
+    cases["door", "loop"] = _loop_door
+    cases["door", "trainer"] = functools.partial(_trainer_door, f"{out}/trainer")
+    cases["no blocks"] = _refused_without_blocks
     return per_case(cases)
 
 
@@ -299,6 +419,33 @@ def test_compiled_checkpointed_pipeline_trains_as_eager(measured):
 
     for r in case(measured, "pipeline"):
         assert r["compiled"] == pytest.approx(r["eager"], abs=TOL), r
+
+
+@pytest.mark.parametrize("door", ["loop", "trainer"])
+def test_every_door_compiles_per_block_once_whatever_the_batch_length(measured, door):
+    """Accelerate's compile switch at a user's own loop and at taco_trainer's Trainer (what
+    ``torch_compile=True`` sets): the decoder blocks and the loss's chunk kernels compiled each on
+    its own, not the whole model; batch lengths 8 to 64, a new one each step.
+
+    The bound, from how dynamo compiles (``dynamic=None``, its default and the Trainer's): a code
+    object first compiles with every size static; when a size changes it recompiles once with that
+    size symbolic (automatic dynamic shapes), and that graph serves every later length. So the
+    second step may compile each graph of the first once more, and no later step compiles
+    anything; no frame is given up on (run eagerly), no graph breaks, and no code object reaches
+    its recompile limit (the run raises there: ``fail_on_recompile_limit_hit``)."""
+    for r in case(measured, ("door", door)):
+        assert r["model"] == {"whole": False, "blocks": True, "unwrapped": True, "loss": "aot_eager"}, r["model"]
+        steps = r["steps"]
+        assert len(steps) == len(LENGTHS), steps
+        first, second = steps[0][0], steps[1][0]
+        assert 0 < first and second <= 2 * first, steps  # the blocks and loss kernels; then their dynamic forms
+        assert all(graphs == second for graphs, _, _ in steps[1:]), steps  # no length after the second compiles
+        assert all(eager == 0 and breaks == 0 for _, eager, breaks in steps), steps
+
+
+def test_the_compile_switch_refuses_a_model_without_decoder_blocks(measured):
+    for message in case(measured, "no blocks"):
+        assert "has none" in message and "torch.compile(model)" in message, message
 
 
 # -- emulated TP (one process, no torch.distributed) -------------------------------------------

@@ -261,9 +261,10 @@ def test_trls_fused_head_is_found_under_accelerates_mixed_precision_wrappers():
 
 
 def test_trls_fused_head_is_taken_over_inside_torch_compile():
-    """A model Accelerate prepared under torch_compile is an OptimizedModule around the model TRL
-    patched: the head and loss are installed on the model inside (its forward is what the compiled
-    module calls), with TRL's settings."""
+    """A model compiled whole before ``prepare`` (a user's own ``torch.compile``; taco_accel's doors
+    compile per decoder block and leave such a model as it is) is an OptimizedModule around the
+    model TRL patched: the head and loss are installed on the model inside (its forward is what the
+    compiled module calls), with TRL's settings."""
     from trl.trainer.utils import add_fused_lm_head
 
     from taco_accel.models.loss import install_head

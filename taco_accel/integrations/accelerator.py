@@ -79,7 +79,7 @@ from accelerate.utils import DistributedType
 from torch import nn
 
 from ..models.loss import LogitsMode, check_logits_mode
-from ..parallel import ModelParts, ParallelDims, build_mesh, clip_grad_norm_, distribute
+from ..parallel import ModelParts, ParallelDims, build_mesh, clip_grad_norm_, distribute, has_decoder_layers, is_compiled
 from ..parallel.mesh import launch_sizes
 from ..comm.policy import DEFAULT_COMPRESSION, Compression
 from ..upstream import accelerate as upstream
@@ -299,13 +299,15 @@ class Accelerator(_AccelerateAccelerator):
             self._accelerate_sizes = described
 
     def prepare_model(self, model: nn.Module, device_placement=None, evaluation_mode: bool = False):
-        """Lay ``model`` out on the mesh (if `prepare` has not), then Accelerate's mixed precision
-        and compilation; never Accelerate's DDP / FSDP wrappers. ``evaluation_mode=True`` (as in
-        Accelerate: a model for inference only): tensor parallel and placed, without FSDP2
-        sharding or gradient reductions."""
+        """Lay ``model`` out on the mesh (if `prepare` has not), compiled per decoder block when
+        Accelerate's compile switch is on (`_dynamo_settings`), then Accelerate's mixed precision;
+        never Accelerate's DDP / FSDP wrappers, nor its whole-model ``torch.compile``.
+        ``evaluation_mode=True`` (as in Accelerate: a model for inference only): tensor parallel
+        and placed, without FSDP2 sharding or gradient reductions."""
         if not upstream.is_prepared(model) and self.laid_out.parts_of(model) is None:
             self._lay_out(model, evaluation=evaluation_mode)
-        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+        with upstream.compiling_nothing(self):
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
 
     def prepare_pipeline(self, model: nn.Module, *, micro_batches: int, schedule: str = "1f1b",
                          stages_per_rank: int | None = None, seq_len: int = 2048, loss_fn=None,
@@ -322,8 +324,7 @@ class Accelerator(_AccelerateAccelerator):
         from ..parallel.pipeline import PipelineRunner
 
         stages_per_rank = stages_per_rank or (2 if schedule == "interleaved_1f1b" else 1)
-        parts, _ = self._lay_out(model, pipeline=True, stages_per_rank=stages_per_rank, seq_len=seq_len,
-                              **self._dynamo_settings())
+        parts, _ = self._lay_out(model, pipeline=True, stages_per_rank=stages_per_rank, seq_len=seq_len)
         return PipelineRunner(parts, schedule, micro_batches, self.device, loss_fn=loss_fn,
                               shifted_labels=shifted_labels, autocast=self.autocast)
 
@@ -388,15 +389,24 @@ class Accelerator(_AccelerateAccelerator):
             parallelize(model, tp=self.emulated_tp, compression=self.compression,
                         sequence_parallel=self.sequence_parallel, emulate=True, logits=self.logits or "full")
 
-    def _dynamo_settings(self) -> dict:
+    def _dynamo_settings(self, model: nn.Module) -> dict:
         """Accelerate's own compile switch (``dynamo_backend`` / ``TorchDynamoPlugin``, what
-        ``TrainingArguments(torch_compile=True)`` sets) as `distribute`'s arguments, for the
-        stages `prepare_pipeline` builds (`prepare_model` leaves it to Accelerate's own)."""
+        ``TrainingArguments(torch_compile=True)`` sets) as `distribute`'s arguments for ``model``:
+        every door compiles each decoder block on its own and the loss's chunk kernels
+        (`parallel.apply_compile`), never the whole model; its mode, fullgraph and dynamic are
+        honoured. Nothing for a model already compiled (a ``torch.compile`` wrapper, compiled
+        blocks), as Accelerate leaves one; a ValueError for a model without decoder blocks."""
         from accelerate.utils import DynamoBackend
 
         plugin = self._dynamo_plugin or self.state.dynamo_plugin
-        if plugin is None or plugin.backend == DynamoBackend.NO:
+        if plugin is None or plugin.backend == DynamoBackend.NO or is_compiled(model):
             return {}
+        if not has_decoder_layers(model):
+            raise ValueError(
+                f"dynamo_backend={plugin.backend.value.lower()!r}: taco_accel compiles each decoder block of a "
+                f"supported causal LM on its own, and {type(model).__name__} has none; compile it yourself before "
+                "prepare (torch.compile(model)) or leave Accelerate's compile off (dynamo_backend='no', "
+                "TrainingArguments(torch_compile=False))")
         return {"compile": plugin.backend.value.lower(),
                 "compile_options": {"mode": plugin.mode, "fullgraph": plugin.fullgraph, "dynamic": plugin.dynamic}}
 
@@ -405,6 +415,7 @@ class Accelerator(_AccelerateAccelerator):
         its parts and the new parameter of each replaced one (`LaidOutModels.add`).
         ``pipeline``: `distribute`'s pipeline and evaluation arguments."""
         precision.check_precision(self.mixed_precision, model, bool(pipeline.get("pipeline")))
+        compile_settings = self._dynamo_settings(model)  # before any collective: an error on every rank
         if self.emulated_tp > 1:
             self._emulate(model)
         before = dict(model.named_parameters())
@@ -413,7 +424,7 @@ class Accelerator(_AccelerateAccelerator):
                            sequence_parallel=self.sequence_parallel, logits=self.logits,
                            device=self.device if self.device_placement or pipeline else None,
                            param_dtype=precision.fsdp_param_dtype(self.parallel_dims, self.mixed_precision),
-                           **pipeline)
+                           **compile_settings, **pipeline)
         return parts, self.laid_out.add(model, parts, before)
 
     def _finish_gradients(self) -> None:

@@ -8,7 +8,8 @@ modules, and the gradient reductions and clipping over the whole mesh that end a
 `export_pretrained` gathers them into one transformers checkpoint.
 """
 
-from .compile import apply_compile, compile_backend, enable_activation_checkpointing, is_checkpointed, is_compiled
+from .compile import (apply_compile, compile_backend, enable_activation_checkpointing, has_decoder_layers, is_checkpointed,
+                      is_compiled)
 from .boundary import Boundary, BoundaryStage, PipelineBoundaries, boundary_name
 from .data_parallel import DataParallelGradSync, ReplicaGradSum, TiedEmbeddingSync, apply_dp, local_tensor
 from .export import export_pretrained, gather_full_state_dict
@@ -49,6 +50,7 @@ __all__ = [
     "enable_activation_checkpointing",
     "export_pretrained",
     "gather_full_state_dict",
+    "has_decoder_layers",
     "is_checkpointed",
     "is_compiled",
     "local_tensor",

@@ -103,6 +103,15 @@ def _blocks(module: nn.Module) -> list[nn.Module]:
     return blocks
 
 
+def has_decoder_layers(module: nn.Module) -> bool:
+    """Whether ``module`` (a causal LM of a supported family, its peft wrapper, a `StageModule`)
+    holds decoder layers: what `apply_compile` compiles and `enable_activation_checkpointing` wraps."""
+    try:
+        return bool(decoder_layers(module))
+    except (ValueError, AttributeError):  # no registered family; a family's model without its layers
+        return False
+
+
 def is_compiled(module: nn.Module) -> bool:
     """Whether ``module`` runs compiled: itself (``module.compile()``, a ``torch.compile`` wrapper,
     a compiled checkpointed forward) or, for a model or stage, each of its decoder blocks
@@ -179,4 +188,5 @@ def is_checkpointed(module: nn.Module) -> bool:
     return _itself_or_every_layer(module, lambda layer: isinstance(layer.__dict__.get("forward"), CheckpointedForward))
 
 
-__all__ = ["apply_compile", "compile_backend", "enable_activation_checkpointing", "is_checkpointed", "is_compiled"]
+__all__ = ["apply_compile", "compile_backend", "enable_activation_checkpointing", "has_decoder_layers", "is_checkpointed",
+           "is_compiled"]

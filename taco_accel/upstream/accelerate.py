@@ -11,6 +11,10 @@ scheduler's count under TP.
 - ``PartialState.split_between_processes``'s generator (``__wrapped__`` under its
   ``contextmanager``), which reads only ``num_processes``, ``process_index`` and ``device`` of its
   state: `split_between` runs it over the data-parallel replicas;
+- `compiling_nothing`: Accelerate's ``prepare_model`` (1.15 and 1.16) wraps the model in
+  ``torch.compile`` (or its own regional compile) when ``state.dynamo_plugin.backend`` is not
+  ``NO`` and the model is not an ``OptimizedModule``; taco_accel compiles per decoder block
+  itself, so the plugin reads ``NO`` while that runs;
 - `ReplicaScheduler`: ``AcceleratedScheduler`` steps the schedule once per process per optimizer
   step (``num_processes`` times), the number of batches a step consumes when every process reads
   its own; under TP the tp ranks of a replica read one batch, so it steps once per dp replica.
@@ -77,6 +81,25 @@ def split_between(inputs, processes: int, index: int, device, apply_padding: boo
     with split(SimpleNamespace(num_processes=processes, process_index=index, device=device), inputs,
                apply_padding) as share:
         yield share
+
+
+@contextlib.contextmanager
+def compiling_nothing(accelerator):
+    """Inside the block, Accelerate's ``prepare_model`` compiles nothing (see the module doc): the
+    shared state's ``dynamo_plugin`` is one with backend ``NO``, the user's one again after it
+    (whatever the block raised)."""
+    from accelerate.utils import DynamoBackend, TorchDynamoPlugin
+
+    state = accelerator.state
+    plugin = state.dynamo_plugin
+    if plugin is None or plugin.backend == DynamoBackend.NO:
+        yield
+        return
+    state.dynamo_plugin = TorchDynamoPlugin(backend="no")
+    try:
+        yield
+    finally:
+        state.dynamo_plugin = plugin
 
 
 class ReplicaScheduler(AcceleratedScheduler):
