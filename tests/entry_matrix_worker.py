@@ -16,9 +16,9 @@ backward of each model in each low precision (tests/test_precision.py's count: t
 Entries: ``loop`` (a user's own Accelerate loop), ``trainer`` / ``sft`` (transformers' Trainer, TRL's
 SFTTrainer through taco_trainer), ``dpo`` / ``dpo_path`` / ``dpo_lora`` (TRL's DPOTrainer with a
 reference model passed in, built by TRL from the policy's path, and a LoRA policy whose reference is
-its disabled adapter), ``finetuner`` (`taco_accel.training.Finetuner`, full fine-tuning) and
-``recipes`` (the recipes' pretraining `Trainer`). Precisions: ``fp32``; ``bf16``: autocast over fp32
-parameters (Accelerate's ``mixed_precision="bf16"``, the Trainer's ``bf16=True``); ``bf16_params``:
+its disabled adapter), ``grpo`` (TRL's GRPOTrainer, its completions from `rollout`), ``finetuner``
+(`taco_accel.training.Finetuner`, full fine-tuning) and ``recipes`` (the recipes' pretraining
+`Trainer`). Precisions: ``fp32``; ``bf16``: autocast over fp32 parameters (Accelerate's ``mixed_precision="bf16"``, the Trainer's ``bf16=True``); ``bf16_params``:
 the model in bf16, no autocast; ``fp16``: autocast and taco_accel's MeshGradScaler (Accelerate runs
 fp16 on one CPU process as fp32, so the test compares it with the fp32 reference).
 """
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 from harness import loss_paths
-from hf_trainer_worker import VOCAB, guarded, history, lm_rows, preferences, texts, tiny
+from hf_trainer_worker import VOCAB, guarded, history, lm_rows, preferences, texts, tiny, vowel_share
 
 STEPS, GLOBAL = 2, 4  # optimizer steps; rows per optimizer step, over every replica
 LR = 0.05  # SGD wherever the script picks its optimizer (the Finetuner and the recipes run their AdamW)
@@ -204,6 +204,46 @@ def run_dpo(run: Run, precision: str, ref: str) -> dict:
     return {**figures, "logps": [[h["logps/chosen"], h["logps/rejected"]] for h in logged]}
 
 
+GENERATIONS = 2  # GRPO's completions per prompt: GLOBAL rows are GLOBAL / 2 prompts
+
+
+def rollout(prompts: list, trainer) -> dict:
+    """GRPO's completions (TRL's ``rollout_func``), made from each prompt and its place in its group
+    alone: one process and every replica of every layout train the same rows, where sampling would
+    draw each replica's from its own RNG stream (tests/test_hf_trainer.py samples at tp=2, where the
+    draws are one process's). Letters and spaces (the reward's vowel shares differ within a group),
+    3 to 6 tokens, then EOS: the token-count normaliser varies."""
+    import random
+
+    tokenizer, seen, completions = trainer.processing_class, {}, []
+    letters = tokenizer("abcdefghijklmnopqrstuvwxyz ")["input_ids"]
+    for prompt in prompts:  # each prompt once per generation batch (distinct prompts), GENERATIONS times in a row
+        k = seen[prompt] = seen.get(prompt, -1) + 1
+        draw = random.Random(f"{prompt}/{k}")
+        completions.append([draw.choice(letters) for _ in range(3 + (k + len(prompt)) % 4)] + [tokenizer.eos_token_id])
+    return {"prompt_ids": [tokenizer(p)["input_ids"] for p in prompts], "completion_ids": completions, "logprobs": None}
+
+
+def run_grpo(run: Run, precision: str) -> dict:
+    """TRL's GRPOTrainer (its defaults: the dapo loss, no reference model) on GLOBAL / GENERATIONS
+    distinct prompts per step, completions from `rollout`, rewarded by their vowel share."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from taco_accel.data.tokenizer import build_tokenizer
+
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"  # rollout_func is TRL's experimental hook
+    config = _arguments(run, "grpo", precision, GRPOConfig, num_generations=GENERATIONS, max_completion_length=8)
+    prompts = [{"prompt": row["text"]} for row in texts(STEPS * GLOBAL // GENERATIONS, 8)]
+    assert len({p["prompt"] for p in prompts}) == len(prompts), prompts  # distinct: `rollout` counts places per prompt
+    trainer = run.trainer_class(GRPOTrainer)(
+        model=tiny().to(_dtype(precision)), args=config, processing_class=build_tokenizer("byte"),
+        reward_funcs=vowel_share, train_dataset=Dataset.from_list(prompts), rollout_func=rollout)
+    figures = _trained(trainer)
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    return {**figures, "entropy": [h["entropy"] for h in logged], "rewards": [h["reward"] for h in logged]}
+
+
 def run_finetuner(run: Run, precision: str) -> dict:
     """Full fine-tuning of the Finetuner's tiny checkpoint on the shipped prompt/response sample:
     micro-batches of 2, as many per replica as make GLOBAL rows."""
@@ -242,7 +282,8 @@ def run_recipes(run: Run, precision: str) -> dict:
 ENTRIES = {
     "loop": run_loop, "trainer": run_trainer, "sft": run_sft,
     "dpo": functools.partial(run_dpo, ref="passed"), "dpo_path": functools.partial(run_dpo, ref="path"),
-    "dpo_lora": functools.partial(run_dpo, ref="lora"), "finetuner": run_finetuner, "recipes": run_recipes,
+    "dpo_lora": functools.partial(run_dpo, ref="lora"), "grpo": run_grpo, "finetuner": run_finetuner,
+    "recipes": run_recipes,
 }
 
 

@@ -337,20 +337,28 @@ def preferences(n: int, seed: int) -> list[dict]:
     return [{"prompt": say(), "chosen": say(), "rejected": say()} for _ in range(n)]
 
 
-def run_dpo(args, name: str, ref: str, compression=None) -> dict:
-    """TRL's DPOTrainer: ``ref="passed"`` (a reference model given), ``"path"`` (TRL builds it from
-    the policy's local checkpoint and prepares it with prepare_model(evaluation_mode=True)),
-    ``"lora"`` (a LoRA policy: the reference is the adapter switched off)."""
+def saved_tiny(args) -> str:
+    """The tiny model's checkpoint under DIR, written once (rank 0): a policy loaded from it has a
+    path TRL can build its reference model from."""
     import torch.distributed as dist
-    from trl import DPOConfig, DPOTrainer
-
-    from taco_accel.data.tokenizer import build_tokenizer
 
     path = os.path.join(args.dir, "dpo_base")
     if int(os.environ.get("RANK", "0")) == 0 and not os.path.isdir(path):
         tiny().save_pretrained(path)
     if dist.is_initialized():
         dist.barrier()
+    return path
+
+
+def run_dpo(args, name: str, ref: str, compression=None) -> dict:
+    """TRL's DPOTrainer: ``ref="passed"`` (a reference model given), ``"path"`` (TRL builds it from
+    the policy's local checkpoint and prepares it with prepare_model(evaluation_mode=True)),
+    ``"lora"`` (a LoRA policy: the reference is the adapter switched off)."""
+    from trl import DPOConfig, DPOTrainer
+
+    from taco_accel.data.tokenizer import build_tokenizer
+
+    path = saved_tiny(args)
     from transformers import AutoModelForCausalLM
 
     extra = {}
@@ -382,6 +390,92 @@ def run_dpo(args, name: str, ref: str, compression=None) -> dict:
     return out
 
 
+PROMPTS = ("tensor parallel", "compress every message", "a hadamard transform", "eight bits with")
+GENERATIONS = 4  # completions per prompt
+
+
+def vowel_share(completions, **kwargs) -> list[float]:
+    """A reward that is a function of the completion's text: its share of vowels."""
+    return [sum(map(c.count, "aeiou")) / max(len(c), 1) for c in completions]
+
+
+def letter_share(completions, **kwargs) -> list[float]:
+    """A second reward: the completion's share of ASCII letters."""
+    return [sum(ch.isascii() and ch.isalpha() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def run_online(args, name: str, trainer: str = "GRPO", reward_funcs=vowel_share, **settings) -> dict:
+    """TRL's GRPOTrainer or RLOOTrainer: 4 prompts x 4 completions sampled by the model (8 tokens at
+    most) per optimizer step, in 2 micro-batches of 8 rows (steps_per_generation 2: one generation
+    serves the step), 2 SGD steps. ``use_cpu=True``: TRL's config then counts every process, as it
+    does on GPUs (without it a CPU process sees a world of 1). The policy is loaded from a path, from
+    which TRL builds the reference model where ``beta`` asks for one. ``settings``: the config's."""
+    import trl
+    from transformers import AutoModelForCausalLM
+
+    from taco_accel.data.tokenizer import build_tokenizer
+
+    per_device = GENERATIONS * len(PROMPTS) // ACCUM * (args.dp if args.reference else 1)
+    config = getattr(trl, f"{trainer}Config")(**common(
+        args, name, per_device_train_batch_size=per_device, max_steps=2, optim="sgd", learning_rate=0.05, use_cpu=True,
+        num_generations=GENERATIONS, max_completion_length=8, **settings))
+    cls = trainer_class(args, getattr(trl, f"{trainer}Trainer"))
+    model = AutoModelForCausalLM.from_pretrained(saved_tiny(args))
+    online = cls(model=model, args=config, processing_class=build_tokenizer("byte"), reward_funcs=reward_funcs,
+                 train_dataset=_dataset([{"prompt": p} for p in PROMPTS * 4]))
+    online.train()
+    logged = [h for h in online.state.log_history if "loss" in h]
+    return {**history(online), "rewards": [h.get("reward") for h in logged], "entropy": [h.get("entropy") for h in logged],
+            "completions": list(online._logs["completion"]), "generation_batch_size": online.args.generation_batch_size}
+
+
+def run_kto(args) -> dict:
+    """TRL's KTOTrainer: unpaired completions labelled desirable or not, the reference model built by
+    TRL from the policy's path, its KL term from completions rotated within each batch (per_device_train_batch_size
+    rows: one process and the tp ranks of one replica rotate the same rows), 2 SGD steps."""
+    import random
+
+    from transformers import AutoModelForCausalLM
+    from trl import KTOConfig, KTOTrainer
+
+    from taco_accel.data.tokenizer import build_tokenizer
+
+    r = random.Random(6)
+    rows = [{**row, "label": r.random() < 0.5} for row in preferences(2 * BATCH * ACCUM, 6)]
+    data = [{"prompt": row["prompt"], "completion": row["chosen"], "label": row["label"]} for row in rows]
+    config = KTOConfig(**common(args, "kto", max_steps=2, optim="sgd", learning_rate=0.05, max_length=64),
+                       dataset_num_proc=None)
+    trainer = trainer_class(args, KTOTrainer)(
+        model=AutoModelForCausalLM.from_pretrained(saved_tiny(args)), args=config,
+        processing_class=build_tokenizer("byte"), train_dataset=_dataset(data))
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    return {**history(trainer), "kl": [h.get("kl") for h in logged]}
+
+
+def run_online_refusals(args) -> dict:
+    """GRPOTrainer with each setting refused at tp > 1: the message each construction raised. A
+    generation back end with weights of its own; a generation of 2 per device x 1 replica, not whole
+    groups of 4 (TRL counts 2 x 2 processes, which are)."""
+    import trl
+
+    from taco_accel.data.tokenizer import build_tokenizer
+
+    refused = {}
+    for name, settings in (("use_transformers_continuous_batching", dict(use_transformers_continuous_batching=True)),
+                           ("generation_batch_size", dict(per_device_train_batch_size=2, gradient_accumulation_steps=1))):
+        config = trl.GRPOConfig(**common(args, "refused", **{"per_device_train_batch_size": 8, "use_cpu": True,
+                                                             "num_generations": 4, "max_completion_length": 8,
+                                                             **settings}))
+        try:
+            trainer_class(args, trl.GRPOTrainer)(model=tiny(), args=config, processing_class=build_tokenizer("byte"),
+                                                 reward_funcs=vowel_share, train_dataset=_dataset([{"prompt": "a"}] * 8))
+            refused[name] = None
+        except ValueError as e:
+            refused[name] = str(e)
+    return {"refused": refused}
+
+
 def _dataset(rows: list[dict]):
     from datasets import Dataset
 
@@ -411,6 +505,17 @@ def main() -> None:
         "checkpointed": lambda: run_checkpointed(args),
         "liger": lambda: run_liger(args),
         "unaveraged": lambda: run_unaveraged(args),
+        "grpo": lambda: run_online(args, "grpo"),
+        # a reference model (beta), several passes over each generation: importance ratios from the old log-probs
+        "grpo_ref": lambda: run_online(args, "grpo_ref", beta=0.04, loss_type="bnpo", num_iterations=2,
+                                       scale_rewards="batch", top_entropy_quantile=0.5),
+        # two rewards, each normalised over the batch (statistics over the rows of every replica, each once)
+        "grpo_multi": lambda: run_online(args, "grpo_multi", multi_objective_aggregation="normalize_then_sum",
+                                         reward_funcs=[vowel_share, letter_share]),
+        # RLOO's KL term (beta 0.05 by default) gathered with the rewards; advantages normalised over the batch
+        "rloo": lambda: run_online(args, "rloo", "RLOO", normalize_advantages=True),
+        "kto": lambda: run_kto(args),
+        "online_refusals": lambda: run_online_refusals(args),
         "wire": lambda: run_wire(args),
         "dpo": lambda: run_dpo(args, "dpo", ref="passed"),
         "dpo_path": lambda: run_dpo(args, "dpo_path", ref="path"),
@@ -422,8 +527,8 @@ def main() -> None:
         result, base = {}, args.dir
         for dp in map(int, args.reference.split(",")):
             args.dp, args.dir = dp, os.path.join(base, f"dp{dp}")
-            result[f"dp{dp}"] = guarded(runs, ["trainer", "sft"] + (["lora", "dpo", "dpo_lora"]
-                                                                     if dp == 1 else ["dpo"]))
+            result[f"dp{dp}"] = guarded(runs, ["trainer", "sft"] + (["lora", "dpo", "dpo_lora", "grpo", "grpo_ref",
+                                                                      "grpo_multi", "rloo", "kto"] if dp == 1 else ["dpo"]))
     else:
         args.dp = int(os.environ["WORLD_SIZE"]) // 2  # tp=2 in every launch of the test
         result = guarded(runs, args.runs.split(","))

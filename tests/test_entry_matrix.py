@@ -1,7 +1,8 @@
 """Every entry point x precision x layout trains as the same script does on one process (issue 49).
 
-Entries: a user's own Accelerate loop, ``taco_trainer`` of transformers' Trainer, TRL's SFTTrainer and
-DPOTrainer (a reference model passed in, built by TRL from the policy's path, a LoRA policy), the
+Entries: a user's own Accelerate loop, ``taco_trainer`` of transformers' Trainer, TRL's SFTTrainer,
+DPOTrainer (a reference model passed in, built by TRL from the policy's path, a LoRA policy) and
+GRPOTrainer (its completions made by a rollout function, the same rows in every layout), the
 Finetuner and the recipes' pretraining Trainer. Precisions: fp32, bf16 autocast, bf16 parameters,
 fp16 autocast (with the MeshGradScaler). Layouts: tp=2 and dp=2 x tp=2, in each a job of
 tests/entry_matrix_worker.py that runs every cell of the layout, in the ``accelerate launch`` of
@@ -27,7 +28,10 @@ them (tests/test_accelerator.py); bf16 parameters add one rounding per parameter
 optimizer writes each weight in bf16). DPO: step 1 gives ln 2 (the policy is its reference, both
 computed alike), and the policy's log-probability sums (same-sign sums of per-token functions of the
 logits, like the loss) keep the loss bound; its rewards and later losses are differences of such
-sums, with no relative bound in low precision.
+sums, with no relative bound in low precision. GRPO: its rewards are functions of the completions'
+text (equal); its policy loss sums advantages of both signs (no relative bound), while the mean
+entropy of the completion tokens (a same-sign mean of per-token functions of the logits) keeps the
+loss bound, and the first gradient norm the norm bound.
 """
 
 from __future__ import annotations
@@ -42,11 +46,11 @@ import pytest
 import torch
 from harness import finish_command, start_command
 
-from test_hf_trainer import LOSS_TOL, NORM_RTOL
+from test_hf_trainer import LOSS_TOL, NORM_RTOL, REWARD_MEAN_TOL
 from test_precision import _bound
 
 WORKER = Path(__file__).with_name("entry_matrix_worker.py")
-ENTRIES = ("loop", "trainer", "sft", "dpo", "dpo_path", "dpo_lora", "finetuner", "recipes")
+ENTRIES = ("loop", "trainer", "sft", "dpo", "dpo_path", "dpo_lora", "grpo", "finetuner", "recipes")
 PRECISIONS = ("fp32", "bf16", "bf16_params", "fp16")
 LAYOUTS = ("tp2", "dp2_tp2")  # meshes of tests/launches.py
 MODEL = {"finetuner": "finetuner", "recipes": "recipes"}  # the model whose roundings bound an entry (else "tiny")
@@ -66,6 +70,7 @@ COVERED = {  # (entry, precision, layout): the test that runs this cell against 
     ("dpo", "fp32", "dp2_tp2"): f"{HF}::test_dpo_trainer_trains_like_one_process",
     ("dpo_path", "fp32", "tp2"): f"{HF}::test_dpo_trainer_trains_like_one_process",
     ("dpo_lora", "fp32", "tp2"): f"{HF}::test_dpo_trainer_trains_like_one_process",
+    ("grpo", "fp32", "tp2"): f"{HF}::test_grpo_and_rloo_trainers_train_like_one_process",
     ("finetuner", "fp32", "tp2"): "tests/test_finetune.py::test_tp2_and_dp2_equal_one_process",
     ("recipes", "fp32", "tp2"): "tests/test_pipeline.py::test_tensor_parallel_matches_single_process",
 }
@@ -98,9 +103,9 @@ REFUSED = {  # (entry, precision): the call a user makes, what it raises, a frag
 CELLS = [(entry, precision, layout) for layout in LAYOUTS for entry in ENTRIES for precision in PRECISIONS]
 # the chunked function each entry's training loss takes: the fused head and loss (the loop asks for
 # logits="none"; the Trainer's compute_loss and the recipes' schedule use it), or the per-token
-# log-probabilities of TRL's fused LM head (SFT, DPO), vocab-parallel
+# log-probabilities of TRL's fused LM head (SFT, DPO, GRPO), vocab-parallel
 PATHS = {"loop": "fused", "trainer": "fused", "sft": "log_probs", "dpo": "log_probs", "dpo_path": "log_probs",
-         "dpo_lora": "log_probs", "finetuner": "fused", "recipes": "fused"}
+         "dpo_lora": "log_probs", "grpo": "log_probs", "finetuner": "fused", "recipes": "fused"}
 TP1 = ("loop", "trainer", "sft", "dpo")  # taco_accel's classes on one process too, in fp32
 OWN = ("finetuner", "recipes")  # taco_accel's own classes: their references run them at tp=1
 
@@ -180,12 +185,16 @@ def test_every_cell_trains_like_one_process(request, entry, precision, layout):
     assert len(got["losses"]) == len(ref["losses"]) == 2, (got, ref)
     for count in ("steps", "lrs", "input_tokens", "num_tokens"):  # the Trainer's counts: exact in every precision
         assert got.get(count) == ref.get(count), (count, got, ref)
-    dpo = entry.startswith("dpo")
+    dpo, grpo = entry.startswith("dpo"), entry == "grpo"
+    if grpo:  # the same completions, so the same rewards (test_hf_trainer.REWARD_MEAN_TOL: their logged mean)
+        assert got["rewards"] == pytest.approx(ref["rewards"], abs=REWARD_MEAN_TOL), (got, ref)
     if dpo:  # the policy is its own reference at step 1: loss ln 2, in every precision (fp32 rounding of it)
         assert got["losses"][0] == pytest.approx(math.log(2), abs=LOSS_TOL), got
     if precision == "fp32":  # the runs differ in the order of fp32 sums (test_hf_trainer.py's bounds)
         assert got["losses"] == pytest.approx(ref["losses"], abs=LOSS_TOL), (got, ref)
         assert got["grad_norms"] == pytest.approx(ref["grad_norms"], rel=NORM_RTOL), (got, ref)
+        if grpo:
+            assert got["entropy"] == pytest.approx(ref["entropy"], abs=LOSS_TOL), (got, ref)
         return
     assert got["low_precision_ops"] > 0, got  # it computed in its precision, not silently in fp32
     if precision == "fp16" and "scaler" in got:  # every entry that offers fp16 scales the loss over the mesh
@@ -194,6 +203,10 @@ def test_every_cell_trains_like_one_process(request, entry, precision, layout):
     if dpo:
         for step, bound in enumerate(losses):
             assert max(_relative(got["logps"][step], ref["logps"][step])) < bound, (step, bound, got, ref)
+        return
+    if grpo:  # the policy loss is a signed sum (advantages of both signs): its entropy keeps the loss bound
+        assert all(d < b for d, b in zip(_relative(got["entropy"], ref["entropy"]), losses)), (losses, got, ref)
+        assert _relative(got["grad_norms"][:1], ref["grad_norms"][:1])[0] < first_norm, (first_norm, got, ref)
         return
     assert all(d < b for d, b in zip(_relative(got["losses"], ref["losses"]), losses)), (losses, got, ref)
     assert _relative(got["grad_norms"][:1], ref["grad_norms"][:1])[0] < first_norm, (first_norm, got, ref)

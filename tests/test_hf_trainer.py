@@ -30,7 +30,8 @@ BATCH, ACCUM = 2, 2  # the worker's per-device batch and accumulation
 LOSS_TOL, NORM_RTOL = 2e-5, 1e-5
 LAUNCHES = {  # name: (dp, runs)
     "tp2": (1, "trainer,resume,compressed,sft,lora,plain_checkpoint,patched,"
-               "dpo,dpo_path,dpo_lora,dpo_compressed,checkpointed,liger,unaveraged,wire"),
+               "dpo,dpo_path,dpo_lora,dpo_compressed,checkpointed,liger,unaveraged,wire,grpo,grpo_ref,grpo_multi,"
+               "rloo,kto,online_refusals"),
     # resume of dp replicas: test_accelerator; bf16 and fp16 (tp=2, dp=2 x tp=2): test_entry_matrix
     "dp2_tp2": (2, "trainer,sft,pipeline_sizes,dpo"),
 }
@@ -71,7 +72,8 @@ def run_of(results, launch: str, run: str) -> tuple[dict, dict]:
     assert "error" not in got[run], got[run]["error"]
     dp = LAUNCHES[launch][0]
     same = {"sft": "sft", "lora": "lora", "trainer_bf16": "trainer_bf16", "sft_bf16": "sft_bf16", "dpo": "dpo",
-            "dpo_path": "dpo", "dpo_compressed": "dpo", "dpo_lora": "dpo_lora"}
+            "dpo_path": "dpo", "dpo_compressed": "dpo", "dpo_lora": "dpo_lora", "grpo": "grpo", "grpo_ref": "grpo_ref",
+            "grpo_multi": "grpo_multi", "rloo": "rloo", "kto": "kto"}
     reference = ref[f"dp{dp}"].get(same.get(run, "trainer"))
     assert "error" not in reference, reference["error"]
     return got[run], reference
@@ -275,3 +277,47 @@ def test_a_plain_trainer_on_a_replaced_accelerator_is_refused_on_every_rank(resu
     assert "ValueError" in message and "taco_trainer(Trainer)(model=..., args=...)" in message
     assert "from the main process alone" in message
     assert results[0]["tp2"]["patched"]["every_rank"] == [message] * 2
+
+
+# TRL's online trainers: the completions the tp=2 model samples (the same RNG draws on every rank and
+# in one process, from logits that differ by fp32 rounding) are one process's; each reward is a
+# function of their text (equal), and the logged reward is their mean over the replicas' rows, summed
+# in another order: within 32 fp32 ulps of 1. Losses and norms within the Trainer's fp32 bounds:
+# policy losses are means of advantage-weighted ratios (|loss| < 1e-1 here), so the absolute bound
+# LOSS_TOL holds a fortiori. Before the tp ranks' copies were gathered once: "grpo" trained other
+# prompts at step 2 (TRL's generation_batch_size counted both processes), "grpo_ref", "grpo_multi"
+# and "rloo" took batch statistics over both copies (Bessel's n - 1 over 2n rows).
+REWARD_MEAN_TOL = 32 * 2.0**-23
+
+
+@pytest.mark.parametrize("run", ["grpo", "grpo_ref", "grpo_multi", "rloo"])
+def test_grpo_and_rloo_trainers_train_like_one_process(results, run):
+    got, ref = run_of(results, "tp2", run)
+    assert got["completions"] == ref["completions"] and len(got["completions"]) == 16
+    # generation_batch_size: what the one replica generates (TRL counted both processes: 32)
+    assert got["generation_batch_size"] == ref["generation_batch_size"] == 16
+    assert got["steps"] == ref["steps"] == [1, 2] and got["lrs"] == ref["lrs"]
+    assert got["rewards"] == pytest.approx(ref["rewards"], abs=REWARD_MEAN_TOL)
+    assert got["losses"] == pytest.approx(ref["losses"], abs=LOSS_TOL)
+    assert got["grad_norms"] == pytest.approx(ref["grad_norms"], rel=NORM_RTOL)
+    assert got["num_tokens"] == ref["num_tokens"]  # prompt and completion tokens, each once
+    if run != "rloo":
+        assert got["entropy"] == pytest.approx(ref["entropy"], abs=LOSS_TOL)
+
+
+def test_kto_trainer_trains_like_one_process(results):
+    got, ref = run_of(results, "tp2", "kto")
+    assert got["steps"] == ref["steps"] == [1, 2] and got["lrs"] == ref["lrs"]
+    assert got["losses"] == pytest.approx(ref["losses"], abs=LOSS_TOL)
+    assert got["grad_norms"] == pytest.approx(ref["grad_norms"], rel=NORM_RTOL)
+    assert got["kl"] == pytest.approx(ref["kl"], abs=REWARD_TOL)  # differences of log-prob sums, as DPO's rewards
+    assert got["num_tokens"] == ref["num_tokens"]
+
+
+def test_online_trainer_settings_that_cannot_hold_are_refused(results):
+    messages = refusal(results, "tp2", "online_refusals")
+    for name, fix in (("use_transformers_continuous_batching", "leave it off"),
+                      ("generation_batch_size", "raise per_device_train_batch_size or steps_per_generation")):
+        message = messages[name]
+        assert message and name in message and fix in message and "\n" not in message, message
+    assert "tp=2" in messages["use_transformers_continuous_batching"]

@@ -356,6 +356,40 @@ def test_trl_divides_its_token_count_by_the_tp_size_its_accelerator_describes(tm
     assert "self._tp_size = self.accelerator.parallelism_config.tp_size" in inspect.getsource(SFTTrainer.__init__)
 
 
+def test_trl_trainers_outside_the_checked_ones_are_refused_in_one_line():
+    import trl
+    from trl.experimental.online_dpo import OnlineDPOTrainer
+    from trl.experimental.orpo import ORPOTrainer
+
+    for name in up_trl.CHECKED_TRAINERS:  # each trains against one process in test_hf_trainer / test_entry_matrix
+        cls = getattr(trl, name)
+        assert taco_accel.taco_trainer(cls).__name__ == f"Taco{name}"
+        assert taco_accel.taco_trainer(type("Mine", (cls,), {})).__name__ == "TacoMine"  # a user's subclass
+    for cls in (ORPOTrainer, OnlineDPOTrainer, trl.DistillationTrainer, trl.RewardTrainer):
+        with pytest.raises(ValueError) as refused:
+            taco_accel.taco_trainer(cls)
+        message = str(refused.value)
+        assert f"{cls.__name__} is not checked with taco_accel" in message and "\n" not in message, message
+        assert "GRPOTrainer" in message and "without taco_trainer" in message, message
+
+
+def test_trl_online_trainers_gather_with_the_module_names_taco_trainer_swaps():
+    import accelerate.utils
+    import trl
+    from trl.trainer import grpo_trainer, rloo_trainer
+
+    mine = type("Mine", (trl.GRPOTrainer,), {})
+    assert up_trl.online_trainer(mine) is trl.GRPOTrainer and up_trl.online_trainer(trl.RLOOTrainer) is trl.RLOOTrainer
+    assert up_trl.online_trainer(trl.SFTTrainer) is None and up_trl.online_trainer(trl.KTOTrainer) is None
+    for module in (grpo_trainer, rloo_trainer):  # the names TRL calls when it gathers rewards and logs
+        assert module.gather is accelerate.utils.gather and module.gather_object is accelerate.utils.gather_object
+        assert "gather(rewards_per_func)" in inspect.getsource(module)
+    with up_trl.gathering_with(up_trl.online_trainer(mine), len, sorted):
+        assert grpo_trainer.gather is len and grpo_trainer.gather_object is sorted
+        assert rloo_trainer.gather is accelerate.utils.gather  # another trainer's module is left alone
+    assert grpo_trainer.gather is accelerate.utils.gather and grpo_trainer.gather_object is accelerate.utils.gather_object
+
+
 def test_trl_fused_head_takes_the_keyword_and_holds_its_settings():
     from trl.trainer.utils import FusedCausalLMOutput, add_fused_lm_head
 

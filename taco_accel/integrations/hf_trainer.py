@@ -39,8 +39,16 @@ a subclass of the given class that changes the Trainer through its own extension
   already holds it); a model that peft wrapped with plain LoRA layers (``SFTTrainer(peft_config=...)``,
   ``peft.get_peft_model``) gets the same adapter on tensor-parallel LoRA layers
   (`taco_accel.get_peft_model`).
+- TRL's trainers: SFT, DPO, KTO, GRPO and RLOO (`upstream.trl.CHECKED_TRAINERS`, each trained
+  against one process in the tests); the others are refused when the class is made. GRPO and RLOO
+  generate ``per_device_train_batch_size x replicas x steps_per_generation`` completions at a time
+  (their configs counted every process: `upstream.trl.generate_per_replica`) and gather rewards,
+  KL terms and logs over the replicas (`_ReplicaRollouts`), so that group and batch statistics and
+  each replica's slice are one process's.
 
-Not supported (a ValueError says so): pipeline stages (the Trainer runs no pipeline schedule).
+Not supported (a ValueError says so): pipeline stages (the Trainer runs no pipeline schedule); at
+tp > 1, TRL's generation back ends that keep a copy of the weights of their own (vLLM,
+transformers' continuous batching).
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ from ..tp import Compression
 from ..upstream import accelerate as upstream_accelerate
 from ..upstream import transformers as upstream_transformers
 from ..upstream import trl as upstream_trl
+from . import replicas
 from .accelerator import Accelerator
 from .lora import tensor_parallel_lora
 
@@ -93,7 +102,9 @@ def taco_trainer(trainer_cls: type, *, compression=DEFAULT_COMPRESSION, sequence
     upstream_transformers.check_trainer(trainer_cls)  # the private methods overridden below
     fused_loss = trainer_cls.compute_loss is Trainer.compute_loss  # TRL's and users' own may read the logits
     options = {"compression": compression, "sequence_parallel": sequence_parallel, "fused_loss": fused_loss}
-    return type(f"Taco{trainer_cls.__name__}", (_TacoTrainer, trainer_cls),
+    bases = (_TacoTrainer, trainer_cls) if upstream_trl.online_trainer(trainer_cls) is None else \
+        (_TacoTrainer, _ReplicaRollouts, trainer_cls)
+    return type(f"Taco{trainer_cls.__name__}", bases,
                 {"taco_options": options, "__module__": trainer_cls.__module__, "__doc__": trainer_cls.__doc__})
 
 
@@ -125,12 +136,16 @@ class _TacoTrainer(upstream_transformers.TrainerCounts):
         accelerator_options = {k: self.taco_options[k] for k in ("compression", "sequence_parallel")}
         with upstream_transformers.building_accelerator(functools.partial(Accelerator, **accelerator_options)):
             super().create_accelerator_and_postprocess()
-        if self.accelerator.parallel_dims.pp > 1:
+        dims = self.accelerator.parallel_dims
+        if dims.pp > 1:
             raise ValueError(
                 f"{self.accelerator.parallel_layout}: the Trainer runs no pipeline schedule; give sizes that cover "
                 "every process with tp and dp (parallelism_config tp_size x dp_replicate_size or dp_shard_size), "
                 "or train pipelines with taco_accel's own Trainer (recipes/)"
             )
+        if upstream_trl.online_trainer(type(self)) is not None:
+            upstream_trl.refuse_weight_copies(self.args, dims.tp)
+            upstream_trl.generate_per_replica(self.args, dims.dp)
 
     # -- the loss -------------------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
@@ -221,6 +236,16 @@ class _TacoTrainer(upstream_transformers.TrainerCounts):
         schedule = Path(checkpoint) / "scheduler.pt"
         if schedule.exists():
             self.lr_scheduler.load_state_dict(torch.load(schedule, weights_only=True))
+
+
+class _ReplicaRollouts:
+    """Put in front of TRL's GRPO and RLOO trainers: their rewards, KL terms and logs are gathered
+    over the data-parallel replicas, each row once (`upstream.trl.gathering_with` says why)."""
+
+    def _generate_and_score_completions(self, inputs):
+        gather_object = functools.partial(replicas.gather_object, dp=self.accelerator.torch_device_mesh["dp"])
+        with upstream_trl.gathering_with(upstream_trl.online_trainer(type(self)), self.accelerator.gather, gather_object):
+            return super()._generate_and_score_completions(inputs)
 
 
 def _processes_on_cpu(args) -> None:

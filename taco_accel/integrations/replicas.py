@@ -1,7 +1,8 @@
 """Accelerate's evaluation collectives over the data-parallel replicas of a mesh (its ``"dp"``
 DeviceMesh, one process per replica): the tensor- and pipeline-parallel ranks of a replica hold
 the same batches, so each sample counts once. What `taco_accel.Accelerator`'s ``gather``,
-``gather_for_metrics`` and ``reduce`` do; each is a collective over the replicas."""
+``gather_for_metrics`` and ``reduce`` do (and, for TRL's online trainers, Accelerate's module-level
+``gather_object``); each is a collective over the replicas."""
 
 from __future__ import annotations
 
@@ -28,6 +29,15 @@ def gather(tensor, dp):
     return recursively_apply(one, tensor, error_on_other_type=True)
 
 
+def gather_object(objects: list, dp) -> list:
+    """The items of ``objects`` (a list) of every replica, in replica order."""
+    if dp.size() == 1:
+        return list(objects)
+    parts = [None] * dp.size()
+    dist.all_gather_object(parts, objects, group=dp.get_group())
+    return [x for part in parts for x in part]
+
+
 def gather_for_metrics(input_data, dp, gradient_state, use_gather_object: bool = False):
     """`gather` (an object gather for anything but tensors, or with ``use_gather_object``) without
     the samples the sharded DataLoader repeated to fill its last batch (Accelerate's
@@ -39,9 +49,7 @@ def gather_for_metrics(input_data, dp, gradient_state, use_gather_object: bool =
         all_tensors = False
     use_gather_object = use_gather_object or not all_tensors
     if use_gather_object:
-        parts = [None] * dp.size()
-        dist.all_gather_object(parts, input_data, group=dp.get_group())
-        data = [x for part in parts for x in part]
+        data = gather_object(input_data, dp)
     else:
         data = gather(input_data, dp)
     remainder = gradient_state.remainder
