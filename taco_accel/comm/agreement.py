@@ -227,16 +227,22 @@ def note_input(group, value: tuple, explain: Callable[[dict[int, tuple], str], s
 
 
 def timeout_error(error: RuntimeError, site: str, what: str, group) -> Exception:
-    """For a torch.distributed timeout, the `CollectiveTimeout` naming ``site``, ``what`` timed out
+    """For a torch.distributed timeout (or a peer's closed connection), the `CollectiveTimeout` naming ``site``, ``what`` timed out
     and the group's ranks (to raise ``from error``), or the `CollectiveMismatch` that names what
     the ranks fed the group differently (`note_input`); ``error`` itself for any other error."""
     text = str(error)
-    if isinstance(error, CollectiveTimeout) or not any(k in text for k in ("imed out", "imeout")):
+    timed_out = any(k in text for k in ("imed out", "imeout"))
+    # gloo closes a pair whose op timed out on one side: the other side's op then fails with the
+    # peer's closed connection, before its own timeout, for the same cause
+    peer_gone = any(k in text for k in ("Connection closed by peer", "Connection reset by peer"))
+    if isinstance(error, CollectiveTimeout) or not (timed_out or peer_gone):
         return error
     differing = _differing_notes(group)
     if differing is not None:
         values, explain = differing
-        return CollectiveMismatch(explain(values, f"{site}: {what} timed out"))
+        return CollectiveMismatch(explain(values, f"{site}: {what} {'timed out' if timed_out else 'lost its peer'}"))
+    if not timed_out:
+        return error
     ranks = dist.get_process_group_ranks(group) if group is not None else "all"
     return CollectiveTimeout(
         f"{site}: {what} over ranks {ranks} got no answer within the group's timeout: a peer stopped, "
