@@ -106,13 +106,15 @@ def metrics(pred) -> dict:
     return {"accuracy": float((top1[mask] == labels[mask]).mean()), "logsumexp": float(logsumexp[mask].mean())}
 
 
-def run_trainer(args, name: str, compression=None, resume: str | None = None, seed: int = 0, **precision) -> dict:
+def run_trainer(args, name: str, compression=None, resume: str | None = None, seed: int = 0, loss_func=None,
+                **precision) -> dict:
     """``precision``: TrainingArguments' precision flags (bf16=True, use_cpu=True: transformers asks
-    for use_cpu with bf16 on a machine without a bf16 GPU); the default, fp32."""
+    for use_cpu with bf16 on a machine without a bf16 GPU) or other settings; the default, fp32.
+    ``loss_func``: the Trainer's ``compute_loss_func``."""
     from transformers import Trainer, TrainingArguments
 
-    save = dict(precision)
-    if resume is None and compression is None and not precision:  # checkpoints every 2 steps; the better of the two at the end
+    save, full = dict(precision), resume is None and compression is None and not precision and loss_func is None
+    if full:  # checkpoints every 2 steps; the better of the two at the end
         save = dict(save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2,
                     load_best_model_at_end=True, metric_for_best_model="eval_loss")
     cls = trainer_class(args, Trainer, compression=compression)
@@ -120,12 +122,13 @@ def run_trainer(args, name: str, compression=None, resume: str | None = None, se
     settings = common(args, name, include_num_input_tokens_seen="all", **save)
     trainer = cls(model=tiny(seed), args=TrainingArguments(**settings),
                   train_dataset=lm_rows(STEPS * BATCH * ACCUM * args.dp, 1), eval_dataset=lm_rows(EVAL, 2),
-                  compute_metrics=metrics, preprocess_logits_for_metrics=top1_and_logsumexp, callbacks=[logits_seen])
+                  compute_metrics=metrics, preprocess_logits_for_metrics=top1_and_logsumexp, callbacks=[logits_seen],
+                  compute_loss_func=loss_func)
     trainer.train(resume_from_checkpoint=resume)
     out = history(trainer)
     out["logits_seen"] = sorted(set(logits_seen.seen))
     out["scaler"] = type(trainer.accelerator.scaler).__name__
-    if resume is None and compression is None and not precision:
+    if full:
         out["eval"] = trainer.evaluate()
         final = os.path.join(args.dir, name, "final")
         trainer.save_model(final)
@@ -202,6 +205,18 @@ def run_unaveraged(args) -> dict:
     """The Trainer with ``average_tokens_across_devices=False`` (each process normalises the loss by
     its own token count: at tp=2 that of the one batch its replica reads), evaluated at steps 2 and 4."""
     return run_trainer(args, "unaveraged", average_tokens_across_devices=False, eval_strategy="steps", eval_steps=2)
+
+
+def z_loss_cross_entropy(outputs, labels, num_items_in_batch=None):
+    """A user's loss (the Trainer's ``compute_loss_func``), computed from the full logits: the
+    cross-entropy of each scored token plus 1e-2 x its squared log-partition (PaLM's z-loss), summed
+    and divided by ``num_items_in_batch`` (the Trainer's token count)."""
+    logits, targets = outputs.logits[:, :-1].float(), labels[:, 1:]
+    scored = targets != -100
+    lse = logits.logsumexp(-1)
+    nll = lse - logits.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    total = ((nll + 1e-2 * lse**2) * scored).sum()
+    return total / (scored.sum() if num_items_in_batch is None else num_items_in_batch)
 
 
 def run_liger(args) -> dict:
@@ -293,6 +308,39 @@ def run_pipeline_sizes(args) -> dict:
     return {"refused": refusal(), "refused_pp": refusal(TACO_PP_SIZE="2")}
 
 
+def prompt_completions(n: int, seed: int) -> list[dict]:
+    return [{"prompt": row["prompt"], "completion": row["chosen"]} for row in preferences(n, seed)]
+
+
+def conversations(n: int, seed: int) -> list[dict]:
+    return [{"messages": [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["chosen"]}]}
+            for row in preferences(n, seed)]
+
+
+# a chat template that marks the assistant's tokens ({% generation %}: SFTConfig(assistant_only_loss=True))
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
+                 "<|endoftext|>{% endgeneration %}{% else %}{{ m['role'] }}: {{ m['content'] }}\n{% endif %}{% endfor %}")
+
+
+def run_sft_settings(args, name: str, data: str, **settings) -> dict:
+    """SFTTrainer with the settings that choose which tokens it scores and how it batches them:
+    ``data="completions"`` (prompt-completion rows: completion_only_loss by default), ``"chat"``
+    (conversations under `CHAT_TEMPLATE`). ``settings``: SFTConfig's."""
+    from trl import SFTConfig, SFTTrainer
+
+    from taco_accel.data.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer("byte")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    rows = STEPS * BATCH * ACCUM * args.dp * (4 if settings.get("packing") else 1)  # packing joins about 4 rows
+    dataset = prompt_completions(rows, 7) if data == "completions" else conversations(rows, 8)
+    config = SFTConfig(**common(args, name, max_length=48, **settings), eval_strategy="no", dataset_num_proc=None)
+    trainer = trainer_class(args, SFTTrainer)(model=tiny(), args=config, processing_class=tokenizer,
+                                              train_dataset=_dataset(dataset))
+    trainer.train()
+    return history(trainer)
+
+
 def run_sft(args, name: str, lora: bool = False, bf16: bool = False) -> dict:
     """``bf16``: SFTConfig's own precision default (bf16=True), use_cpu=True as transformers asks on CPU."""
     from trl import SFTConfig, SFTTrainer
@@ -350,7 +398,7 @@ def saved_tiny(args) -> str:
     return path
 
 
-def run_dpo(args, name: str, ref: str, compression=None) -> dict:
+def run_dpo(args, name: str, ref: str, compression=None, **settings) -> dict:
     """TRL's DPOTrainer: ``ref="passed"`` (a reference model given), ``"path"`` (TRL builds it from
     the policy's local checkpoint and prepares it with prepare_model(evaluation_mode=True)),
     ``"lora"`` (a LoRA policy: the reference is the adapter switched off)."""
@@ -374,8 +422,8 @@ def run_dpo(args, name: str, ref: str, compression=None) -> dict:
     # max_length 64: longer than every prompt (at most 50 bytes here), so TRL's keep_start truncation
     # cuts completions but drops no example; a dropped one leaves a short last batch, which one
     # process trains as it is while Accelerate's even_batches fills a dp replica's with repeated rows
-    config = DPOConfig(**common(args, name, max_length=64, beta=0.5, max_steps=2, optim="sgd", learning_rate=0.05),
-                       dataset_num_proc=None)
+    config = DPOConfig(**common(args, name, max_length=64, beta=0.5, max_steps=2, optim="sgd", learning_rate=0.05,
+                                **settings), dataset_num_proc=None)
     rows = 2 * BATCH * ACCUM * args.dp  # two full global batches
     trainer = trainer_class(args, DPOTrainer, compression=compression)(
         model=AutoModelForCausalLM.from_pretrained(path), args=config, processing_class=build_tokenizer("byte"),
@@ -390,6 +438,8 @@ def run_dpo(args, name: str, ref: str, compression=None) -> dict:
     return out
 
 
+DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")  # TRL 1.16's
 PROMPTS = ("tensor parallel", "compress every message", "a hadamard transform", "eight bits with")
 GENERATIONS = 4  # completions per prompt
 
@@ -429,6 +479,17 @@ def run_online(args, name: str, trainer: str = "GRPO", reward_funcs=vowel_share,
             "completions": list(online._logs["completion"]), "generation_batch_size": online.args.generation_batch_size}
 
 
+# GRPO's loss types beside its default (dapo, in "grpo") and bnpo ("grpo_ref"), with the settings
+# each takes: Dr. GRPO unscaled rewards, LUSPO sequence-level ratios; truncated completions masked
+GRPO_LOSSES = {"grpo": {}, "dr_grpo": {"scale_rewards": "none"}, "cispo": {"mask_truncated_completions": True},
+               "sapo": {}, "vespo": {}, "luspo": {"importance_sampling_level": "sequence"}}
+
+
+def run_online_losses(args) -> dict:
+    """GRPOTrainer with each loss type of `GRPO_LOSSES`: ``{loss type: run_online's figures}``."""
+    return {loss: run_online(args, f"grpo_{loss}", loss_type=loss, **settings) for loss, settings in GRPO_LOSSES.items()}
+
+
 def run_kto(args) -> dict:
     """TRL's KTOTrainer: unpaired completions labelled desirable or not, the reference model built by
     TRL from the policy's path, its KL term from completions rotated within each batch (per_device_train_batch_size
@@ -454,22 +515,38 @@ def run_kto(args) -> dict:
 
 
 def run_online_refusals(args) -> dict:
-    """GRPOTrainer with each setting refused at tp > 1: the message each construction raised. A
-    generation back end with weights of its own; a generation of 2 per device x 1 replica, not whole
-    groups of 4 (TRL counts 2 x 2 processes, which are)."""
+    """Each setting refused at tp > 1: the message each construction raised. GRPOTrainer with a
+    generation back end with weights of its own, and with a generation of 2 per device x 1 replica,
+    not whole groups of 4 (TRL counts 2 x 2 processes, which are); the Trainer with NEFTune; DPO
+    with precomputed reference log-probabilities."""
     import trl
+    from transformers import Trainer, TrainingArguments
 
     from taco_accel.data.tokenizer import build_tokenizer
 
-    refused = {}
-    for name, settings in (("use_transformers_continuous_batching", dict(use_transformers_continuous_batching=True)),
-                           ("generation_batch_size", dict(per_device_train_batch_size=2, gradient_accumulation_steps=1))):
+    def grpo(**settings):
         config = trl.GRPOConfig(**common(args, "refused", **{"per_device_train_batch_size": 8, "use_cpu": True,
                                                              "num_generations": 4, "max_completion_length": 8,
                                                              **settings}))
+        trainer_class(args, trl.GRPOTrainer)(model=tiny(), args=config, processing_class=build_tokenizer("byte"),
+                                             reward_funcs=vowel_share, train_dataset=_dataset([{"prompt": "a"}] * 8))
+
+    def neftune():
+        trainer_class(args, Trainer)(model=tiny(), args=TrainingArguments(**common(args, "refused", neftune_noise_alpha=5.0)),
+                                     train_dataset=lm_rows(8, 1))
+
+    def precompute():
+        config = trl.DPOConfig(**common(args, "refused", max_length=64, precompute_ref_log_probs=True),
+                               dataset_num_proc=None)
+        trainer_class(args, trl.DPOTrainer)(model=tiny(), ref_model=tiny(), args=config,
+                                            processing_class=build_tokenizer("byte"), train_dataset=_dataset(preferences(8, 5)))
+
+    refused = {}
+    for name, build in (("use_transformers_continuous_batching", lambda: grpo(use_transformers_continuous_batching=True)),
+                        ("generation_batch_size", lambda: grpo(per_device_train_batch_size=2, gradient_accumulation_steps=1)),
+                        ("neftune_noise_alpha", neftune), ("precompute_ref_log_probs", precompute)):
         try:
-            trainer_class(args, trl.GRPOTrainer)(model=tiny(), args=config, processing_class=build_tokenizer("byte"),
-                                                 reward_funcs=vowel_share, train_dataset=_dataset([{"prompt": "a"}] * 8))
+            build()
             refused[name] = None
         except ValueError as e:
             refused[name] = str(e)
@@ -505,13 +582,29 @@ def main() -> None:
         "checkpointed": lambda: run_checkpointed(args),
         "liger": lambda: run_liger(args),
         "unaveraged": lambda: run_unaveraged(args),
+        # settings that change the loss: label smoothing; a user's loss function
+        "smoothed": lambda: run_trainer(args, "smoothed", label_smoothing_factor=0.1),
+        "loss_func": lambda: run_trainer(args, "loss_func", loss_func=z_loss_cross_entropy),
+        # completion_only_loss (prompt-completion rows), packing (padding_free: position_ids), the DFT loss
+        "sft_settings": lambda: run_sft_settings(args, "sft_settings", "completions", packing=True, loss_type="dft"),
+        "sft_assistant": lambda: run_sft_settings(args, "sft_assistant", "chat", assistant_only_loss=True),
+        # two weighted losses, WPO's weighting (log_sum_sq_probs of the fused head) and LD-DPO's weighting
+        # of the tokens past the shorter completion
+        "dpo_variants": lambda: run_dpo(args, "dpo_variants", ref="passed", loss_type=["sigmoid", "ipo"],
+                                        loss_weights=[1.0, 0.5], use_weighting=True, ld_alpha=0.5),
+        # TR-DPO: the reference mixed with the policy after every step; a Jensen-Shannon divergence
+        "dpo_sync": lambda: run_dpo(args, "dpo_sync", ref="passed", sync_ref_model=True, ref_model_mixup_alpha=0.5,
+                                    ref_model_sync_steps=1, f_divergence_type="js_divergence"),
+        # every DPO loss type, summed (robust and exo_pair take label smoothing)
+        "dpo_losses": lambda: run_dpo(args, "dpo_losses", ref="passed", loss_type=list(DPO_LOSSES), label_smoothing=0.1),
+        "grpo_losses": lambda: run_online_losses(args),
         "grpo": lambda: run_online(args, "grpo"),
         # a reference model (beta), several passes over each generation: importance ratios from the old log-probs
         "grpo_ref": lambda: run_online(args, "grpo_ref", beta=0.04, loss_type="bnpo", num_iterations=2,
                                        scale_rewards="batch", top_entropy_quantile=0.5),
         # two rewards, each normalised over the batch (statistics over the rows of every replica, each once)
         "grpo_multi": lambda: run_online(args, "grpo_multi", multi_objective_aggregation="normalize_then_sum",
-                                         reward_funcs=[vowel_share, letter_share]),
+                                         reward_funcs=[vowel_share, letter_share], reward_weights=[1.0, 0.5]),
         # RLOO's KL term (beta 0.05 by default) gathered with the rewards; advantages normalised over the batch
         "rloo": lambda: run_online(args, "rloo", "RLOO", normalize_advantages=True),
         "kto": lambda: run_kto(args),
@@ -528,13 +621,18 @@ def main() -> None:
         for dp in map(int, args.reference.split(",")):
             args.dp, args.dir = dp, os.path.join(base, f"dp{dp}")
             result[f"dp{dp}"] = guarded(runs, ["trainer", "sft"] + (["lora", "dpo", "dpo_lora", "grpo", "grpo_ref",
-                                                                      "grpo_multi", "rloo", "kto"] if dp == 1 else ["dpo"]))
+                                                                      "grpo_multi", "rloo", "kto", *SETTINGS] if dp == 1 else ["dpo"]))
     else:
         args.dp = int(os.environ["WORLD_SIZE"]) // 2  # tp=2 in every launch of the test
         result = guarded(runs, args.runs.split(","))
     if int(os.environ.get("RANK", "0")) == 0:
         with open(args.out, "w") as f:
             json.dump(result, f, default=str)
+
+
+# the settings runs, each against one process at tp=2 (tests/test_hf_trainer.py: docs/settings.md's rows)
+SETTINGS = ["smoothed", "loss_func", "sft_settings", "sft_assistant", "dpo_variants", "dpo_sync", "dpo_losses",
+            "grpo_losses"]
 
 
 def guarded(runs: dict, names: list[str]) -> dict:

@@ -533,6 +533,31 @@ def test_every_quoted_path_exists(page):
             assert (ROOT / path).exists() or (ROOT / "taco_accel" / path).exists(), f"{page}: `{span}` does not exist"
 
 
+NAMED_TEST = re.compile(r"`(tests/test_\w+\.py)::(test_\w+)(?:\[(\w+)\])?`")
+
+
+def test_the_settings_table_names_tests_that_exist():
+    """docs/settings.md: every row says honoured or refused, and names a test of the suite that
+    exists (a parametrized one with one of its own parameters)."""
+    import importlib
+
+    rows = [line for line in (ROOT / "docs/settings.md").read_text().splitlines()
+            if line.startswith("| ") and not line.startswith(("| setting", "| ---"))]
+    assert len(rows) > 30, rows
+    for row in rows:
+        verdict = row.split(" | ")[1]
+        assert verdict.startswith(("honoured", "refused")), row
+        named = NAMED_TEST.findall(row)
+        assert named, f"no test named: {row}"
+        for path, name, parameter in named:
+            test = getattr(importlib.import_module(Path(path).stem), name, None)
+            assert test is not None, f"{path}::{name} does not exist"
+            marks = [m for m in getattr(test, "pytestmark", []) if m.name == "parametrize"]
+            if parameter:
+                values = [v for m in marks for v in m.args[1]]
+                assert parameter in values, f"{path}::{name}[{parameter}]: its parameters are {values}"
+
+
 def test_the_module_map_has_every_module():
     """ARCHITECTURE.md names every module of the package: by its path (`comm/call.py`), or in the
     item of its folder (`data/`: ... `loader.py` ...; `bench/`: ... `codec` ...)."""

@@ -28,10 +28,12 @@ BATCH, ACCUM = 2, 2  # the worker's per-device batch and accumulation
 # (about 5.5, ulp 4.8e-7) and gradient norms then differ by a few ulps per step; 4 AdamW steps
 # (lr <= 3e-3) keep that at the 1e-6 level: bounds of 2e-5 absolute on losses, 1e-5 relative on norms.
 LOSS_TOL, NORM_RTOL = 2e-5, 1e-5
+SETTINGS = ("smoothed", "loss_func", "sft_settings", "sft_assistant", "dpo_variants", "dpo_sync", "dpo_losses",
+            "grpo_losses")  # hf_trainer_worker.SETTINGS: the settings runs (docs/settings.md)
 LAUNCHES = {  # name: (dp, runs)
     "tp2": (1, "trainer,resume,compressed,sft,lora,plain_checkpoint,patched,"
                "dpo,dpo_path,dpo_lora,dpo_compressed,checkpointed,liger,unaveraged,wire,grpo,grpo_ref,grpo_multi,"
-               "rloo,kto,online_refusals"),
+               "rloo,kto,online_refusals," + ",".join(SETTINGS)),
     # resume of dp replicas: test_accelerator; bf16 and fp16 (tp=2, dp=2 x tp=2): test_entry_matrix
     "dp2_tp2": (2, "trainer,sft,pipeline_sizes,dpo"),
 }
@@ -73,7 +75,7 @@ def run_of(results, launch: str, run: str) -> tuple[dict, dict]:
     dp = LAUNCHES[launch][0]
     same = {"sft": "sft", "lora": "lora", "trainer_bf16": "trainer_bf16", "sft_bf16": "sft_bf16", "dpo": "dpo",
             "dpo_path": "dpo", "dpo_compressed": "dpo", "dpo_lora": "dpo_lora", "grpo": "grpo", "grpo_ref": "grpo_ref",
-            "grpo_multi": "grpo_multi", "rloo": "rloo", "kto": "kto"}
+            "grpo_multi": "grpo_multi", "rloo": "rloo", "kto": "kto", **{run: run for run in SETTINGS}}
     reference = ref[f"dp{dp}"].get(same.get(run, "trainer"))
     assert "error" not in reference, reference["error"]
     return got[run], reference
@@ -314,10 +316,39 @@ def test_kto_trainer_trains_like_one_process(results):
     assert got["num_tokens"] == ref["num_tokens"]
 
 
-def test_online_trainer_settings_that_cannot_hold_are_refused(results):
+def test_settings_that_cannot_hold_at_tp2_are_refused(results):
     messages = refusal(results, "tp2", "online_refusals")
     for name, fix in (("use_transformers_continuous_batching", "leave it off"),
-                      ("generation_batch_size", "raise per_device_train_batch_size or steps_per_generation")):
+                      ("generation_batch_size", "raise per_device_train_batch_size or steps_per_generation"),
+                      ("neftune_noise_alpha", "leave neftune_noise_alpha unset"),
+                      ("precompute_ref_log_probs", "leave it off")):
         message = messages[name]
         assert message and name in message and fix in message and "\n" not in message, message
-    assert "tp=2" in messages["use_transformers_continuous_batching"]
+    for name in ("use_transformers_continuous_batching", "neftune_noise_alpha", "precompute_ref_log_probs"):
+        assert "at tp=2" in messages[name], messages[name]
+
+
+# The settings that change the loss or the batch arithmetic (docs/settings.md), each at tp=2 against
+# one process. The Trainer's fp32 bounds, the loss's taken relative to its size as well: the sum of
+# every DPO loss type is about 19 (ulp 1.9e-6), where a few ulps a step exceed LOSS_TOL absolute.
+@pytest.mark.parametrize("run", [run for run in SETTINGS if run != "grpo_losses"])
+def test_settings_train_like_one_process(results, run):
+    import hf_trainer_worker
+
+    assert SETTINGS == tuple(hf_trainer_worker.SETTINGS)
+    got, ref = run_of(results, "tp2", run)
+    assert got["steps"] == ref["steps"] and len(got["steps"]) in (2, 4) and got["lrs"] == ref["lrs"]
+    assert got["losses"] == pytest.approx(ref["losses"], abs=LOSS_TOL, rel=NORM_RTOL)
+    assert got["grad_norms"] == pytest.approx(ref["grad_norms"], rel=NORM_RTOL)
+    assert got["num_tokens"] == ref["num_tokens"] and got["input_tokens"] == ref["input_tokens"]
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "cispo", "sapo", "vespo", "luspo"])
+def test_grpo_loss_types_train_like_one_process(results, loss):
+    got, ref = run_of(results, "tp2", "grpo_losses")
+    got, ref = got[loss], ref[loss]
+    assert got["completions"] == ref["completions"] and got["steps"] == ref["steps"] == [1, 2]
+    assert got["rewards"] == pytest.approx(ref["rewards"], abs=REWARD_MEAN_TOL)
+    assert got["losses"] == pytest.approx(ref["losses"], abs=LOSS_TOL)
+    assert got["grad_norms"] == pytest.approx(ref["grad_norms"], rel=NORM_RTOL)
+    assert got["num_tokens"] == ref["num_tokens"]

@@ -143,6 +143,7 @@ class _TacoTrainer(upstream_transformers.TrainerCounts):
                 "every process with tp and dp (parallelism_config tp_size x dp_replicate_size or dp_shard_size), "
                 "or train pipelines with taco_accel's own Trainer (recipes/)"
             )
+        _refuse_at_tp(self.args, dims.tp)
         if upstream_trl.online_trainer(type(self)) is not None:
             upstream_trl.refuse_weight_copies(self.args, dims.tp)
             upstream_trl.generate_per_replica(self.args, dims.dp)
@@ -236,6 +237,23 @@ class _TacoTrainer(upstream_transformers.TrainerCounts):
         schedule = Path(checkpoint) / "scheduler.pt"
         if schedule.exists():
             self.lr_scheduler.load_state_dict(torch.load(schedule, weights_only=True))
+
+
+# settings refused at tp > 1: (name, why, what to do instead)
+_REFUSED_AT_TP = (
+    ("neftune_noise_alpha", "NEFTune's noise hook reads its alpha from the input embedding, which tensor parallelism "
+     "replaces with a vocab-parallel one", "leave neftune_noise_alpha unset"),
+    ("precompute_ref_log_probs", "DPO's reference pass over the dataset runs inside the trainer's construction, "
+     "before taco_trainer lays the models out, and does not keep the tp ranks in step", "leave it off (the reference "
+     "model then scores each batch as it trains)"),
+)
+
+
+def _refuse_at_tp(args, tp: int) -> None:
+    """A ValueError at tp > 1 for the settings of `_REFUSED_AT_TP`."""
+    for name, why, fix in _REFUSED_AT_TP if tp > 1 else ():
+        if getattr(args, name, None) not in (None, False):
+            raise ValueError(f"{name}={getattr(args, name)!r} at tp={tp}: {why}; {fix}")
 
 
 class _ReplicaRollouts:
