@@ -454,7 +454,7 @@ def letter_share(completions, **kwargs) -> list[float]:
     return [sum(ch.isascii() and ch.isalpha() for ch in c) / max(len(c), 1) for c in completions]
 
 
-def run_online(args, name: str, trainer: str = "GRPO", reward_funcs=vowel_share, **settings) -> dict:
+def run_online(args, name: str, trainer: str = "GRPO", reward_funcs=vowel_share, steps: int = 2, **settings) -> dict:
     """TRL's GRPOTrainer or RLOOTrainer: 4 prompts x 4 completions sampled by the model (8 tokens at
     most) per optimizer step, in 2 micro-batches of 8 rows (steps_per_generation 2: one generation
     serves the step), 2 SGD steps. ``use_cpu=True``: TRL's config then counts every process, as it
@@ -467,7 +467,7 @@ def run_online(args, name: str, trainer: str = "GRPO", reward_funcs=vowel_share,
 
     per_device = GENERATIONS * len(PROMPTS) // ACCUM * (args.dp if args.reference else 1)
     config = getattr(trl, f"{trainer}Config")(**common(
-        args, name, per_device_train_batch_size=per_device, max_steps=2, optim="sgd", learning_rate=0.05, use_cpu=True,
+        args, name, per_device_train_batch_size=per_device, max_steps=steps, optim="sgd", learning_rate=0.05, use_cpu=True,
         num_generations=GENERATIONS, max_completion_length=8, **settings))
     cls = trainer_class(args, getattr(trl, f"{trainer}Trainer"))
     model = AutoModelForCausalLM.from_pretrained(saved_tiny(args))
@@ -486,8 +486,10 @@ GRPO_LOSSES = {"grpo": {}, "dr_grpo": {"scale_rewards": "none"}, "cispo": {"mask
 
 
 def run_online_losses(args) -> dict:
-    """GRPOTrainer with each loss type of `GRPO_LOSSES`: ``{loss type: run_online's figures}``."""
-    return {loss: run_online(args, f"grpo_{loss}", loss_type=loss, **settings) for loss, settings in GRPO_LOSSES.items()}
+    """GRPOTrainer with each loss type of `GRPO_LOSSES`, one optimizer step (what differs between
+    them is the loss's normaliser, which the first gradient shows): ``{loss type: run_online's figures}``."""
+    return {loss: run_online(args, f"grpo_{loss}", steps=1, loss_type=loss, **settings)
+            for loss, settings in GRPO_LOSSES.items()}
 
 
 def run_kto(args) -> dict:
