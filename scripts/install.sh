@@ -42,8 +42,10 @@ if [ -n "$venv" ]; then
   PY=$venv/bin/python
   "$PY" -m pip install --quiet --upgrade pip
 fi
+# --no-compile: pip would byte-compile every module of torch and transformers (minutes on 2 cores);
+# python compiles the ones a run imports, once, on first import
 pip_install() {
-  PIP_CONSTRAINT="${PIP_CONSTRAINT:+$PIP_CONSTRAINT }$constraints" "$PY" -m pip install --progress-bar off "$@"
+  PIP_CONSTRAINT="${PIP_CONSTRAINT:+$PIP_CONSTRAINT }$constraints" "$PY" -m pip install --progress-bar off --no-compile "$@"
 }
 
 bound=$(sed -nE 's/^ *"torch([<>=!~][^"]*)".*/\1/p' pyproject.toml)  # e.g. >=2.11,<2.16
