@@ -261,14 +261,11 @@ def run_finetuner(run: Run, precision: str) -> dict:
 
 def run_recipes(run: Run, precision: str) -> dict:
     """The recipes' pretraining Trainer, nano preset, on random tokens (its `load_tokens` hook)."""
-    from taco_accel.data import build_tokenizer
-    from taco_accel.training import TrainConfig, Trainer
+    from harness import random_tokens_trainer
 
-    class RandomTokens(Trainer):
-        def load_tokens(self):
-            g = torch.Generator().manual_seed(11)
-            return build_tokenizer("byte"), torch.randint(0, VOCAB, (2048,), generator=g), \
-                torch.randint(0, VOCAB, (256,), generator=g)
+    from taco_accel.training import TrainConfig
+
+    RandomTokens = random_tokens_trainer(VOCAB, 2048, 256)
 
     config = TrainConfig(
         family="qwen2", preset="nano", seq_len=16, micro_batch_size=2, micro_batches=GLOBAL // 2 // run.dp,

@@ -283,3 +283,20 @@ def kill_session(proc: subprocess.Popen) -> None:
     """SIGKILL every process of ``proc``'s session (it was started with ``start_new_session``)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+def random_tokens_trainer(vocab: int, train: int, val: int, seed: int = 11) -> type:
+    """The recipes' pretraining `Trainer` on random token streams (its ``load_tokens`` hook):
+    ``train`` training and ``val`` validation tokens below ``vocab``, the byte tokenizer."""
+    import torch
+
+    from taco_accel.data import build_tokenizer
+    from taco_accel.training import Trainer
+
+    class RandomTokens(Trainer):
+        def load_tokens(self):
+            g = torch.Generator().manual_seed(seed)
+            return build_tokenizer("byte"), torch.randint(0, vocab, (train,), generator=g), \
+                torch.randint(0, vocab, (val,), generator=g)
+
+    return RandomTokens

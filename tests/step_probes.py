@@ -210,14 +210,11 @@ def finetuner(tp: int, folder: str) -> dict:
 
 
 def recipes(tp: int, folder: str) -> dict:
-    from taco_accel.data import build_tokenizer
-    from taco_accel.training import TrainConfig, Trainer
+    from harness import random_tokens_trainer
 
-    class RandomTokens(Trainer):
-        def load_tokens(self):
-            g = torch.Generator().manual_seed(11)
-            return build_tokenizer("byte"), torch.randint(0, VOCAB, (8192,), generator=g), \
-                torch.randint(0, VOCAB, (1024,), generator=g)
+    from taco_accel.training import TrainConfig
+
+    RandomTokens = random_tokens_trainer(VOCAB, 8192, 1024)
 
     config = TrainConfig(
         family="qwen2", preset="nano", model_overrides={"vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 2},
